@@ -1,0 +1,3 @@
+from k3tui.cli import main
+
+raise SystemExit(main())

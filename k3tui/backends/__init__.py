@@ -1,0 +1,1 @@
+"""Clients and supervisors for the backends the chat talks to, all over HTTP."""

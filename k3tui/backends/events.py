@@ -1,0 +1,55 @@
+"""Typed events a streaming chat completion turns into.
+
+Every backend (bundled engine, llama-server, remote endpoint) is read through the same
+OpenAI-compatible SSE client, which yields these. The TUI only renders them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ContentDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class TokenStats:
+    """Per-token figures. `arrival_s` is the client's monotonic clock at receipt.
+
+    `backend_ms` is the backend's own per-token time when it reports one (llama-server
+    `timings`, the engine's `k3.s_per_token`); `k3` holds the engine's I/O counters
+    (gb_read, mb_per_s, true_hit_rate, rss_gb, budget_gb, ...) when the backend is ours.
+    """
+
+    arrival_s: float
+    tokens: int
+    backend_ms: float | None = None
+    prompt_ms: float | None = None
+    prompt_tokens: int | None = None
+    k3: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str | None
+    usage: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, Any] = field(default_factory=dict)
+    note: str = ""  # e.g. why the content is empty after finish_reason "length"
+
+
+@dataclass(frozen=True)
+class BackendError:
+    message: str
+    next_step: str = ""
+    log_tail: str = ""
+
+
+StreamEvent = ReasoningDelta | ContentDelta | TokenStats | Finished | BackendError
