@@ -13,18 +13,38 @@ Contract:
 * `with source.experts(L, ids) as ex:` — `ex[e]` is the `ExpertWeights` of expert `e` of
   layer `L` for each `e` in `ids` (the whole set a layer needs for a step or a prefill
   chunk, asked for at once so the reads can be issued together), valid inside the block.
-* `source.model_tensor(name)` — model-level tensors (embed_tokens, lm_head, norm,
-  output_attn_res_*), kept resident.
-* `source.stats()` — counters for the per-token statistics (bytes read, waits, hits).
+* `source.model_tensor(name)` — model-level tensors by short name (`"embed_tokens.weight"`,
+  `"lm_head.weight"`, `"norm.weight"`, `"output_attn_res_norm.weight"`,
+  `"output_attn_res_proj.weight"`), kept resident. `TensorNames` maps short names to the
+  checkpoint's full names.
+* `source.stats()` — a flat dict of numbers. Keys in `CUMULATIVE_STATS` are running totals
+  since the source opened (generate reports per-token deltas of them); any other key is
+  reported as is (e.g. `rss_gb`, `budget_gb`).
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol, Sequence
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
+
+from engine.errors import CheckpointError
+from engine.safetensors import SafetensorsIndex
+
+# Running totals a source may report; generate turns them into per-token deltas.
+CUMULATIVE_STATS = (
+    "wait_trunk_s",
+    "wait_experts_s",
+    "gb_read_trunk",
+    "gb_read_experts",
+    "expert_hits",
+    "expert_misses",
+    "evictions",
+)
+EXPERT_PARTS = ("w1", "w2", "w3")  # on-disk order of one expert's run: packed then scale
 
 
 @dataclass(frozen=True)
@@ -49,3 +69,107 @@ class WeightSource(Protocol):
     def model_tensor(self, name: str) -> np.ndarray: ...
 
     def stats(self) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class TensorNames:
+    """Full checkpoint names: `language_model.model.` prefix, head outside the model."""
+
+    prefix: str = "language_model.model."
+    head: str = "language_model.lm_head.weight"
+
+    @classmethod
+    def detect(cls, index: SafetensorsIndex) -> "TensorNames":
+        for prefix, head in (
+            ("language_model.model.", "language_model.lm_head.weight"),
+            ("model.", "lm_head.weight"),
+        ):
+            if prefix + "embed_tokens.weight" in index:
+                return cls(prefix, head)
+        raise CheckpointError(
+            f"tensor language_model.model.embed_tokens.weight is missing from the checkpoint in "
+            f"{index.root}; this is not a Kimi-K3 checkpoint or the download is incomplete."
+        )
+
+    def model(self, short: str) -> str:
+        return self.head if short == "lm_head.weight" else self.prefix + short
+
+    def layer_prefix(self, layer: int) -> str:
+        return f"{self.prefix}layers.{layer}."
+
+    def expert_prefix(self, layer: int, expert: int) -> str:
+        return f"{self.prefix}layers.{layer}.block_sparse_moe.experts.{expert}."
+
+    def expert(self, layer: int, expert: int) -> list[str]:
+        """The six tensor names of one expert, in on-disk order."""
+        p = self.expert_prefix(layer, expert)
+        return [f"{p}{w}.weight_{k}" for w in EXPERT_PARTS for k in ("packed", "scale")]
+
+    def is_expert(self, name: str) -> bool:
+        return ".block_sparse_moe.experts." in name
+
+
+def expert_from_arrays(arrays: Sequence[np.ndarray]) -> ExpertWeights:
+    """Six arrays in `TensorNames.expert` order → ExpertWeights."""
+    w1p, w1s, w2p, w2s, w3p, w3s = arrays
+    return ExpertWeights(w1p, w1s, w2p, w2s, w3p, w3s)
+
+
+class ResidentSource:
+    """Every tensor read into RAM once (one read per file); views handed out for free."""
+
+    def __init__(self, checkpoint_dir: str | Path, index: SafetensorsIndex | None = None):
+        self.index = index or SafetensorsIndex.open(checkpoint_dir)
+        self.names = TensorNames.detect(self.index)
+        self._arrays: dict[str, np.ndarray] = {}
+        by_file: dict[Path, list] = {}
+        for info in self.index.tensors.values():
+            by_file.setdefault(info.file, []).append(info)
+        for file, infos in by_file.items():
+            lo = min(t.offset for t in infos)
+            hi = max(t.end for t in infos)
+            buf = np.empty(hi - lo, np.uint8)
+            with open(file, "rb") as f:
+                f.seek(lo)
+                if f.readinto(memoryview(buf)) != hi - lo:
+                    raise CheckpointError(f"{file}: short read; the file is truncated.")
+            for t in infos:
+                raw = buf[t.offset - lo : t.end - lo]
+                self._arrays[t.name] = raw.view(t.np_dtype).reshape(t.shape)
+        self._layers: dict[int, dict[str, np.ndarray]] = {}
+        for name, arr in self._arrays.items():
+            if not name.startswith(self.names.prefix + "layers.") or self.names.is_expert(name):
+                continue
+            rest = name[len(self.names.prefix) + len("layers.") :]
+            num, _, short = rest.partition(".")
+            self._layers.setdefault(int(num), {})[short] = arr
+        self.nbytes = sum(a.nbytes for a in self._arrays.values())
+
+    @contextmanager
+    def layer(self, index: int) -> Iterator[Mapping[str, np.ndarray]]:
+        if index not in self._layers:
+            raise CheckpointError(
+                f"layer {index} has no tensors in the checkpoint in {self.index.root}; "
+                "the download is incomplete."
+            )
+        yield self._layers[index]
+
+    @contextmanager
+    def experts(self, layer: int, ids: Sequence[int]) -> Iterator[Mapping[int, ExpertWeights]]:
+        yield {int(e): self.expert(layer, int(e)) for e in ids}
+
+    def expert(self, layer: int, e: int) -> ExpertWeights:
+        names = self.names.expert(layer, e)
+        missing = [n for n in names if n not in self._arrays]
+        if missing:
+            self.index.info(missing[0])  # raises, naming the tensor
+        return expert_from_arrays([self._arrays[n] for n in names])
+
+    def model_tensor(self, name: str) -> np.ndarray:
+        full = self.names.model(name)
+        if full not in self._arrays:
+            self.index.info(full)  # raises, naming the tensor
+        return self._arrays[full]
+
+    def stats(self) -> dict[str, Any]:
+        return {"resident_gb": self.nbytes / 1e9}
