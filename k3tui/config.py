@@ -1,0 +1,300 @@
+"""The user's config (`config.toml`) and credentials (`credentials.toml`, 0600).
+
+Read with stdlib `tomllib` (fast), written with `tomlkit` so comments and key order the user
+wrote survive. Validation is strict: an unknown section or key, or a value of the wrong type,
+is a K3Error naming the file and line, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from k3tui.errors import K3Error
+from k3tui.paths import get_paths
+
+MODEL_KINDS = ("safetensors", "gguf", "remote")
+BACKEND_KINDS = ("bundled", "llama-server", "remote")
+PRESETS = ("laptop", "desktop", "workstation", "server", "max", "auto", "custom")
+EFFORTS = ("low", "medium", "high", "max")
+
+
+@dataclass
+class ModelSection:
+    kind: str = "safetensors"
+    repo: str = "moonshotai/Kimi-K3"
+    revision: str = "main"
+    dir: str = ""
+    trunk_dir: str = ""
+    include: list[str] = field(default_factory=list)
+
+
+@dataclass
+class BackendSection:
+    kind: str = "bundled"
+    host: str = "127.0.0.1"
+    port: int = 0
+
+
+@dataclass
+class EngineSection:
+    preset: str = "auto"
+    trunk_gb: float = 0.0
+    cache_gb: float = 0.0
+    threads: int = 0
+
+
+@dataclass
+class LlamaServerSection:
+    binary: str = ""
+    ctx_size: int = 8192
+    reasoning_budget: int = 2048
+    memory_limit_gb: float = 0.0
+    n_gpu_layers: int = 99
+    extra_args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RemoteSection:
+    url: str = ""
+    model: str = ""
+    api_key_env: str = ""
+    verify_tls: bool = True
+
+
+@dataclass
+class ChatSection:
+    thinking: bool = True
+    thinking_effort: str = "max"
+    max_tokens: int = 4096
+    temperature: float = 0.6
+    system_prompt: str = ""
+
+
+@dataclass
+class Config:
+    model: ModelSection = field(default_factory=ModelSection)
+    backend: BackendSection = field(default_factory=BackendSection)
+    engine: EngineSection = field(default_factory=EngineSection)
+    llama_server: LlamaServerSection = field(default_factory=LlamaServerSection)
+    remote: RemoteSection = field(default_factory=RemoteSection)
+    chat: ChatSection = field(default_factory=ChatSection)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {f.name: {k.name: _copy(getattr(getattr(self, f.name), k.name))
+                         for k in fields(getattr(self, f.name))}
+                for f in fields(self)}
+
+
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(Config)}  # type: ignore[misc]
+
+# Allowed values for the keys that are enumerations.
+CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("model", "kind"): MODEL_KINDS,
+    ("backend", "kind"): BACKEND_KINDS,
+    ("engine", "preset"): PRESETS,
+    ("chat", "thinking_effort"): EFFORTS,
+}
+
+_HEADER = """\
+# k3tui configuration. `k3tui setup` writes it; edit freely, comments are kept.
+# `k3tui config show` prints the effective values; `k3tui doctor` checks them.
+"""
+
+
+def _copy(value: Any) -> Any:
+    return list(value) if isinstance(value, list) else value
+
+
+def _type_name(tp: Any) -> str:
+    return {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false",
+            "list[str]": "a list of strings"}[str(tp)]
+
+
+def _line_of(text: str, section: str, key: str | None) -> int | None:
+    """Line (1-based) where `[section]` or `key` inside it is written; None if not found."""
+    current = None
+    header = re.compile(r"^\s*\[\s*([A-Za-z0-9_.\-\"']+)\s*\]")
+    for number, line in enumerate(text.splitlines(), 1):
+        m = header.match(line)
+        if m:
+            current = m.group(1).strip("\"'")
+            if key is None and current == section:
+                return number
+            continue
+        if key is not None and current == section:
+            if re.match(rf"^\s*[\"']?{re.escape(key)}[\"']?\s*=", line):
+                return number
+    return None
+
+
+def _where(path: Path, text: str, section: str, key: str | None = None) -> str:
+    line = _line_of(text, section, key) or _line_of(text, section, None)
+    return f"{path}, line {line}" if line else str(path)
+
+
+def _check_value(section: str, key: str, expected: Any, value: Any) -> Any | None:
+    """The value converted to the field's type, or None when the type is wrong."""
+    tp = str(expected)
+    if tp == "bool":
+        return value if isinstance(value, bool) else None
+    if tp == "int":
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+    if tp == "float":
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        return None
+    if tp == "str":
+        return value if isinstance(value, str) else None
+    if tp == "list[str]":
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return list(value)
+        return None
+    raise AssertionError(f"unhandled config type {tp} for {section}.{key}")
+
+
+def config_from_dict(data: dict[str, Any], *, path: Path | None = None,
+                     text: str = "") -> Config:
+    """Validate a parsed TOML mapping strictly and build a Config."""
+    where_path = path or Path("<config>")
+    cfg = Config()
+    for section, values in data.items():
+        if section not in SECTIONS:
+            raise K3Error(
+                f"{_where(where_path, text, section)}: unknown section [{section}] "
+                f"(known: {', '.join(SECTIONS)}).",
+                f"fix or remove it, then run `k3tui config show`", 2)
+        if not isinstance(values, dict):
+            raise K3Error(f"{_where(where_path, text, section)}: `{section}` must be a "
+                          f"[{section}] table.", "fix the file, or run `k3tui setup`", 2)
+        target = getattr(cfg, section)
+        known = {f.name: f.type for f in fields(target)}
+        for key, value in values.items():
+            if key not in known:
+                raise K3Error(
+                    f"{_where(where_path, text, section, key)}: unknown key `{key}` in "
+                    f"[{section}] (known: {', '.join(known)}).",
+                    "fix the spelling or remove the line", 2)
+            converted = _check_value(section, key, known[key], value)
+            if converted is None:
+                raise K3Error(
+                    f"{_where(where_path, text, section, key)}: [{section}] {key} must be "
+                    f"{_type_name(known[key])}, not {value!r}.", "fix the value", 2)
+            allowed = CHOICES.get((section, key))
+            if allowed and converted not in allowed:
+                raise K3Error(
+                    f"{_where(where_path, text, section, key)}: [{section}] {key} = "
+                    f"{converted!r} is not one of {', '.join(allowed)}.", "fix the value", 2)
+            if isinstance(converted, (int, float)) and not isinstance(converted, bool) \
+                    and converted < 0 and key != "reasoning_budget":
+                raise K3Error(
+                    f"{_where(where_path, text, section, key)}: [{section}] {key} must not "
+                    f"be negative.", "fix the value", 2)
+            setattr(target, key, converted)
+    return cfg
+
+
+def config_exists(path: Path | None = None) -> bool:
+    return (path or get_paths().config_file).is_file()
+
+
+def load_config(path: Path | None = None) -> Config:
+    """The config at `path` (default: the paths root), defaults when the file is absent."""
+    path = Path(path) if path else get_paths().config_file
+    if not path.is_file():
+        return Config()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise K3Error(f"cannot read {path}: {exc}.", "check the file's permissions", 1) from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise K3Error(f"{path}: not valid TOML: {exc}.",
+                      "fix the line named above, or delete the file and run `k3tui setup`",
+                      2) from None
+    return config_from_dict(data, path=path, text=text)
+
+
+def save_config(cfg: Config, path: Path | None = None) -> Path:
+    """Write `cfg`; an existing file keeps its comments, order and unknown-free layout."""
+    import tomlkit
+
+    path = Path(path) if path else get_paths().config_file
+    config_from_dict(cfg.to_dict())  # never write what we would refuse to read
+    if path.is_file():
+        doc = tomlkit.parse(path.read_text(encoding="utf-8"))
+    else:
+        doc = tomlkit.document()
+        for line in _HEADER.splitlines():
+            doc.add(tomlkit.comment(line.lstrip("# ")))
+    for section, values in cfg.to_dict().items():
+        if section not in doc:
+            doc.add(tomlkit.nl())
+            doc.add(section, tomlkit.table())
+        table = doc[section]
+        for key, value in values.items():
+            if key in table and table[key] == value:
+                continue  # untouched: keep the user's formatting
+            table[key] = value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".toml.tmp")
+    tmp.write_text(tomlkit.dumps(doc), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def set_value(cfg: Config, dotted: str, raw: str) -> Config:
+    """`section.key` = raw (parsed as a TOML value, or taken as a string), validated."""
+    section, _, key = dotted.partition(".")
+    if not key:
+        raise K3Error(f"`{dotted}` is not section.key.", "e.g. `k3tui config set backend.port 8080`",
+                      2)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    data = cfg.to_dict()
+    data.setdefault(section, {})
+    data[section] = dict(data[section]) if section in SECTIONS else {}
+    data[section][key] = value
+    return config_from_dict(data, path=Path("<command line>"), text="")
+
+
+# --- credentials -----------------------------------------------------------------------------
+
+def load_credentials(path: Path | None = None) -> dict[str, str]:
+    path = Path(path) if path else get_paths().credentials_file
+    if not path.is_file():
+        return {}
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise K3Error(f"cannot read {path}: {exc}.",
+                      "fix or delete the file, then run `k3tui setup`", 1) from None
+    return {k: v for k, v in data.items() if isinstance(v, str)}
+
+
+def save_credential(key: str, value: str, path: Path | None = None) -> Path:
+    """Store one secret; the file is created 0600 (never world-readable, even briefly)."""
+    import tomlkit
+
+    path = Path(path) if path else get_paths().credentials_file
+    creds = load_credentials(path)
+    creds[key] = value
+    doc = tomlkit.document()
+    doc.add(tomlkit.comment("k3tui secrets: mode 0600, never logged."))
+    for k, v in sorted(creds.items()):
+        doc[k] = v
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".toml.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(tomlkit.dumps(doc))
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+    return path
