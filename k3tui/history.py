@@ -1,0 +1,208 @@
+"""Chat history in SQLite: conversations and their messages, nothing lost.
+
+WAL mode so the TUI can be killed at any moment; numbered migrations kept in
+`PRAGMA user_version`. The user's message is committed before a request is sent, the
+answer is saved while it streams (status "streaming"), and a store opened after a crash
+marks any answer still "streaming" as "interrupted". No UI imports here.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Each entry upgrades the schema from version i to i+1. Never edit a released entry; append.
+MIGRATIONS: list[str] = [
+    """
+    CREATE TABLE conversations (
+        id INTEGER PRIMARY KEY,
+        title TEXT NOT NULL,
+        created REAL NOT NULL,
+        updated REAL NOT NULL,
+        backend TEXT NOT NULL DEFAULT '',
+        model TEXT NOT NULL DEFAULT ''
+    );
+    CREATE TABLE messages (
+        id INTEGER PRIMARY KEY,
+        conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+        role TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant')),
+        content TEXT NOT NULL DEFAULT '',
+        reasoning TEXT NOT NULL DEFAULT '',
+        status TEXT NOT NULL DEFAULT 'done',
+        created REAL NOT NULL,
+        meta TEXT NOT NULL DEFAULT '{}'
+    );
+    CREATE INDEX messages_by_conversation ON messages(conversation_id, id);
+    """,
+]
+
+STATUSES = ("done", "streaming", "stopped", "interrupted", "error")
+
+
+@dataclass(frozen=True)
+class Conversation:
+    id: int
+    title: str
+    created: float
+    updated: float
+    backend: str = ""
+    model: str = ""
+    message_count: int = 0
+
+
+@dataclass(frozen=True)
+class Message:
+    id: int
+    conversation_id: int
+    role: str
+    content: str
+    reasoning: str = ""
+    status: str = "done"
+    created: float = 0.0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class History:
+    """One SQLite file; every write is committed at once (autocommit)."""
+
+    def __init__(self, path: Path | str | None = None, *, clock: Callable[[], float] = time.time):
+        if path is None:
+            from k3tui.paths import get_paths
+
+            path = get_paths().history_db
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._clock = clock
+        # isolation_level=None: autocommit, so a kill never loses a committed message.
+        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._db.execute("PRAGMA busy_timeout=5000")
+        self._migrate()
+        # An answer still "streaming" belongs to a TUI or backend that died mid-answer.
+        self._db.execute("UPDATE messages SET status='interrupted' WHERE status='streaming'")
+
+    @property
+    def schema_version(self) -> int:
+        return int(self._db.execute("PRAGMA user_version").fetchone()[0])
+
+    def _migrate(self) -> None:
+        version = self.schema_version
+        if version > len(MIGRATIONS):
+            from k3tui.errors import K3Error
+
+            raise K3Error(f"The chat history {self.path} was written by a newer k3tui "
+                          f"(schema {version}).", "upgrade k3tui, or move that file away")
+        for number in range(version, len(MIGRATIONS)):
+            self._db.execute("BEGIN")
+            for statement in MIGRATIONS[number].split(";"):
+                if statement.strip():
+                    self._db.execute(statement)
+            self._db.execute(f"PRAGMA user_version={number + 1}")
+            self._db.execute("COMMIT")
+
+    def close(self) -> None:
+        self._db.close()
+
+    # conversations -------------------------------------------------------------------
+    def new_conversation(self, title: str = "New chat", *, backend: str = "",
+                         model: str = "") -> int:
+        now = self._clock()
+        cur = self._db.execute(
+            "INSERT INTO conversations(title, created, updated, backend, model) "
+            "VALUES (?, ?, ?, ?, ?)", (title, now, now, backend, model))
+        return int(cur.lastrowid)
+
+    def list_conversations(self) -> list[Conversation]:
+        rows = self._db.execute(
+            "SELECT c.*, (SELECT COUNT(*) FROM messages m WHERE m.conversation_id = c.id) AS n "
+            "FROM conversations c ORDER BY c.updated DESC, c.id DESC").fetchall()
+        return [Conversation(r["id"], r["title"], r["created"], r["updated"], r["backend"],
+                             r["model"], r["n"]) for r in rows]
+
+    def get_conversation(self, conversation_id: int) -> Conversation | None:
+        return next((c for c in self.list_conversations() if c.id == conversation_id), None)
+
+    def rename(self, conversation_id: int, title: str) -> None:
+        self._db.execute("UPDATE conversations SET title=?, updated=? WHERE id=?",
+                         (title.strip() or "Untitled", self._clock(), conversation_id))
+
+    def delete(self, conversation_id: int) -> None:
+        self._db.execute("DELETE FROM conversations WHERE id=?", (conversation_id,))
+
+    def _touch(self, conversation_id: int) -> None:
+        self._db.execute("UPDATE conversations SET updated=? WHERE id=?",
+                         (self._clock(), conversation_id))
+
+    # messages ------------------------------------------------------------------------
+    def add_message(self, conversation_id: int, role: str, content: str, *,
+                    reasoning: str = "", status: str = "done",
+                    meta: dict[str, Any] | None = None) -> int:
+        """Insert and commit at once (the user's prompt is safe before any request)."""
+        cur = self._db.execute(
+            "INSERT INTO messages(conversation_id, role, content, reasoning, status, created, "
+            "meta) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (conversation_id, role, content, reasoning, status, self._clock(),
+             json.dumps(meta or {})))
+        self._touch(conversation_id)
+        return int(cur.lastrowid)
+
+    def update_message(self, message_id: int, *, content: str | None = None,
+                       reasoning: str | None = None, status: str | None = None,
+                       meta: dict[str, Any] | None = None) -> None:
+        sets, values = [], []
+        for column, value in (("content", content), ("reasoning", reasoning),
+                              ("status", status)):
+            if value is not None:
+                sets.append(f"{column}=?")
+                values.append(value)
+        if meta is not None:
+            sets.append("meta=?")
+            values.append(json.dumps(meta))
+        if sets:
+            self._db.execute(f"UPDATE messages SET {', '.join(sets)} WHERE id=?",
+                             (*values, message_id))
+
+    def delete_message(self, message_id: int) -> None:
+        self._db.execute("DELETE FROM messages WHERE id=?", (message_id,))
+
+    def messages(self, conversation_id: int) -> list[Message]:
+        rows = self._db.execute(
+            "SELECT * FROM messages WHERE conversation_id=? ORDER BY id",
+            (conversation_id,)).fetchall()
+        return [Message(r["id"], r["conversation_id"], r["role"], r["content"], r["reasoning"],
+                        r["status"], r["created"], json.loads(r["meta"] or "{}")) for r in rows]
+
+    def user_prompts(self, limit: int = 200) -> list[str]:
+        """Recent prompts across all conversations, oldest first (for Up-arrow recall)."""
+        rows = self._db.execute(
+            "SELECT content FROM messages WHERE role='user' ORDER BY id DESC LIMIT ?",
+            (limit,)).fetchall()
+        return [r[0] for r in reversed(rows)]
+
+    # export --------------------------------------------------------------------------
+    def export_markdown(self, conversation_id: int) -> str:
+        conv = self.get_conversation(conversation_id)
+        if conv is None:
+            from k3tui.errors import K3Error
+
+            raise K3Error(f"There is no conversation {conversation_id}.",
+                          "pick one from the conversations list")
+        lines = [f"# {conv.title}", ""]
+        if conv.backend or conv.model:
+            lines += [f"_backend: {conv.backend or '?'} · model: {conv.model or '?'}_", ""]
+        for m in self.messages(conversation_id):
+            heading = {"user": "You", "assistant": "Assistant", "system": "System"}[m.role]
+            note = "" if m.status == "done" else f" ({m.status})"
+            lines += [f"## {heading}{note}", ""]
+            if m.reasoning:
+                lines += ["<details><summary>Reasoning</summary>", "", m.reasoning.rstrip(), "",
+                          "</details>", ""]
+            lines += [m.content.rstrip(), ""]
+        return "\n".join(lines).rstrip() + "\n"

@@ -1,0 +1,439 @@
+"""The chat app: one screen with the conversation, the prompt and the latency / I/O panes.
+
+Backends stay out of the widgets: the app is given a `stream(messages)` callable that
+yields `k3tui.backends.events` (the real OpenAI-compatible client, or a scripted fake in
+tests), a `History` store and a `Monitor`. One worker consumes the stream; Esc cancels
+it, which closes the HTTP stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rich.text import Text
+from textual import on, work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import Screen
+from textual.widgets import Footer, Static
+from textual.worker import Worker, WorkerState
+
+from k3tui import clipboard
+from k3tui.backends.events import (BackendError, ContentDelta, Finished, ReasoningDelta,
+                                   StreamEvent, TokenStats)
+from k3tui.history import History
+from k3tui.monitor import Monitor, Sample
+from k3tui.tui.stats import LatencyStats
+from k3tui.tui.widgets.messages import AssistantMessage, UserMessage, code_blocks
+from k3tui.tui.widgets.panes import IOPane, LatencyPane
+from k3tui.tui.widgets.prompt import Prompt
+from k3tui.tui.widgets.sparkline import terminal_is_ascii
+
+StreamFn = Callable[[list[dict[str, Any]]], AsyncIterator[StreamEvent]]
+NARROW = 100        # below this width the panes move under the chat
+SAVE_EVERY_S = 1.0  # how often a streaming answer is written to the history
+
+
+@dataclass
+class BackendInfo:
+    """What the header shows, and which process the I/O pane follows."""
+
+    kind: str = "remote"            # bundled | llama-server | remote
+    model: str = ""
+    preset: str = ""
+    budget_gb: float | None = None
+    url: str = ""
+    pid: int | None = None
+    log_path: str = ""
+    label: str = ""                 # e.g. the demo's "random weights" warning
+
+    def header(self) -> Text:
+        parts = [("k3tui", "bold"), (self.kind, ""), (self.model or "model ?", "bold")]
+        if self.preset:
+            parts.append((f"preset {self.preset}", ""))
+        if self.budget_gb:
+            parts.append((f"budget {self.budget_gb:.1f} GB", ""))
+        text = Text(" ", no_wrap=True, overflow="ellipsis")
+        for i, (part, style) in enumerate(parts):
+            if i:
+                text.append(" │ ", style="dim")
+            text.append(part, style=style)
+        if self.label:
+            text.append(" │ ", style="dim")
+            text.append(self.label, style="bold reverse")
+        return text
+
+
+class ChatScreen(Screen):
+    BINDINGS = [
+        Binding("escape", "stop", "Stop", priority=True),
+        Binding("ctrl+r", "regenerate", "Regen", priority=True),
+        Binding("ctrl+e", "edit_last", "Edit", priority=True),
+        Binding("ctrl+t", "toggle_reasoning", "Think", priority=True),
+        Binding("ctrl+o", "conversations", "Chats", priority=True),
+        Binding("ctrl+n", "new_chat", "New", priority=True),
+        Binding("ctrl+y", "copy_answer", "Copy", priority=True),
+        Binding("ctrl+g", "copy_code", "Copy code", show=False, priority=True),
+        Binding("f2", "toggle_panes", "Panes", show=False),
+        Binding("f3", "downloads", "Downloads", show=False),
+        Binding("f4", "packing", "Packing", show=False),
+        Binding("f5", "backend_log", "Backend", show=False),
+        Binding("f6", "machine", "Machine", show=False),
+    ]
+
+    def __init__(self, conversation_id: int | None = None) -> None:
+        super().__init__()
+        self.conversation_id = conversation_id
+        self.stats = LatencyStats()
+        self.k3: dict[str, Any] = {}
+        self.last_sample: Sample | None = None
+        self._shown_version = -1
+        self._gen: Worker | None = None
+        self.current: AssistantMessage | None = None
+        self.current_id: int | None = None
+
+    @property
+    def k3app(self) -> ChatApp:
+        return self.app  # type: ignore[return-value]
+
+    def compose(self) -> ComposeResult:
+        app = self.k3app
+        yield Static(app.backend.header(), id="header")
+        with Horizontal(id="body"):
+            yield VerticalScroll(id="chat")
+            with Vertical(id="side"):
+                yield LatencyPane(ascii=app.ascii, id="latency")
+                yield IOPane(ascii=app.ascii, id="io")
+        yield Prompt(app.history.user_prompts(), id="prompt")
+        yield Footer()
+
+    async def on_mount(self) -> None:
+        app = self.k3app
+        self.set_class(self.app.size.width < NARROW, "narrow")
+        await self.load_conversation(self.conversation_id)
+        if app.sample_hz > 0:
+            self.set_interval(1 / app.sample_hz, self.sample_now)
+        self.set_interval(0.25, self.refresh_panes)
+        self.query_one(Prompt).focus()
+        self.refresh_panes(force=True)
+
+    def on_resize(self) -> None:
+        self.set_class(self.app.size.width < NARROW, "narrow")
+
+    # conversation ----------------------------------------------------------------------
+    async def load_conversation(self, conversation_id: int | None) -> None:
+        history = self.k3app.history
+        if conversation_id is None:
+            convs = history.list_conversations()
+            conversation_id = convs[0].id if convs else None
+        self.conversation_id = conversation_id
+        chat = self.query_one("#chat", VerticalScroll)
+        await chat.remove_children()
+        if conversation_id is None:
+            return
+        widgets = []
+        for m in history.messages(conversation_id):
+            if m.role == "user":
+                widgets.append(UserMessage(m.content, classes="user"))
+            elif m.role == "assistant":
+                widgets.append(AssistantMessage(content=m.content, reasoning=m.reasoning,
+                                                status=m.status, classes="assistant"))
+        await chat.mount_all(widgets)
+        chat.anchor()
+
+    def _request_messages(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        system = self.k3app.system_prompt
+        if system:
+            out.append({"role": "system", "content": system})
+        for m in self.k3app.history.messages(self.conversation_id or -1):
+            if m.role == "assistant" and (m.status in ("streaming", "error") or not m.content):
+                continue
+            out.append({"role": m.role, "content": m.content})
+        return out
+
+    @property
+    def generating(self) -> bool:
+        return self._gen is not None and self._gen.state in (WorkerState.PENDING,
+                                                             WorkerState.RUNNING)
+
+    @on(Prompt.Submitted)
+    async def send(self, event: Prompt.Submitted) -> None:
+        text = event.text.strip()
+        if not text:
+            return
+        if self.generating:
+            self.notify("Still answering: press Esc to stop first.", severity="warning")
+            return
+        history = self.k3app.history
+        if self.conversation_id is None:
+            title = " ".join(text.split())[:48]
+            self.conversation_id = history.new_conversation(
+                title, backend=self.k3app.backend.kind, model=self.k3app.backend.model)
+        # Committed before the request goes out: a crash from here on loses nothing typed.
+        history.add_message(self.conversation_id, "user", text)
+        prompt = self.query_one(Prompt)
+        prompt.remember(text)
+        prompt.text = ""
+        await self.query_one("#chat").mount(UserMessage(text, classes="user"))
+        await self._start_answer()
+
+    async def _start_answer(self) -> None:
+        assert self.conversation_id is not None
+        messages = self._request_messages()
+        self.current_id = self.k3app.history.add_message(self.conversation_id, "assistant", "",
+                                                         status="streaming")
+        self.current = AssistantMessage(classes="assistant")
+        chat = self.query_one("#chat", VerticalScroll)
+        await chat.mount(self.current)
+        chat.anchor()
+        self.stats.start(self.k3app.clock())
+        self._gen = self.run_worker(self._generate(messages, self.current, self.current_id),
+                                    group="gen", exclusive=True, exit_on_error=False)
+
+    async def _generate(self, messages: list[dict[str, Any]], widget: AssistantMessage,
+                        message_id: int) -> None:
+        history = self.k3app.history
+        clock = self.k3app.clock
+        status, note = "done", ""
+        last_save = time.monotonic()
+        stream = self.k3app.stream(messages)
+        try:
+            async for ev in stream:
+                if isinstance(ev, ContentDelta):
+                    await widget.add_content(ev.text)
+                elif isinstance(ev, ReasoningDelta):
+                    await widget.add_reasoning(ev.text)
+                elif isinstance(ev, TokenStats):
+                    self.stats.on_token(ev)
+                    if ev.k3:
+                        self.k3 = ev.k3
+                elif isinstance(ev, Finished):
+                    self.stats.on_finished(ev)
+                    note = ev.note
+                    if ev.finish_reason == "length":
+                        note = note or "(stopped at the max_tokens limit)"
+                elif isinstance(ev, BackendError):
+                    status, note = "error", ev.message
+                    self._backend_failed(ev.message, ev.next_step)
+                    break
+                if time.monotonic() - last_save > SAVE_EVERY_S:
+                    last_save = time.monotonic()
+                    history.update_message(message_id, content=widget.content,
+                                           reasoning=widget.reasoning)
+        except asyncio.CancelledError:
+            status = "stopped"
+            raise
+        except Exception as exc:  # a client bug or a dropped connection: never a traceback
+            status, note = "error", f"{type(exc).__name__}: {exc}"
+            self._backend_failed(note, "")
+        finally:
+            try:
+                await stream.aclose()  # closes the HTTP stream, which stops the server
+            except Exception:
+                pass
+            history.update_message(message_id, content=widget.content,
+                                   reasoning=widget.reasoning, status=status,
+                                   meta=self._turn_meta(clock))
+            await widget.finish(status, note)
+            self.refresh_panes(force=True)
+
+    def _turn_meta(self, clock: Callable[[], float]) -> dict[str, Any]:
+        snap = self.stats.snapshot()
+        return {"tokens": snap.tokens, "ttft_ms": snap.ttft_ms,
+                "ms_per_token": snap.gen_ms_per_token, "p50_ms": snap.p50_ms,
+                "p95_ms": snap.p95_ms, "backend": self.k3app.backend.kind,
+                "model": self.k3app.backend.model}
+
+    def _backend_failed(self, message: str, next_step: str) -> None:
+        hint = f" {next_step}." if next_step else ""
+        self.notify(f"{message}.{hint} Your history is saved; press ctrl+r to retry.",
+                    title="backend problem", severity="error", timeout=12)
+
+    # actions ---------------------------------------------------------------------------
+    def action_stop(self) -> None:
+        if self.generating and self._gen is not None:
+            self._gen.cancel()
+
+    async def _drop_last_answer(self) -> bool:
+        """Remove the last assistant message (history and screen); False if there is none."""
+        if self.conversation_id is None:
+            return False
+        msgs = self.k3app.history.messages(self.conversation_id)
+        if not msgs or msgs[-1].role != "assistant":
+            return bool(msgs) and msgs[-1].role == "user"
+        self.k3app.history.delete_message(msgs[-1].id)
+        answers = self.query("#chat > AssistantMessage")
+        if answers:
+            await answers.last().remove()
+        return True
+
+    async def action_regenerate(self) -> None:
+        if self.generating:
+            self.notify("Press Esc to stop the current answer first.", severity="warning")
+            return
+        if not await self._drop_last_answer():
+            self.notify("Nothing to regenerate yet.")
+            return
+        await self._start_answer()
+
+    async def action_edit_last(self) -> None:
+        """Put the last prompt back in the box and forget that turn, to edit and resend."""
+        if self.generating or self.conversation_id is None:
+            return
+        await self._drop_last_answer()
+        msgs = self.k3app.history.messages(self.conversation_id)
+        if not msgs or msgs[-1].role != "user":
+            self.notify("Nothing to edit yet.")
+            return
+        self.k3app.history.delete_message(msgs[-1].id)
+        users = self.query("#chat > UserMessage")
+        if users:
+            await users.last().remove()
+        prompt = self.query_one(Prompt)
+        prompt.text = msgs[-1].content
+        prompt.move_cursor(prompt.document.end)
+        prompt.focus()
+
+    def action_toggle_reasoning(self) -> None:
+        answers = [a for a in self.query("#chat > AssistantMessage") if a.reasoning]
+        if answers:
+            answers[-1].toggle_reasoning()
+
+    def _last_answer(self) -> AssistantMessage | None:
+        answers = self.query("#chat > AssistantMessage")
+        return answers.last() if answers else None  # type: ignore[return-value]
+
+    def _copy(self, text: str, what: str) -> None:
+        routes = self.k3app.copy(text)
+        self.notify(f"Copied {what} ({len(text)} chars) via {', '.join(routes) or 'nothing'}.")
+
+    def action_copy_answer(self) -> None:
+        answer = self._last_answer()
+        if answer is None or not answer.content:
+            self.notify("No answer to copy yet.")
+            return
+        self._copy(answer.content, "the answer")
+
+    def action_copy_code(self) -> None:
+        answer = self._last_answer()
+        blocks = code_blocks(answer.content) if answer else []
+        if not blocks:
+            self.notify("The last answer has no code block.")
+            return
+        self._copy(blocks[-1], "the code block")
+
+    async def action_new_chat(self) -> None:
+        if self.generating:
+            self.notify("Press Esc to stop the current answer first.", severity="warning")
+            return
+        self.conversation_id = None
+        await self.query_one("#chat").remove_children()
+        self.stats.start(None)
+        self.refresh_panes(force=True)
+
+    def action_conversations(self) -> None:
+        if self.generating:
+            self.notify("Press Esc to stop the current answer first.", severity="warning")
+            return
+        from k3tui.tui.screens.conversations import ConversationsScreen
+
+        async def opened(conversation_id: int | None) -> None:
+            if conversation_id is not None:
+                await self.load_conversation(conversation_id)
+            elif self.conversation_id is not None and \
+                    self.k3app.history.get_conversation(self.conversation_id) is None:
+                await self.action_new_chat()
+
+        self.app.push_screen(ConversationsScreen(self.k3app.history, self.conversation_id),
+                             opened)
+
+    def action_toggle_panes(self) -> None:
+        side = self.query_one("#side")
+        side.display = not side.display
+
+    def action_downloads(self) -> None:
+        from k3tui.tui.screens.jobs import JobsScreen
+
+        self.app.push_screen(JobsScreen("download"))
+
+    def action_packing(self) -> None:
+        from k3tui.tui.screens.jobs import JobsScreen
+
+        self.app.push_screen(JobsScreen("pack"))
+
+    def action_backend_log(self) -> None:
+        from k3tui.tui.screens.startup import LogScreen
+
+        self.app.push_screen(LogScreen(self.k3app.backend.log_path))
+
+    def action_machine(self) -> None:
+        from k3tui.tui.screens.machine import MachineScreen
+
+        self.app.push_screen(MachineScreen())
+
+    # panes -------------------------------------------------------------------------------
+    def sample_now(self) -> None:
+        monitor = self.k3app.monitor
+        if monitor is None:
+            return
+        self.last_sample = monitor.sample()
+        self.query_one(IOPane).show(self.last_sample, self.k3, self.k3app.backend.budget_gb)
+
+    def refresh_panes(self, force: bool = False) -> None:
+        """At most 4 Hz (the timer), and only when the numbers moved."""
+        if force or self.stats.version != self._shown_version:
+            self._shown_version = self.stats.version
+            self.query_one(LatencyPane).show(self.stats.snapshot())
+        if force:
+            self.query_one(IOPane).show(self.last_sample, self.k3, self.k3app.backend.budget_gb)
+
+
+class ChatApp(App):
+    CSS_PATH = "k3tui.tcss"
+    TITLE = "k3tui"
+    ENABLE_COMMAND_PALETTE = False
+
+    def __init__(self, *, stream: StreamFn, history: History,
+                 backend: BackendInfo | None = None, monitor: Monitor | None = None,
+                 clock: Callable[[], float] = time.monotonic, ascii: bool | None = None,
+                 conversation_id: int | None = None, sample_hz: float = 2.0,
+                 system_prompt: str = "", theme: str | None = None,
+                 on_ready: Callable[[ChatApp], Any] | None = None) -> None:
+        super().__init__()
+        self.stream = stream
+        self.history = history
+        self.backend = backend or BackendInfo()
+        self.monitor = monitor
+        self.clock = clock
+        self.ascii = terminal_is_ascii() if ascii is None else ascii
+        self.sample_hz = sample_hz
+        self.system_prompt = system_prompt
+        self._conversation_id = conversation_id
+        self._on_ready = on_ready
+        if theme:
+            self.theme = theme
+
+    def get_default_screen(self) -> Screen:
+        return ChatScreen(self._conversation_id)
+
+    @property
+    def chat(self) -> ChatScreen:
+        return next(s for s in self.screen_stack if isinstance(s, ChatScreen))
+
+    def on_ready(self) -> None:
+        if self._on_ready is not None:
+            self._on_ready(self)
+
+    def copy(self, text: str) -> list[str]:
+        """OSC 52 through our own driver (tmux-wrapped), plus a local clipboard tool."""
+        self._clipboard = text  # Textual's in-app clipboard, for pasting into the prompt
+        driver = self._driver
+        if driver is None or self.is_headless:
+            return ["app"]
+        return clipboard.copy(text, write=driver.write)

@@ -1,0 +1,84 @@
+"""Latency and I/O panes. They only render; the app feeds them at most 4 times a second."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.widgets import Static
+
+from k3tui.monitor import Sample
+from k3tui.tui.stats import LatencySnapshot, format_ms, format_rate
+from k3tui.tui.widgets.sparkline import Sparkline
+
+
+def _num(value: float | None, fmt: str, unit: str = "") -> str:
+    return "–" if value is None else f"{value:{fmt}}{unit}"
+
+
+class LatencyPane(Vertical):
+    """Sparkline of per-token ms (max per column keeps spikes) plus the figures as text."""
+
+    def __init__(self, *, ascii: bool = False, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.border_title = "latency"
+        self._ascii = ascii
+
+    def compose(self) -> ComposeResult:
+        yield Sparkline(ascii=self._ascii, id="lat-spark")
+        yield Static("", id="lat-text")
+
+    def show(self, snap: LatencySnapshot) -> None:
+        self.query_one("#lat-spark", Sparkline).set_values(snap.series)
+        rate = format_rate(snap.gen_ms_per_token)
+        lines = [
+            f"TTFT {format_ms(snap.ttft_ms):>8}  gen {rate}",
+            f"p50 {format_ms(snap.p50_ms):>7}  p95 {format_ms(snap.p95_ms)}",
+            f"prefill {_num(snap.prefill_tok_s, '.0f', ' tok/s')}  "
+            f"tokens {snap.tokens} ({snap.source})",
+        ]
+        self.query_one("#lat-text", Static).update(Text("\n".join(lines), no_wrap=True,
+                                                        overflow="ellipsis"))
+
+
+class IOPane(Vertical):
+    """Disk and memory: system and backend read MB/s, GB/token, hit rate, RSS vs budget."""
+
+    def __init__(self, *, ascii: bool = False, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.border_title = "I/O"
+        self._ascii = ascii
+        self.disk_series: list[float] = []
+
+    def compose(self) -> ComposeResult:
+        yield Sparkline(ascii=self._ascii, id="io-spark")
+        yield Static("", id="io-text")
+
+    def show(self, sample: Sample | None, k3: dict[str, Any] | None,
+             budget_gb: float | None = None) -> None:
+        k3 = k3 or {}
+        if sample is not None and sample.disk_read_mb_s is not None:
+            self.disk_series = (self.disk_series + [sample.disk_read_mb_s])[-240:]
+        self.query_one("#io-spark", Sparkline).set_values(self.disk_series)
+        s = sample or Sample(t=0.0)
+        budget = k3.get("budget_gb") or budget_gb
+        rss = s.proc_rss_gb if s.proc_rss_gb is not None else k3.get("rss_gb")
+        rss_text = _num(rss, ".1f", " GB")
+        if budget:
+            rss_text += f" / {budget:.1f}"
+        cg = _num(s.cgroup_current_gb, ".1f")
+        if s.cgroup_current_gb is not None:
+            cg += f"/{s.cgroup_max_gb:.1f} GB" if s.cgroup_max_gb else " GB/no max"
+        hit = k3.get("true_hit_rate")
+        lines = [
+            f"disk {_num(s.disk_read_mb_s, '.0f', ' MB/s')}  "
+            f"backend {_num(s.proc_read_mb_s, '.0f', ' MB/s')}",
+            f"GB/token {_num(k3.get('gb_read'), '.2f')}  "
+            f"hit {_num(None if hit is None else hit * 100, '.0f', '%')}",
+            f"RSS {rss_text}  cache {_num(s.page_cache_gb, '.1f', ' GB')}",
+            f"PSI {_num(s.psi_some_avg10, '.1f')}/{_num(s.psi_full_avg10, '.1f')}  cg {cg}",
+        ]
+        self.query_one("#io-text", Static).update(Text("\n".join(lines), no_wrap=True,
+                                                       overflow="ellipsis"))
