@@ -1,0 +1,369 @@
+"""OpenAI-compatible streaming chat client shared by every backend.
+
+`stream_chat` posts one chat completion with `stream: true` and turns the SSE chunks into
+the typed events of `k3tui.backends.events`. It is written against what llama-server and
+the bundled engine really send (../shared/notes/llama-server.md §5): comment pings (`:`),
+repeated role chunks, several keys in one delta, `timings` on every chunk when
+`timings_per_token` is asked for, usage in a trailing `choices: []` chunk, and errors
+mid-stream as `data: {"error": …}` without `[DONE]`.
+
+Cancelling = closing the async generator (`aclose()`): that exits the `client.stream`
+context, which closes the connection, which makes llama-server cancel the task.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from k3tui.backends.events import (
+    BackendError,
+    ContentDelta,
+    Finished,
+    ReasoningDelta,
+    StreamEvent,
+    TokenStats,
+)
+
+# A streamed token can take minutes on the bundled engine at a small budget, and
+# llama-server pings only every 30 s, so the read timeout is generous; connect is not.
+READ_TIMEOUT_S = 900.0
+CONNECT_TIMEOUT_S = 10.0
+
+
+def api_base(base_url: str) -> str:
+    """`http://h:p`, `http://h:p/`, `http://h:p/v1` and `http://h:p/v1/` → `http://h:p/v1`."""
+    url = base_url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def server_root(base_url: str) -> str:
+    """The URL without `/v1`, where llama-server serves `/health`, `/slots`, `/metrics`."""
+    url = base_url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def build_request(messages: list[dict[str, Any]], *, model: str | None = None,
+                  max_tokens: int | None = None, temperature: float | None = None,
+                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The JSON body: usage in the stream and per-token timings for the latency pane."""
+    body: dict[str, Any] = {
+        "model": model or "k3",
+        "messages": messages,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "timings_per_token": True,
+    }
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    if temperature is not None:
+        body["temperature"] = temperature
+    if extra:
+        body.update(extra)
+    return body
+
+
+def iter_sse_data(lines: list[str]) -> list[str]:
+    """Data payloads of complete SSE events in `lines` (for tests and tools)."""
+    parser = SSEParser()
+    out: list[str] = []
+    for line in lines:
+        payload = parser.feed(line)
+        if payload is not None:
+            out.append(payload)
+    tail = parser.flush()
+    if tail is not None:
+        out.append(tail)
+    return out
+
+
+class SSEParser:
+    """Line-fed SSE framing: `data:` fields joined until a blank line; comments ignored."""
+
+    def __init__(self) -> None:
+        self._data: list[str] = []
+
+    def feed(self, line: str) -> str | None:
+        line = line.rstrip("\r")
+        if not line:
+            return self.flush()
+        if line.startswith(":"):
+            return None  # comment ping
+        field, _, value = line.partition(":")
+        if value.startswith(" "):
+            value = value[1:]
+        if field == "data":
+            self._data.append(value)
+        return None  # event:, id:, retry: carry nothing a chat client needs
+
+    def flush(self) -> str | None:
+        if not self._data:
+            return None
+        payload = "\n".join(self._data)
+        self._data = []
+        return payload
+
+
+@dataclass
+class _Turn:
+    """What one answer accumulated so far; decides the final event."""
+
+    max_tokens: int | None
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    timings: dict[str, Any] | None = None
+    content_chars: int = 0
+    reasoning_chars: int = 0
+    last_predicted_n: int = 0
+    last_predicted_ms: float = 0.0
+    done: bool = False
+
+
+class ChunkInterpreter:
+    """Turns decoded JSON chunks into events; pure, so captured streams test it directly."""
+
+    def __init__(self, *, max_tokens: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.turn = _Turn(max_tokens=max_tokens)
+        self.clock = clock
+
+    def data(self, payload: str) -> list[StreamEvent]:
+        if payload.strip() == "[DONE]":
+            self.turn.done = True
+            return []
+        try:
+            chunk = json.loads(payload)
+        except json.JSONDecodeError:
+            return [BackendError("The backend sent a chunk that is not JSON.",
+                                 "check the backend log; the answer so far is kept",
+                                 log_tail=payload[:300])]
+        if not isinstance(chunk, dict):
+            return []
+        if "error" in chunk:
+            return [error_event(chunk["error"])]
+        return self.chunk(chunk)
+
+    def chunk(self, chunk: dict[str, Any]) -> list[StreamEvent]:
+        events: list[StreamEvent] = []
+        texts = 0
+        for choice in chunk.get("choices") or []:
+            if choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") or {}
+            # Several keys may share one delta: emit every one, reasoning first.
+            for key in ("reasoning_content", "reasoning"):
+                text = delta.get(key)
+                if isinstance(text, str) and text:
+                    events.append(ReasoningDelta(text))
+                    self.turn.reasoning_chars += len(text)
+                    texts += 1
+            text = delta.get("content")
+            if isinstance(text, str) and text:
+                events.append(ContentDelta(text))
+                self.turn.content_chars += len(text)
+                texts += 1
+            if choice.get("finish_reason"):
+                self.turn.finish_reason = choice["finish_reason"]
+        if isinstance(chunk.get("usage"), dict):
+            self.turn.usage = chunk["usage"]
+        timings = chunk.get("timings") if isinstance(chunk.get("timings"), dict) else None
+        if timings:
+            self.turn.timings = timings
+        if texts:
+            events.append(self._stats(timings, chunk.get("k3")))
+        return events
+
+    def _stats(self, timings: dict[str, Any] | None, k3: Any) -> TokenStats:
+        tokens, backend_ms, prompt_ms, prompt_tokens = 1, None, None, None
+        if timings:
+            n = int(timings.get("predicted_n") or 0)
+            ms = float(timings.get("predicted_ms") or 0.0)
+            if n > self.turn.last_predicted_n:
+                tokens = n - self.turn.last_predicted_n
+                backend_ms = (ms - self.turn.last_predicted_ms) / tokens
+            self.turn.last_predicted_n, self.turn.last_predicted_ms = n, ms
+            prompt_ms = timings.get("prompt_ms")
+            prompt_tokens = timings.get("prompt_n")
+        k3_stats = k3 if isinstance(k3, dict) else {}
+        if backend_ms is None and isinstance(k3_stats.get("s_per_token"), (int, float)):
+            backend_ms = 1000.0 * k3_stats["s_per_token"]
+        return TokenStats(arrival_s=self.clock(), tokens=tokens, backend_ms=backend_ms,
+                          prompt_ms=prompt_ms, prompt_tokens=prompt_tokens, k3=dict(k3_stats))
+
+    def end(self) -> StreamEvent:
+        """The last event once the stream closed: Finished, or an error if it was cut."""
+        turn = self.turn
+        if turn.finish_reason is None and not turn.done:
+            return BackendError(
+                "The backend closed the connection before the answer finished.",
+                "the backend may have crashed or run out of memory; check its log "
+                "(the answer so far is kept)")
+        return Finished(turn.finish_reason, dict(turn.usage or {}), dict(turn.timings or {}),
+                        note=finish_note(turn))
+
+
+def finish_note(turn: _Turn) -> str:
+    if turn.finish_reason != "length":
+        return ""
+    budget = f"max_tokens={turn.max_tokens}" if turn.max_tokens else "the token limit"
+    if turn.content_chars == 0 and turn.reasoning_chars > 0:
+        return (f"The model spent the whole budget ({budget}) reasoning and never reached "
+                "an answer: max_tokens counts reasoning tokens too. Raise `max_tokens` in "
+                "[chat] of the config (e.g. to 8192), or set a reasoning budget smaller than "
+                "max_tokens (`reasoning_budget` in [llama_server], or lower the thinking "
+                "effort), so thinking stops in time to answer.")
+    if turn.content_chars == 0:
+        return (f"The answer hit {budget} before any text was produced; raise `max_tokens` "
+                "in [chat] of the config.")
+    return f"The answer was cut at {budget}; raise `max_tokens` in [chat] for longer answers."
+
+
+def error_event(err: Any, status: int | None = None) -> BackendError:
+    """A llama-server/OpenAI error object (or text) as one sentence plus the next step."""
+    if isinstance(err, dict):
+        message = str(err.get("message") or err)
+        kind = str(err.get("type") or "")
+        code = err.get("code", status)
+    else:
+        message, kind, code = str(err), "", status
+    message = message.strip().rstrip(".") + "."
+    if kind == "exceed_context_size_error":
+        step = "start a new chat, or raise `ctx_size` in [llama_server] of the config"
+    elif code == 401 or kind == "authentication_error":
+        step = "check the API key (for a remote endpoint: the variable named by `api_key_env`)"
+    elif code == 503 or kind == "unavailable_error":
+        step = "the model is still loading; wait and send again"
+    elif code == 404:
+        step = "check the backend URL (it must serve /v1/chat/completions)"
+    else:
+        step = "check the backend log; the answer so far is kept"
+    return BackendError(f"The backend reported an error: {message}", step)
+
+
+async def stream_chat(base_url: str, messages: list[dict[str, Any]], *,
+                      api_key: str | None = None, model: str | None = None,
+                      max_tokens: int | None = None, temperature: float | None = None,
+                      extra: dict[str, Any] | None = None, client: httpx.AsyncClient | None = None,
+                      clock: Callable[[], float] = time.monotonic) -> AsyncIterator[StreamEvent]:
+    """Stream one answer as events; the last event is `Finished` or `BackendError`."""
+    url = api_base(base_url) + "/chat/completions"
+    body = build_request(messages, model=model, max_tokens=max_tokens,
+                         temperature=temperature, extra=extra)
+    own = client is None
+    http = client or httpx.AsyncClient(
+        timeout=httpx.Timeout(CONNECT_TIMEOUT_S, read=READ_TIMEOUT_S))
+    interp = ChunkInterpreter(max_tokens=body.get("max_tokens"), clock=clock)
+    try:
+        try:
+            async with http.stream("POST", url, json=body, headers=_headers(api_key)) as resp:
+                if resp.status_code != 200:
+                    raw = (await resp.aread()).decode("utf-8", "replace")
+                    yield _http_error(resp.status_code, raw)
+                    return
+                parser = SSEParser()
+                async for line in resp.aiter_lines():
+                    payload = parser.feed(line)
+                    if payload is None:
+                        continue
+                    for event in interp.data(payload):
+                        yield event
+                        if isinstance(event, BackendError):
+                            return
+                    if interp.turn.done:
+                        break
+                tail = parser.flush()
+                if tail is not None:
+                    for event in interp.data(tail):
+                        yield event
+                        if isinstance(event, BackendError):
+                            return
+        except httpx.ConnectError:
+            yield BackendError(f"Could not connect to the backend at {server_root(base_url)}.",
+                               "start it with `k3tui serve`, or check the URL in the config")
+            return
+        except httpx.TimeoutException:
+            yield BackendError(
+                f"The backend did not answer within {READ_TIMEOUT_S:.0f} s.",
+                "check that it is still running (its log says what it is doing)")
+            return
+        except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+            yield BackendError("The connection to the backend broke in the middle of the answer.",
+                               "the backend may have crashed; check its log (the answer so "
+                               "far is kept)", log_tail=str(exc))
+            return
+        yield interp.end()
+    finally:
+        if own:
+            await http.aclose()
+
+
+def _http_error(status: int, raw: str) -> BackendError:
+    try:
+        doc = json.loads(raw)
+    except json.JSONDecodeError:
+        doc = None
+    if isinstance(doc, dict) and "error" in doc:
+        return error_event(doc["error"], status)
+    return error_event({"message": f"HTTP {status}: {raw.strip()[:200] or 'no body'}",
+                        "code": status}, status)
+
+
+@dataclass(frozen=True)
+class Health:
+    """`/health` of a backend: truthy when it answers 200."""
+
+    ok: bool
+    status: int | None
+    detail: str
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+async def health(base_url: str, *, api_key: str | None = None,
+                 client: httpx.AsyncClient | None = None, timeout: float = 3.0) -> Health:
+    """200 → ok; 503 → still loading; no connection → status None."""
+    own = client is None
+    http = client or httpx.AsyncClient(timeout=timeout)
+    try:
+        resp = await http.get(server_root(base_url) + "/health", headers=_headers(api_key))
+        detail = "ok" if resp.status_code == 200 else _error_message(resp.text)
+        return Health(resp.status_code == 200, resp.status_code, detail)
+    except httpx.HTTPError as exc:
+        return Health(False, None, f"no answer from {server_root(base_url)}: {type(exc).__name__}")
+    finally:
+        if own:
+            await http.aclose()
+
+
+async def list_models(base_url: str, *, api_key: str | None = None,
+                      client: httpx.AsyncClient | None = None,
+                      timeout: float = 5.0) -> list[dict[str, Any]]:
+    """The `data` entries of `/v1/models` (each has at least `id`)."""
+    own = client is None
+    http = client or httpx.AsyncClient(timeout=timeout)
+    try:
+        resp = await http.get(api_base(base_url) + "/models", headers=_headers(api_key))
+        resp.raise_for_status()
+        data = resp.json().get("data") or []
+        return [m for m in data if isinstance(m, dict)]
+    finally:
+        if own:
+            await http.aclose()
+
+
+def _error_message(text: str) -> str:
+    try:
+        doc = json.loads(text)
+        return str(doc["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return text.strip()[:200]

