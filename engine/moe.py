@@ -1,0 +1,80 @@
+"""Feed-forward blocks: the dense FFN of layer 0 and the Stable LatentMoE (spec 1.4)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+
+from engine.config import ModelConfig
+from engine.kernels import linear, mxfp4_linear, rmsnorm, sigmoid, situ_glu, to_f32
+from engine.weights import ExpertWeights
+
+
+@dataclass(frozen=True)
+class DenseExpert:
+    """An expert held as plain float matrices (the op fixtures; not the checkpoint format)."""
+
+    w1: np.ndarray
+    w2: np.ndarray
+    w3: np.ndarray
+
+
+Expert = ExpertWeights | DenseExpert
+
+
+def situ_mlp(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
+             cfg: ModelConfig) -> np.ndarray:
+    """down · SiTU(gate x, up x) — the dense FFN and the shared experts."""
+    return linear(situ_glu(linear(x, gate), linear(x, up), cfg.situ_beta, cfg.situ_linear_beta), down)
+
+
+def expert_mlp(z: np.ndarray, ex: Expert, cfg: ModelConfig) -> np.ndarray:
+    """w2 · SiTU(w1 z, w3 z) on the latent z [T, latent] → [T, latent]."""
+    if isinstance(ex, DenseExpert):
+        return situ_mlp(z, ex.w1, ex.w3, ex.w2, cfg)
+    g = mxfp4_linear(z, ex.w1_packed, ex.w1_scale)
+    u = mxfp4_linear(z, ex.w3_packed, ex.w3_scale)
+    return mxfp4_linear(situ_glu(g, u, cfg.situ_beta, cfg.situ_linear_beta), ex.w2_packed, ex.w2_scale)
+
+
+def route(x: np.ndarray, gate: np.ndarray, bias: np.ndarray, top_k: int,
+          scaling: float) -> tuple[np.ndarray, np.ndarray]:
+    """Sigmoid scores; top-k of score + bias (ties → lowest index); weights are the
+    *unbiased* scores of the chosen experts, renormalised. Returns (ids, weights) [T, k]."""
+    s = sigmoid(linear(x, gate))
+    selection = s + to_f32(bias).reshape(-1)
+    ids = np.argsort(-selection, axis=-1, kind="stable")[:, :top_k]
+    weights = np.take_along_axis(s, ids, axis=-1)
+    weights = weights / (weights.sum(axis=-1, keepdims=True) + np.float32(1e-20))
+    return ids, (weights * np.float32(scaling)).astype(np.float32)
+
+
+def latent_moe(x: np.ndarray, w: Mapping[str, np.ndarray], experts: Mapping[int, Expert],
+               ids: np.ndarray, weights: np.ndarray, cfg: ModelConfig,
+               prefix: str = "block_sparse_moe.") -> np.ndarray:
+    """x [T, hidden] (normalised), routing (ids, weights) [T, k], the chosen experts."""
+    T, k = ids.shape
+    z = linear(x, w[f"{prefix}routed_expert_down_proj.weight"])  # to the latent width
+    y = np.zeros((T, k, z.shape[1]), np.float32)
+    for e in np.unique(ids):  # each expert once, over the tokens that chose it
+        tok, slot = np.nonzero(ids == e)
+        y[tok, slot] = expert_mlp(z[tok], experts[int(e)], cfg)
+    acc = np.zeros_like(z)
+    for j in range(k):  # accumulate in rank order, the same for a step and a prefill
+        acc += weights[:, j, None] * y[:, j]
+    acc = rmsnorm(acc, w[f"{prefix}routed_expert_norm.weight"], cfg.rms_norm_eps)  # on the sum
+    routed = linear(acc, w[f"{prefix}routed_expert_up_proj.weight"])
+    if cfg.num_shared_experts == 0:
+        return routed
+    shared = situ_mlp(x, w[f"{prefix}shared_experts.gate_proj.weight"],
+                      w[f"{prefix}shared_experts.up_proj.weight"],
+                      w[f"{prefix}shared_experts.down_proj.weight"], cfg)  # original x, unweighted
+    return routed + shared
+
+
+def dense_ffn(x: np.ndarray, w: Mapping[str, np.ndarray], cfg: ModelConfig,
+              prefix: str = "mlp.") -> np.ndarray:
+    return situ_mlp(x, w[f"{prefix}gate_proj.weight"], w[f"{prefix}up_proj.weight"],
+                    w[f"{prefix}down_proj.weight"], cfg)
