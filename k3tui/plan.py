@@ -116,6 +116,11 @@ def _fmt(n: int | float) -> str:
     return f"{n / GiB:.1f} GiB"
 
 
+def disk_size(n: int | float) -> str:
+    """Disk sizes in decimal units, as drives and checkpoints are sold and listed."""
+    return f"{n / 1e12:.2f} TB" if n >= 1e12 else f"{n / GB:.1f} GB"
+
+
 def _storage_findings(report: MachineReport, need: int, extra: int, have: int,
                       model_kind: str) -> list[Finding]:
     s = report.storage
@@ -125,8 +130,8 @@ def _storage_findings(report: MachineReport, need: int, extra: int, have: int,
     if s.free_bytes and s.free_bytes < missing:
         out.append(Finding(
             "blocker", "disk_space",
-            f"not enough disk: {where} has {s.free_bytes / 1e12:.2f} TB free, the checkpoint "
-            f"needs {missing / 1e12:.2f} TB more",
+            f"not enough disk: {where} has {disk_size(s.free_bytes)} free, the checkpoint "
+            f"needs {disk_size(missing)} more",
             "pick a bigger disk with `k3tui setup` (or `k3tui doctor --dir PATH` to check one)"))
     elif extra and s.free_bytes and s.free_bytes < missing + extra:
         out.append(Finding(
@@ -343,7 +348,7 @@ def describe_machine(report: MachineReport) -> list[str]:
     if s.path:
         disk = s.disk_kind if s.disk_kind != "unknown" else "disk"
         lines.append(f"Disk    {s.path}: {s.fs_class} {s.fstype} on {disk}"
-                     f"{' ' + s.device if s.device else ''}, {s.free_bytes / 1e12:.2f} TB free")
+                     f"{' ' + s.device if s.device else ''}, {disk_size(s.free_bytes)} free")
     return lines
 
 

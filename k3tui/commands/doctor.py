@@ -1,15 +1,199 @@
-"""`k3tui doctor`: not built yet."""
+"""`k3tui doctor`: check this machine, the config and the model files; say what to do next.
+
+Each check is ok / warn / fail with the next command. Exit 1 only when something blocks
+(a fail); warnings never change the exit code. Without `--measure` it stays under 2 s.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from k3tui.errors import K3Error
 
+MARK = {"ok": "ok  ", "warn": "warn", "fail": "FAIL"}
+FINDING_STATUS = {"info": "ok", "warn": "warn", "blocker": "fail"}
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # "ok" | "warn" | "fail"
+    detail: str
+    next: str = ""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pass
+    parser.add_argument("--dir", metavar="PATH",
+                        help="check this directory for the checkpoint (default: the config's)")
+    parser.add_argument("--measure", action="store_true",
+                        help="also measure disk read speed with O_DIRECT (writes and reads 1 GiB)")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _model_bytes_present(directory: Path, kind: str) -> int:
+    """Bytes of checkpoint files already in `directory` (to discount from the disk check)."""
+    suffix = ".gguf" if kind == "gguf" else ".safetensors"
+    total = 0
+    try:
+        for root, _dirs, files in os.walk(directory):
+            total += sum(os.path.getsize(os.path.join(root, f)) for f in files
+                         if f.endswith(suffix))
+    except OSError:
+        pass
+    return total
+
+
+def run_checks(target: str | None, measure: bool) -> tuple[list[Check], dict]:
+    from k3tui.config import Config, config_exists, load_config
+    from k3tui.paths import get_paths
+    from k3tui.plan import _fmt, describe_machine, disk_size, make_plan
+    from k3tui.probe import probe_machine
+
+    checks: list[Check] = []
+    paths = get_paths()
+    cfg: Config = Config()
+    if sys.version_info < (3, 11):
+        checks.append(Check("python", "fail", f"Python {sys.version.split()[0]} is too old",
+                            "install Python 3.11 or newer"))
+    else:
+        checks.append(Check("python", "ok", f"Python {sys.version.split()[0]}"))
+    if not config_exists():
+        checks.append(Check("config", "warn", f"no config yet ({paths.config_file})",
+                            "k3tui setup"))
+    else:
+        try:
+            cfg = load_config()
+            checks.append(Check("config", "ok", f"{paths.config_file}: backend {cfg.backend.kind}"
+                                f", model {cfg.model.kind}"))
+        except K3Error as exc:
+            checks.append(Check("config", "fail", exc.message, exc.next_step or "k3tui setup"))
+
+    model_dir = Path(target or cfg.model.dir or paths.models_dir).expanduser()
+    report = probe_machine(model_dir, measure=measure)
+    report.description = f"this machine ({report.hostname})"
+    have = _model_bytes_present(model_dir, cfg.model.kind) if model_dir.is_dir() else 0
+    plan = make_plan(report, cfg.model.kind, ctx_size=cfg.llama_server.ctx_size,
+                     reasoning_budget=cfg.llama_server.reasoning_budget, have_bytes=have)
+
+    lines = {line.split()[0].lower(): line.split(None, 1)[1] for line in describe_machine(report)}
+    checks.append(Check("cpu", "ok", lines["cpu"]))
+    m = report.memory
+    mem = lines["ram"]
+    mem += f"; cgroup {m.cgroup_version}"
+    mem += "" if m.cgroup_limit_bytes is None else f" limit {_fmt(m.cgroup_limit_bytes)}"
+    mem += ("; PSI unavailable" if m.psi_some_avg10 is None
+            else f"; pressure {m.psi_some_avg10:.1f}%")
+    checks.append(Check("memory", "ok", mem))
+    g = report.gpu
+    if not g.present:
+        gpu_detail = "no GPU" + (" (the bundled engine needs none)"
+                                 if cfg.model.kind != "gguf" else "")
+    else:
+        gpu_detail = "; ".join(
+            f"{x.name} ({'unified memory' if x.unified else _fmt(x.memory_total_bytes or 0)})"
+            for x in g.gpus)
+        gpu_detail += f"; driver {g.driver_version}" if g.driver_version else ""
+    checks.append(Check("gpu", "ok", gpu_detail))
+    s = report.storage
+    disk = f"{model_dir}: {disk_size(s.free_bytes)} free on {s.fstype or '?'} ({s.fs_class}), " \
+           f"{s.disk_kind} {s.device}".rstrip()
+    disk += "; O_DIRECT " + {True: "works", False: "refused", None: "not tested"}[s.o_direct]
+    if s.read_mb_s_qd1 is not None:
+        disk += f"; read {s.read_mb_s_qd1:.0f} MB/s at QD1, {s.read_mb_s_qd8:.0f} MB/s at QD8"
+    checks.append(Check("disk", "ok", disk))
+    if measure and s.measure_note:
+        checks.append(Check("measure", "ok" if s.read_mb_s_qd1 else "warn", s.measure_note))
+    iso = report.isolation
+    if iso.method != "none":
+        checks.append(Check("isolation", "ok", f"memory limits via {iso.method}: {iso.detail}"))
+    elif cfg.backend.kind == "llama-server":
+        checks.append(Check("isolation", "warn", f"no enforceable memory limit: {iso.detail}",
+                            "on systemd: a cgroup v2 boot with user memory delegation"))
+    else:
+        checks.append(Check("isolation", "ok", "no enforceable memory limit here; only "
+                            f"llama-server needs one ({iso.detail})"))
+
+    for f in plan.findings:
+        if f.code == "no_isolation":
+            continue  # the isolation line above says it
+        checks.append(Check(f.code, FINDING_STATUS[f.level], f.message, f.next))
+
+    checks += _model_checks(cfg, model_dir, have)
+    return checks, {"machine": report.to_dict(), "plan": plan.to_dict(),
+                    "model_dir": str(model_dir), "model_bytes_present": have}
+
+
+def _model_checks(cfg, model_dir: Path, have: int) -> list[Check]:
+    from k3tui.plan import GGUF_BYTES, SAFETENSORS_BYTES, disk_size
+
+    out: list[Check] = []
+    kind = cfg.model.kind
+    if kind == "remote":
+        if cfg.remote.url:
+            out.append(Check("remote", "ok", f"endpoint {cfg.remote.url} (`k3tui setup` tests it)"))
+        else:
+            out.append(Check("remote", "fail", "the config chooses a remote endpoint but gives "
+                             "no URL", "k3tui setup"))
+        return out
+    need = GGUF_BYTES if kind == "gguf" else SAFETENSORS_BYTES
+    if have >= need * 0.999:
+        out.append(Check("model", "ok", f"{kind} checkpoint present in {model_dir} "
+                         f"({disk_size(have)})"))
+    else:
+        detail = (f"{kind} checkpoint not downloaded yet ({disk_size(have)} of "
+                  f"{disk_size(need)} in {model_dir})")
+        out.append(Check("model", "warn", detail, "k3tui download"))
+    if kind == "safetensors" and cfg.backend.kind == "bundled":
+        trunk = Path(cfg.model.trunk_dir or (model_dir / "trunk")).expanduser()
+        if (trunk / "trunk.json").is_file():
+            out.append(Check("trunk", "ok", f"packed trunk in {trunk}"))
+        elif have >= need * 0.999:
+            out.append(Check("trunk", "warn", "the trunk is not packed yet (streaming needs it)",
+                             "k3tui pack"))
+    if cfg.backend.kind == "llama-server":
+        try:
+            from k3tui.backends.llama_server import find_binary
+        except ImportError:
+            out.append(Check("llama-server", "warn", "llama-server support is not installed",
+                             "update k3tui"))
+        else:
+            try:
+                out.append(Check("llama-server", "ok", f"binary {find_binary(cfg.llama_server.binary)}"))
+            except K3Error as exc:
+                out.append(Check("llama-server", "fail", exc.message,
+                                 exc.next_step or "k3tui setup"))
+    return out
+
+
+def format_checks(checks: list[Check], title: str) -> str:
+    out = [f"k3tui doctor: {title}"]
+    for c in checks:
+        out.append(f"  {MARK[c.status]}  {c.name:<12} {c.detail}")
+        if c.next:
+            out.append(f"  {'':4}  {'':<12} next: {c.next}")
+    fails = sum(c.status == "fail" for c in checks)
+    warns = sum(c.status == "warn" for c in checks)
+    if fails:
+        out.append(f"{fails} blocker(s), {warns} warning(s): fix the FAIL lines first.")
+    elif warns:
+        out.append(f"no blockers, {warns} warning(s).")
+    else:
+        out.append("all good: `k3tui chat` when the model is in place.")
+    return "\n".join(out)
 
 
 def run(args: argparse.Namespace) -> int:
-    raise K3Error("`k3tui doctor` is not built yet.", "see the README for what works today", 2)
+    checks, data = run_checks(args.dir, args.measure)
+    failed = any(c.status == "fail" for c in checks)
+    if args.json:
+        data["checks"] = [asdict(c) for c in checks]
+        data["ok"] = not failed
+        print(json.dumps(data, indent=2))
+    else:
+        print(format_checks(checks, data["machine"]["description"]))
+    return 1 if failed else 0

@@ -1,15 +1,70 @@
-"""`k3tui plan`: not built yet."""
+"""`k3tui plan`: what k3tui would run on this machine, or on a built-in machine profile.
+
+With `--users …` it sizes a cluster instead (k3tui/capacity.py).
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 
 from k3tui.errors import K3Error
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pass
+    from k3tui.probe.report import list_profiles
+
+    parser.add_argument("--machine", metavar="FILE|NAME",
+                        help=f"a machine report JSON, or a profile: {', '.join(list_profiles())} "
+                             "(default: probe this machine)")
+    parser.add_argument("--model", choices=("safetensors", "gguf", "remote"),
+                        help="checkpoint kind (default: the config's, else the recommended one)")
+    parser.add_argument("--dir", metavar="PATH",
+                        help="where the checkpoint would go (default: the config's model dir)")
+    parser.add_argument("--json", action="store_true", help="print JSON (machine + plan)")
+    try:
+        from k3tui.capacity import add_capacity_arguments
+    except ImportError:  # capacity sizing not installed yet: keep the flags, refuse in run()
+        g = parser.add_argument_group("cluster sizing")
+        g.add_argument("--users", type=int)
+        g.add_argument("--requests-per-user-day", type=float)
+        g.add_argument("--tokens-per-answer", type=float)
+        g.add_argument("--tok-per-s", type=float)
+        g.add_argument("--from-bench", metavar="FILE")
+    else:
+        add_capacity_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    raise K3Error("`k3tui plan` is not built yet.", "see the README for what works today", 2)
+    if getattr(args, "users", None) is not None or getattr(args, "recipe", None):
+        try:
+            from k3tui.capacity import main as capacity_main
+        except ImportError:
+            raise K3Error("cluster sizing (`--users`) is not built yet.",
+                          "plan one machine: `k3tui plan --machine dgx-spark`", 2) from None
+        return capacity_main(args)
+
+    from k3tui.config import config_exists, load_config
+    from k3tui.plan import format_plan, make_plan, recommend_model_kind
+    from k3tui.probe import load_report, probe_machine
+
+    cfg = load_config() if config_exists() else None
+    if args.machine:
+        report = load_report(args.machine)
+    else:
+        from k3tui.paths import get_paths
+
+        target = args.dir or (cfg.model.dir if cfg and cfg.model.dir else get_paths().models_dir)
+        report = probe_machine(target)
+        report.description = f"this machine ({report.hostname})"
+    kind = args.model or (cfg.model.kind if cfg else None) or recommend_model_kind(report)
+    kwargs = {}
+    if cfg is not None:
+        kwargs = {"ctx_size": cfg.llama_server.ctx_size,
+                  "reasoning_budget": cfg.llama_server.reasoning_budget}
+    plan = make_plan(report, kind, **kwargs)
+    if args.json:
+        print(json.dumps({"machine": report.to_dict(), "plan": plan.to_dict()}, indent=2))
+    else:
+        print(format_plan(plan, report))
+    return 0
