@@ -1,0 +1,245 @@
+"""A remote OpenAI-compatible endpoint: checked before k3tui trusts it with a chat.
+
+`check_endpoint` is what the wizard runs before it saves a remote config: `/health`
+where the server has one (llama-server, SGLang, vLLM, the bundled engine), `/v1/models`
+(which also proves the API key), then a one-token chat completion. Every failure comes
+back as one sentence and a next step — a wrong key, an untrusted certificate, nothing
+listening, a model still loading — never a traceback.
+
+The API key comes from the environment variable the config names (`[remote]
+api_key_env`) or from credentials.toml (0600). It is sent only in the Authorization
+header, never logged, and shown only masked (`…wxyz`). TLS certificates are verified
+unless the caller explicitly passes `verify_tls=False`; a path to a CA file trusts a
+private CA instead of turning verification off.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import ssl
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+CREDENTIAL_KEY = "remote_api_key"
+CONNECT_TIMEOUT_S = 10.0
+TEST_TIMEOUT_S = 120.0  # a busy cluster may queue the one-token request behind others
+
+
+@dataclass(frozen=True)
+class EndpointCheck:
+    ok: bool
+    message: str                 # one sentence: what was found, or what is wrong
+    models: list[str] = field(default_factory=list)
+    health_ok: bool | None = None  # None: the server has no /health (that is fine)
+    test_ok: bool = False
+    next_step: str = ""
+    warnings: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        lines = [self.message]
+        lines += [f"  warning: {w}" for w in self.warnings]
+        if self.next_step:
+            lines.append(f"  next: {self.next_step}")
+        return "\n".join(lines)
+
+
+def mask_key(key: str | None) -> str:
+    """What may be shown of a key: its last 4 characters, and only if it is long enough."""
+    if not key:
+        return "(none)"
+    return "…" + key[-4:] if len(key) >= 12 else "…" * 3
+
+
+def resolve_api_key(api_key_env: str = "") -> tuple[str | None, str]:
+    """The key and where it came from (for display): the named variable, then credentials."""
+    if api_key_env:
+        value = os.environ.get(api_key_env)
+        if value:
+            return value.strip(), f"${api_key_env}"
+    from k3tui.config import load_credentials
+
+    value = load_credentials().get(CREDENTIAL_KEY)
+    if value:
+        return value.strip(), "credentials.toml"
+    return None, ""
+
+
+def tls_verify(verify_tls: bool | str) -> bool | ssl.SSLContext:
+    """httpx `verify`: the default trust store, a private CA file, or (explicitly) off."""
+    if isinstance(verify_tls, str):
+        return ssl.create_default_context(cafile=verify_tls)
+    return bool(verify_tls)
+
+
+def http_client(verify_tls: bool | str = True, **kwargs: Any) -> httpx.AsyncClient:
+    """An async client with the same TLS policy, for `stream_chat(..., client=…)`."""
+    return httpx.AsyncClient(verify=tls_verify(verify_tls), **kwargs)
+
+
+def _roots(url: str) -> tuple[str, str]:
+    base = url.strip().rstrip("/")
+    root = base[: -len("/v1")] if base.endswith("/v1") else base
+    return root, root + "/v1"
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _fail(message: str, next_step: str, **kw: Any) -> EndpointCheck:
+    return EndpointCheck(ok=False, message=message, next_step=next_step, **kw)
+
+
+def _ssl_error(exc: BaseException) -> ssl.SSLError | None:
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ssl.SSLError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _transport_failure(exc: Exception, where: str, verify: bool | str) -> EndpointCheck:
+    tls = _ssl_error(exc)
+    if isinstance(tls, ssl.SSLCertVerificationError):
+        reason = tls.verify_message or "certificate verification failed"
+        return _fail(f"The TLS certificate of {where} is not trusted ({reason}), so k3tui "
+                     "did not send the key.",
+                     "install the server's CA certificate in the system store, or point "
+                     "the check at it (a CA file path); turning verification off "
+                     "(verify_tls = false) lets anyone in between read your key")
+    if tls is not None:
+        return _fail(f"The TLS handshake with {where} failed ({tls.reason or tls}).",
+                     "check the scheme: https:// for a TLS server, http:// for a plain one")
+    if isinstance(exc, httpx.TimeoutException):
+        return _fail(f"{where} did not answer within the time limit.",
+                     "check that the server is running and reachable from this machine")
+    text = str(exc).lower()
+    if "name or service not known" in text or "nodename nor servname" in text \
+            or "temporary failure in name resolution" in text:
+        return _fail(f"The host of {where} cannot be resolved.", "check the URL's host name")
+    return _fail(f"Nothing answers at {where} ({exc.__class__.__name__}: connection "
+                 "refused or unreachable).",
+                 "start the server first (`k3tui plan --recipe rpc|sglang|vllm` shows how), "
+                 "or check the URL and port")
+
+
+def _error_text(resp: httpx.Response, api_key: str | None) -> str:
+    try:
+        body = resp.json()
+        err = body.get("error", body) if isinstance(body, dict) else body
+        text = err.get("message") if isinstance(err, dict) else str(err)
+    except ValueError:
+        text = resp.text
+    text = " ".join(str(text or "").split())[:200]
+    if api_key:  # some servers echo the key they refused
+        text = text.replace(api_key, mask_key(api_key))
+    return text
+
+
+def check_endpoint(url: str, api_key: str | None, verify_tls: bool | str = True, *,
+                   model: str | None = None, timeout: float = TEST_TIMEOUT_S) -> EndpointCheck:
+    """Health, model listing and a one-token test request against an OpenAI-compatible URL.
+
+    `url` may be the server root or its `/v1`. `verify_tls` is True (default trust
+    store), a CA file path, or False (explicitly insecure; reported as a warning).
+    """
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return _fail(f"{url!r} is not an http:// or https:// URL.",
+                     "give the server's address, e.g. https://cluster.example:8000/v1")
+    root, v1 = _roots(url)
+    where = f"{parts.scheme}://{parts.netloc}"
+    warnings: list[str] = []
+    if parts.scheme == "http" and not _is_loopback(parts.hostname):
+        warnings.append("plain http to another machine: the API key and the chat travel "
+                        "unencrypted; use https or an SSH tunnel")
+    if verify_tls is False and parts.scheme == "https":
+        warnings.append("TLS verification is off: anyone in between could read the key")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Timeout(timeout, connect=CONNECT_TIMEOUT_S)
+    try:
+        with httpx.Client(verify=tls_verify(verify_tls), timeout=limits, headers=headers,
+                          follow_redirects=False) as http:
+            return _run_checks(http, root, v1, where, api_key, model, warnings)
+    except (httpx.TransportError, ssl.SSLError) as exc:
+        failed = _transport_failure(exc, where, verify_tls)
+        return EndpointCheck(ok=False, message=failed.message, next_step=failed.next_step,
+                             warnings=warnings)
+
+
+def _run_checks(http: httpx.Client, root: str, v1: str, where: str, api_key: str | None,
+                model: str | None, warnings: list[str]) -> EndpointCheck:
+    # 1. /health: optional (hosted APIs have none); 503 means "up, still loading".
+    health_ok: bool | None = None
+    resp = http.get(root + "/health")
+    if resp.status_code == 200:
+        health_ok = True
+    elif resp.status_code == 503:
+        return _fail(f"{where} is up but not ready: it is still loading the model (503).",
+                     "wait until loading finishes (its log shows progress), then check again",
+                     health_ok=False, warnings=warnings)
+    # 2. /v1/models: proves the key and names the model.
+    resp = http.get(v1 + "/models")
+    if resp.status_code in (401, 403):
+        detail = _error_text(resp, api_key)
+        if api_key:
+            msg = (f"{where} refused the API key {mask_key(api_key)} ({resp.status_code}"
+                   f"{': ' + detail if detail else ''}).")
+            step = "check the key, or the environment variable named by `api_key_env`"
+        else:
+            msg = f"{where} needs an API key ({resp.status_code})."
+            step = "set the key in the variable named by `api_key_env`, or enter it in `k3tui setup`"
+        return _fail(msg, step, health_ok=health_ok, warnings=warnings)
+    if resp.status_code == 404:
+        return _fail(f"{where} has no {urlsplit(v1).path}/models: not an OpenAI-compatible "
+                     "server at this path.",
+                     "use the server's root URL or its /v1 (e.g. http://host:8000/v1)",
+                     health_ok=health_ok, warnings=warnings)
+    if resp.status_code != 200:
+        return _fail(f"{where} answered {resp.status_code} to /v1/models: "
+                     f"{_error_text(resp, api_key)}.", "check the server's log",
+                     health_ok=health_ok, warnings=warnings)
+    try:
+        data = resp.json().get("data", [])
+        models = [str(m["id"]) for m in data if isinstance(m, dict) and "id" in m]
+    except (ValueError, AttributeError):
+        return _fail(f"{where}/v1/models did not return OpenAI-style JSON.",
+                     "check that the URL points at an OpenAI-compatible server",
+                     health_ok=health_ok, warnings=warnings)
+    chosen = model or (models[0] if models else None)
+    if model and models and model not in models:
+        warnings.append(f"model {model!r} is not in the served list ({', '.join(models[:5])})")
+    # 3. One token through the whole path: proves the model really answers.
+    body: dict[str, Any] = {"model": chosen or "default", "max_tokens": 1, "stream": False,
+                            "messages": [{"role": "user", "content": "Say OK."}]}
+    resp = http.post(v1 + "/chat/completions", json=body)
+    if resp.status_code != 200:
+        hint = ("the model is still loading; wait and check again" if resp.status_code == 503
+                else "pick a model from the list" if resp.status_code in (400, 404)
+                else "check the server's log")
+        return _fail(f"The test request to {where} failed ({resp.status_code}: "
+                     f"{_error_text(resp, api_key)}).", hint,
+                     models=models, health_ok=health_ok, warnings=warnings)
+    try:
+        choices = resp.json()["choices"]
+        assert isinstance(choices, list) and choices
+    except (ValueError, KeyError, TypeError, AssertionError):
+        return _fail(f"{where} answered the test request without choices.",
+                     "check that it is an OpenAI-compatible chat server",
+                     models=models, health_ok=health_ok, warnings=warnings)
+    health = {True: "health ok", None: "no /health (fine)", False: "health failed"}[health_ok]
+    key = f"key {mask_key(api_key)}" if api_key else "no key"
+    return EndpointCheck(
+        ok=True, models=models, health_ok=health_ok, test_ok=True, warnings=warnings,
+        message=f"{where} works: {health}, {len(models)} model(s) "
+                f"({', '.join(models[:3]) or 'unnamed'}), a one-token test answered ({key}).")
