@@ -1,15 +1,49 @@
-"""`k3tui config`: not built yet."""
+"""`k3tui config`: where k3tui keeps its files, the effective config, and setting one value."""
 
 from __future__ import annotations
 
 import argparse
+import json
 
 from k3tui.errors import K3Error
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pass
+    sub = parser.add_subparsers(dest="action", metavar="ACTION")
+    sub.add_parser("path", help="print where k3tui keeps each file (K3TUI_HOME moves them all)")
+    show = sub.add_parser("show", help="print the effective config (defaults filled in)")
+    show.add_argument("--json", action="store_true", help="print JSON")
+    setp = sub.add_parser("set", help="set one value, e.g. `k3tui config set backend.port 8080`")
+    setp.add_argument("key", help="section.key")
+    setp.add_argument("value", help="a TOML value (strings may go unquoted)")
 
 
 def run(args: argparse.Namespace) -> int:
-    raise K3Error("`k3tui config` is not built yet.", "see the README for what works today", 2)
+    from k3tui.config import config_exists, load_config, save_config, set_value
+    from k3tui.paths import get_paths
+
+    paths = get_paths()
+    action = args.action or "show"
+    if action == "path":
+        for name, value in paths.as_dict().items():
+            print(f"{name:<17} {value}")
+        return 0
+    cfg = load_config()
+    if action == "set":
+        cfg = set_value(cfg, args.key, args.value)
+        path = save_config(cfg)
+        section, _, key = args.key.partition(".")
+        print(f"{args.key} = {getattr(getattr(cfg, section), key)!r} saved in {path}")
+        return 0
+    if action == "show":
+        if getattr(args, "json", False):
+            print(json.dumps(cfg.to_dict(), indent=2))
+            return 0
+        import tomlkit
+
+        origin = str(paths.config_file) if config_exists() else "defaults (no config file yet: " \
+                                                                 "`k3tui setup` writes one)"
+        print(f"# effective config from {origin}")
+        print(tomlkit.dumps(cfg.to_dict()), end="")
+        return 0
+    raise K3Error(f"unknown config action {action!r}.", "use path, show or set", 2)
