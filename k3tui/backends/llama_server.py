@@ -373,6 +373,7 @@ MISSING_RISK: dict[str, str] = {
                           "the whole max_tokens and leave the answer empty; update llama-server",
     "--load-mode": "this llama-server has no --load-mode; it memory-maps the model by default",
 }
+LESSONS = ("--no-host", "--reasoning-budget")
 MANAGED = ("--model", "--alias", "--host", "--port", "--api-key")  # k3tui sets these itself
 
 
@@ -419,6 +420,10 @@ class LlamaCommand:
         return shlex.join(out)
 
 
+def human_bytes(n: int) -> str:
+    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with contextlib.closing(socket.socket(family)) as s:
@@ -429,7 +434,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 def build_command(info: BinaryInfo, shards: list[Path], *, plan_args: Sequence[str] = (),
                   overrides: Sequence[str] = (), extra_args: Sequence[str] = (),
                   host: str = "127.0.0.1", port: int = 0, alias: str = "kimi-k3",
-                  api_key: str | None = None) -> LlamaCommand:
+                  api_key: str | None = None,
+                  plan_reasons: dict[str, str] | None = None) -> LlamaCommand:
     """Plan args, then config overrides, then the user's extra args (later wins), checked
     against what this binary supports, with k3tui's own model/host/port/key flags."""
     warnings: list[str] = []
@@ -475,13 +481,17 @@ def build_command(info: BinaryInfo, shards: list[Path], *, plan_args: Sequence[s
             argv.append(val)
     model_bytes = sum(p.stat().st_size for p in shards if p.exists())
     reasons: list[tuple[str, str]] = []
-    first = (f"first of {len(shards)} shards (all present, {model_bytes / GIB:.1f} GiB); "
+    first = (f"first of {len(shards)} shards (all present, {human_bytes(model_bytes)}); "
              "llama.cpp finds the rest next to it") if len(shards) > 1 else \
-        f"the model ({model_bytes / GIB:.2f} GiB)"
+        f"the model ({human_bytes(model_bytes)})"
+    own_reasons = dict(REASONS)
+    for flag, reason in (plan_reasons or {}).items():
+        if info.canon(flag) not in MANAGED + LESSONS:  # keep the study's lessons in view
+            own_reasons[info.canon(flag)] = reason
     reasons.append((f"-m {shards[0].name}", first))
     for flag, val in head[1:] + final:
         canon = info.canon(flag)
-        reason = REASONS.get(canon)
+        reason = own_reasons.get(canon)
         if canon == "--host" and not loopback:
             reason = "binds beyond loopback: protected by --api-key"
         if reason:
@@ -683,7 +693,8 @@ def prepare(model: Path, *, binary: str = "", plan_args: Sequence[str] = (),
             reasoning_budget: int | None = None, n_gpu_layers: int | None = None,
             threads: int | None = None, extra_args: Sequence[str] = (),
             host: str = "127.0.0.1", port: int = 0, alias: str = "kimi-k3",
-            api_key: str | None = None, report: Any = None, force: bool = False,
+            api_key: str | None = None, plan_reasons: dict[str, str] | None = None,
+            report: Any = None, force: bool = False,
             help_text: str | None = None, version_text: str | None = None,
             runner: Runner = _run, cgroup_dir: Path | None = None) -> Prepared:
     """Find and inspect the binary, check the shards and the GPU, build the command, pick
@@ -704,7 +715,7 @@ def prepare(model: Path, *, binary: str = "", plan_args: Sequence[str] = (),
     base = ["--parallel", "1", "--no-warmup", "--metrics", "--load-mode", "mmap"]
     cmd = build_command(info, shards, plan_args=base + list(plan_args), overrides=overrides,
                         extra_args=extra_args, host=host, port=port, alias=alias,
-                        api_key=api_key)
+                        api_key=api_key, plan_reasons=plan_reasons)
     tag = hashlib.sha1(str(shards[0]).encode()).hexdigest()[:8]
     limit = choose_memory_limit(memory_limit_bytes, runner=runner, cgroup_dir=cgroup_dir,
                                 name=f"k3tui-llama-server-{os.getpid()}-{tag}")

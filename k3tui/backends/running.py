@@ -34,15 +34,19 @@ class LoadProgress:
     def line(self) -> str:
         parts = [f"loading {self.elapsed_s:5.1f} s"]
         if self.read_bytes is not None:
-            read = f"read {self.read_bytes / 2**30:.2f} GiB"
+            read = f"read {_size(self.read_bytes)}"
             if self.total_bytes:
-                read += f" of {self.total_bytes / 2**30:.2f} GiB"
+                read += f" of {_size(self.total_bytes)}"
             parts.append(read)
         if self.rss_bytes is not None:
-            parts.append(f"RSS {self.rss_bytes / 2**30:.2f} GiB")
+            parts.append(f"RSS {_size(self.rss_bytes)}")
         if self.message:
             parts.append(self.message)
         return ", ".join(parts)
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 ProgressCallback = Callable[[LoadProgress], None]

@@ -1,15 +1,78 @@
-"""`k3tui serve`: not built yet."""
+"""`k3tui serve`: run the configured backend in the foreground until Ctrl-C.
+
+Shows what it starts and why (each critical llama-server flag with a one-line reason, the
+memory limit or the risk of running without one), reports load progress, prints the
+OpenAI-compatible URL, and stops the server cleanly (SIGTERM, then SIGKILL).
+"""
 
 from __future__ import annotations
 
 import argparse
+import signal
+import sys
 
 from k3tui.errors import K3Error
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pass
+    parser.add_argument("--backend", choices=["bundled", "llama-server"],
+                        help="which backend to start (default: [backend] kind of the config)")
+    parser.add_argument("--model", metavar="PATH",
+                        help="checkpoint folder (bundled) or .gguf file / folder (llama-server)")
+    parser.add_argument("--port", type=int, help="port to listen on (default: a free one)")
+    parser.add_argument("--force", action="store_true",
+                        help="start even when other processes hold GPU memory on a "
+                             "unified-memory machine (risks freezing it)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="show the command and the memory limit, start nothing")
+
+
+def _config():
+    from k3tui.config import Config, config_exists, load_config
+
+    return load_config() if config_exists() else Config()
 
 
 def run(args: argparse.Namespace) -> int:
-    raise K3Error("`k3tui serve` is not built yet.", "see the README for what works today", 2)
+    from k3tui.backends.launch import prepare_launch
+    from k3tui.backends.llama_server import exit_story
+
+    cfg = _config()
+    kind = args.backend or cfg.backend.kind
+    if kind == "remote":
+        raise K3Error("The configured backend is a remote endpoint; there is nothing to serve "
+                      "here.", "use `k3tui chat`, or pass --backend bundled|llama-server", 2)
+    ready = prepare_launch(cfg, kind=kind, model=args.model, port=args.port, force=args.force)
+    print(ready.describe(), flush=True)
+    if args.dry_run:
+        return 0
+    tty = sys.stderr.isatty()
+
+    def progress(p) -> None:
+        end = "\r" if tty else "\n"
+        print(f"  {p.line()}".ljust(78), end=end, file=sys.stderr, flush=True)
+
+    # SIGTERM (e.g. from a service manager) stops the server like Ctrl-C does; SIGINT is
+    # re-armed because a shell may have started us with it ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    backend = ready.start(progress)
+    try:
+        if tty:
+            print(file=sys.stderr)
+        for note in backend.notes:
+            print(note, file=sys.stderr)
+        key = " (API key: see credentials.toml, `server_api_key`)" if backend.api_key else ""
+        print(f"{backend.kind} ready: {backend.base_url}/v1 (model {backend.model}){key}\n"
+              f"log: {backend.log_path}\nCtrl-C stops it.", flush=True)
+        backend.wait()
+        raise K3Error(f"The {backend.kind} server {exit_story(backend)}.\n"
+                      f"last log lines ({backend.log_path}):\n{backend.log_tail(15)}",
+                      "read the log, fix the cause, and run `k3tui serve` again")
+    except KeyboardInterrupt:
+        print("\nstopping…", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        backend.stop()
+        if backend.process is not None and backend.process.returncode is not None:
+            print(f"{backend.kind} stopped.", file=sys.stderr)

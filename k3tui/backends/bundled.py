@@ -1,0 +1,82 @@
+"""The bundled numpy engine as a child process: `python -m engine serve CHECKPOINT …`.
+
+The TUI never imports `engine`; it talks to this process over HTTP like any backend, so an
+engine crash cannot take the chat (or its history) down.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from k3tui.backends.llama_server import free_port, wait_ready
+from k3tui.backends.running import ProgressCallback, RunningBackend
+from k3tui.errors import K3Error
+from k3tui.paths import get_paths
+
+ENGINE_ARGV = (sys.executable, "-m", "engine", "serve")
+
+
+def memory_flags(engine_cfg: Any) -> list[str]:
+    """The config's [engine] section as `engine serve` memory flags."""
+    args: list[str] = []
+    preset = getattr(engine_cfg, "preset", "auto") or "auto"
+    if preset == "custom":
+        if engine_cfg.trunk_gb:
+            args += ["--trunk-gb", f"{engine_cfg.trunk_gb:g}"]
+        if engine_cfg.cache_gb:
+            args += ["--cache-gb", f"{engine_cfg.cache_gb:g}"]
+    else:
+        args += ["--preset", preset]
+    if getattr(engine_cfg, "threads", 0):
+        args += ["--threads", str(engine_cfg.threads)]
+    return args
+
+
+def start_engine(checkpoint: Path | str, *, args: Sequence[str] = (), host: str = "127.0.0.1",
+                 port: int = 0, api_key: str | None = None, model_name: str | None = None,
+                 on_progress: ProgressCallback | None = None,
+                 engine_argv: Sequence[str] = ENGINE_ARGV,
+                 load_timeout_s: float = 4 * 3600.0) -> RunningBackend:
+    """Start the engine server, wait for "listening on …" and /health 200, with progress."""
+    checkpoint = Path(checkpoint).expanduser()
+    if not checkpoint.exists():
+        raise K3Error(f"The checkpoint {checkpoint} does not exist.",
+                      "run `k3tui download`, or set `dir` in [model] of the config")
+    port = port or free_port(host)
+    argv = [*engine_argv, str(checkpoint), "--host", host, "--port", str(port)]
+    if api_key:
+        argv += ["--api-key", api_key]
+    if model_name:
+        argv += ["--model-name", model_name]
+    argv += list(args)
+    logs = get_paths().logs_dir
+    logs.mkdir(parents=True, exist_ok=True)
+    log_path = logs / f"engine-{time.strftime('%Y%m%d-%H%M%S')}-{port}.log"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")  # the "listening" line must reach the log now
+    shown = ["***" if i and argv[i - 1] == "--api-key" else a for i, a in enumerate(argv)]
+    with open(log_path, "ab") as log:
+        log.write(("# k3tui: " + " ".join(shown) + "\n").encode())
+        log.flush()
+        try:
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        except OSError as exc:
+            raise K3Error(f"Could not start the engine: {exc}.",
+                          "check the Python environment (`python -m engine --help`)") from None
+    view_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    backend = RunningBackend(kind="bundled", base_url=f"http://{view_host}:{port}",
+                             api_key=api_key, model=model_name or "kimi-k3", pid=proc.pid,
+                             log_path=log_path, command=argv, process=proc)
+    try:
+        wait_ready(backend, on_progress=on_progress, timeout_s=load_timeout_s,
+                   ready_line="listening on")
+    except BaseException:
+        backend.stop()
+        raise
+    return backend

@@ -1,0 +1,156 @@
+"""Start whichever backend the config names and hand back a `RunningBackend`.
+
+`prepare_launch` decides everything first (binary, flags, memory limit, guard) so a
+command can show it before anything runs; `launch` does both steps for the TUI.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from k3tui.backends import bundled, llama_server
+from k3tui.backends.running import LoadProgress, ProgressCallback, RunningBackend
+from k3tui.errors import K3Error
+
+GIB = 2**30
+API_KEY_CREDENTIAL = "server_api_key"
+
+
+@dataclass
+class Launchable:
+    """A decided launch: `describe()` says what will run and why; `start()` runs it."""
+
+    kind: str
+    summary: str
+    run: Callable[[ProgressCallback | None], RunningBackend] = field(repr=False)
+
+    def describe(self) -> str:
+        return self.summary
+
+    def start(self, on_progress: ProgressCallback | None = None) -> RunningBackend:
+        return self.run(on_progress)
+
+
+def _api_key(host: str) -> str | None:
+    """Loopback needs no key; anything wider gets a stored (or new) one."""
+    if host in llama_server.LOOPBACK:
+        return None
+    from k3tui.config import load_credentials, save_credential
+
+    key = load_credentials().get(API_KEY_CREDENTIAL)
+    if not key:
+        key = secrets.token_urlsafe(24)
+        save_credential(API_KEY_CREDENTIAL, key)
+    return key
+
+
+def _model_path(cfg: Any, model: str | Path | None) -> Path:
+    path = model or cfg.model.dir
+    if not path:
+        raise K3Error("No model is configured.",
+                      "run `k3tui setup`, or pass --model PATH")
+    return Path(path).expanduser()
+
+
+def prepare_launch(cfg: Any, *, kind: str | None = None, model: str | Path | None = None,
+                   port: int | None = None, force: bool = False, report: Any = None,
+                   **seams: Any) -> Launchable:
+    """Decide the launch for `cfg` (overridden by the arguments). Raises K3Error."""
+    kind = kind or cfg.backend.kind
+    host = cfg.backend.host or "127.0.0.1"
+    port = cfg.backend.port if port is None else port
+    if kind == "remote":
+        return _prepare_remote(cfg)
+    if kind == "llama-server":
+        return _prepare_llama(cfg, _model_path(cfg, model), host, port, force, report, seams)
+    if kind == "bundled":
+        return _prepare_bundled(cfg, _model_path(cfg, model), host, port)
+    raise K3Error(f"Unknown backend kind {kind!r}.",
+                  "use bundled, llama-server or remote ([backend] kind in the config)", 2)
+
+
+def _prepare_remote(cfg: Any) -> Launchable:
+    url = cfg.remote.url
+    if not url:
+        raise K3Error("The remote backend has no URL.", "set `url` in [remote], or run "
+                      "`k3tui setup`")
+    key = os.environ.get(cfg.remote.api_key_env) if cfg.remote.api_key_env else None
+
+    def run(_: ProgressCallback | None) -> RunningBackend:
+        return RunningBackend(kind="remote", base_url=url.rstrip("/").removesuffix("/v1"),
+                              api_key=key, model=cfg.remote.model or "kimi-k3")
+
+    return Launchable("remote", f"remote endpoint {url} (nothing to start)", run)
+
+
+def _prepare_llama(cfg: Any, model: Path, host: str, port: int, force: bool, report: Any,
+                   seams: dict[str, Any]) -> Launchable:
+    from k3tui.plan import make_plan
+
+    ls = cfg.llama_server
+    if report is None:
+        from k3tui.probe import probe_machine
+
+        report = probe_machine(target_dir=model if model.is_dir() else model.parent,
+                               check_isolation=False)  # the launch checks isolation itself
+    plan = make_plan(report, "gguf", ctx_size=ls.ctx_size, reasoning_budget=ls.reasoning_budget)
+    limit = int(ls.memory_limit_gb * GIB) if ls.memory_limit_gb > 0 else plan.memory_limit_bytes
+    gpu_present = bool(getattr(getattr(report, "gpu", None), "present", False))
+    prepared = llama_server.prepare(
+        model, binary=ls.binary, plan_args=plan.llama_server_args, memory_limit_bytes=limit,
+        ctx_size=ls.ctx_size, reasoning_budget=ls.reasoning_budget,
+        n_gpu_layers=ls.n_gpu_layers if gpu_present else None,
+        threads=cfg.engine.threads or None, extra_args=ls.extra_args, host=host, port=port,
+        alias="kimi-k3", api_key=_api_key(host), report=report, force=force,
+        plan_reasons={fr[0].split()[0]: fr[1] for fr in plan.flag_reasons if fr}, **seams)
+    summary = prepared.describe()
+    if limit and plan.memory_limit_reason and ls.memory_limit_gb <= 0:
+        summary += f"\n  (limit = {plan.memory_limit_reason})"
+
+    def run(on_progress: ProgressCallback | None) -> RunningBackend:
+        return llama_server.start(prepared, on_progress=on_progress)
+
+    return Launchable("llama-server", summary, run)
+
+
+def _prepare_bundled(cfg: Any, checkpoint: Path, host: str, port: int) -> Launchable:
+    args = bundled.memory_flags(cfg.engine)
+    if cfg.model.trunk_dir:
+        args += ["--trunk", cfg.model.trunk_dir]
+    key = _api_key(host)
+    summary = (f"bundled engine: python -m engine serve {checkpoint} --host {host} "
+               f"{' '.join(args)}".rstrip())
+
+    def run(on_progress: ProgressCallback | None) -> RunningBackend:
+        return bundled.start_engine(checkpoint, args=args, host=host, port=port, api_key=key,
+                                    model_name="kimi-k3", on_progress=on_progress)
+
+    return Launchable("bundled", summary, run)
+
+
+def launch(cfg: Any, *, on_progress: ProgressCallback | None = None, **options: Any
+           ) -> RunningBackend:
+    """Start the configured backend ("bundled", "llama-server" or "remote"); the first
+    progress report carries the description of what is started. Raises K3Error."""
+    ready = prepare_launch(cfg, **options)
+    if on_progress is not None:
+        on_progress(LoadProgress(0.0, message=ready.describe()))
+    return ready.start(on_progress)
+
+
+def launch_engine(checkpoint: str | Path, *, budget_gb: float | None = None,
+                  extra_args: Sequence[str] = (), steer_demo: bool = False,
+                  on_progress: ProgressCallback | None = None) -> RunningBackend:
+    """The bundled engine on loopback for `checkpoint` (the demo uses this)."""
+    args: list[str] = []
+    if budget_gb:
+        args += ["--budget-gb", f"{budget_gb:g}"]
+    if steer_demo:
+        args.append("--steer-demo")
+    args += list(extra_args)
+    return bundled.start_engine(checkpoint, args=args, on_progress=on_progress)
