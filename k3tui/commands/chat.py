@@ -1,15 +1,239 @@
-"""`k3tui chat`: not built yet."""
+"""`k3tui chat`: the chat TUI against the configured backend, any OpenAI-compatible URL, or the demo."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
 
 from k3tui.errors import K3Error
 
+SMOKE_PROMPT = "Say hello in one short sentence."
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pass
+    parser.add_argument("--url", help="base URL of a running OpenAI-compatible server "
+                        "(with or without a trailing /v1)")
+    parser.add_argument("--api-key-env", metavar="VAR",
+                        help="environment variable holding the API key for --url")
+    parser.add_argument("--model", help="model name to request (default: the server's first)")
+    parser.add_argument("--demo", action="store_true",
+                        help="synthesise a small demo model (random weights, not Kimi-K3) "
+                        "and chat with it on the bundled engine")
+    parser.add_argument("--smoke", action="store_true",
+                        help="no terminal needed: send one scripted prompt headless, print "
+                        "the answer, exit 0 only if tokens streamed")
+    parser.add_argument("--prompt", default=SMOKE_PROMPT, help="the prompt --smoke sends")
+    parser.add_argument("--conversation", type=int, metavar="ID",
+                        help="open this conversation (default: the most recent)")
+    parser.add_argument("--ascii", action="store_true",
+                        help="ASCII sparklines, for terminals without block characters")
+    parser.add_argument("--light", action="store_true", help="light theme")
+
+
+def _require_terminal(args: argparse.Namespace) -> None:
+    if args.smoke:
+        return
+    if not sys.stdin.isatty() or not sys.stdout.isatty():
+        raise K3Error("`k3tui chat` needs a terminal, and stdin or stdout is not one.",
+                      "run it in a terminal (over SSH: `ssh -t host k3tui chat`), or use "
+                      "`k3tui chat --smoke` for a non-interactive check", 2)
+
+
+class Session:
+    """What the app talks to: a stream function, header info, and how to (re)start it."""
+
+    def __init__(self) -> None:
+        from k3tui.tui.app import BackendInfo
+
+        self.info = BackendInfo()
+        self.running: Any = None                  # a RunningBackend we started (or None)
+        self.starter: Callable[[Callable[[Any], None]], Any] | None = None
+        self.chat_kwargs: dict[str, Any] = {}
+        self.system_prompt = ""
+        self.url = ""
+        self.api_key: str | None = None
+
+    def stream(self, messages: list[dict[str, Any]]):
+        if self.running is not None:
+            return self.running.chat(messages, **self.chat_kwargs)
+        from k3tui.backends.openai_stream import stream_chat
+
+        return stream_chat(self.url, messages, api_key=self.api_key,
+                           model=self.info.model or None, **self.chat_kwargs)
+
+    def attach(self, running: Any) -> None:
+        """Called once a started backend answers: point the stream and header at it."""
+        self.running = running
+        self.info.kind = running.kind
+        self.info.model = running.model or self.info.model
+        self.info.url = running.base_url
+        self.info.pid = running.pid
+        self.info.log_path = str(running.log_path or "")
+
+    def alive(self) -> bool:
+        return self.running is None or self.running.alive()
+
+    def stop(self) -> None:
+        if self.running is not None:
+            self.running.stop()
+
+
+def _url_session(url: str, api_key_env: str | None, model: str | None) -> Session:
+    s = Session()
+    s.url = url
+    if api_key_env:
+        s.api_key = os.environ.get(api_key_env)
+        if not s.api_key:
+            raise K3Error(f"The environment variable {api_key_env} is empty or not set.",
+                          f"export {api_key_env}=<your key>, then run this again", 2)
+    s.info.kind = "remote"
+    s.info.url = url
+    s.info.model = model or _first_model(url, s.api_key) or "?"
+    return s
+
+
+def _first_model(url: str, api_key: str | None) -> str | None:
+    """The server's first model id; None when it cannot say (the chat still opens)."""
+    import asyncio
+
+    try:
+        from k3tui.backends.openai_stream import list_models
+
+        models = asyncio.run(asyncio.wait_for(list_models(url, api_key=api_key), 10))
+    except Exception:
+        return None
+    if not models:
+        return None
+    return str(models[0].get("id") or "") or None
+
+
+def _config_session(cfg: Any) -> Session:
+    s = Session()
+    s.chat_kwargs = {"max_tokens": cfg.chat.max_tokens, "temperature": cfg.chat.temperature}
+    s.system_prompt = cfg.chat.system_prompt
+    if cfg.backend.kind == "remote":
+        url = cfg.remote.url
+        if not url:
+            raise K3Error("The config names a remote backend but no URL.",
+                          "run `k3tui setup`, or `k3tui config set remote.url URL`")
+        remote = _url_session(url, cfg.remote.api_key_env or None, cfg.remote.model or None)
+        remote.chat_kwargs, remote.system_prompt = s.chat_kwargs, s.system_prompt
+        return remote
+    s.info.kind = cfg.backend.kind
+    s.info.model = os.path.basename(str(cfg.model.dir).rstrip("/")) or cfg.model.repo
+    if cfg.backend.kind == "bundled":
+        s.info.preset = cfg.engine.preset
+    try:
+        from k3tui.backends import launch as launch_mod
+    except ImportError as exc:
+        raise K3Error("This version cannot start a backend yet (k3tui.backends.launch is "
+                      "missing).", "start a server yourself and use `k3tui chat --url URL`") \
+            from exc
+    s.starter = lambda on_progress: launch_mod.launch(cfg, on_progress=on_progress)
+    return s
+
+
+def _offer_demo() -> bool:
+    print("k3tui has no configuration yet (run `k3tui setup` to make one).")
+    if not sys.stdin.isatty():
+        return False
+    try:
+        answer = input("Try the demo model now (random weights, a few MB, not Kimi-K3)? [Y/n] ")
+    except EOFError:
+        return False
+    return answer.strip().lower() in ("", "y", "yes")
+
+
+def build_session(args: argparse.Namespace) -> Session:
+    if args.demo:
+        from k3tui import demo
+
+        return demo.demo_session(Session)
+    if args.url:
+        return _url_session(args.url, args.api_key_env, args.model)
+    from k3tui.config import config_exists, load_config
+
+    if not config_exists():
+        if not args.smoke and _offer_demo():
+            from k3tui import demo
+
+            return demo.demo_session(Session)
+        raise K3Error("There is no configuration yet.",
+                      "run `k3tui setup`, or try `k3tui chat --demo`", 2)
+    return _config_session(load_config())
+
+
+def make_app(session: Session, args: argparse.Namespace, **overrides: Any):
+    from k3tui.history import History
+    from k3tui.monitor import Monitor
+    from k3tui.tui.app import ChatApp
+
+    kwargs: dict[str, Any] = dict(
+        stream=session.stream, history=History(), backend=session.info,
+        monitor=Monitor(session.info.pid), ascii=True if args.ascii else None,
+        conversation_id=args.conversation, system_prompt=session.system_prompt,
+        theme="textual-light" if args.light else None, starter=session.starter,
+        on_started=session.attach, backend_alive=session.alive)
+    kwargs.update(overrides)
+    return ChatApp(**kwargs)
 
 
 def run(args: argparse.Namespace) -> int:
-    raise K3Error("`k3tui chat` is not built yet.", "see the README for what works today", 2)
+    _require_terminal(args)
+    session = build_session(args)
+    try:
+        if args.smoke:
+            return smoke(session, args)
+        app = make_app(session, args)
+        app.run()
+        return int(app.return_code or 0)
+    finally:
+        session.stop()
+
+
+def smoke(session: Session, args: argparse.Namespace) -> int:
+    """One scripted turn in the real app, headless; 0 only if tokens streamed."""
+    from k3tui.tui.widgets.prompt import Prompt
+
+    result: dict[str, Any] = {}
+    t0 = time.monotonic()
+
+    def ready(app) -> None:
+        def check() -> None:
+            chat = app.chat
+            if app.screen is not chat:
+                return  # still starting the backend
+            if not result.get("sent"):
+                result["sent"] = time.monotonic()
+                chat.query_one(Prompt).post_message(Prompt.Submitted(args.prompt))
+                return
+            if chat.generating or chat.current is None:
+                return
+            snap = chat.stats.snapshot()
+            result.update(tokens=snap.tokens, ttft_ms=snap.ttft_ms, status=chat.current.status,
+                          content=chat.current.content, reasoning=chat.current.reasoning,
+                          note=chat.current.note)
+            app.exit(0 if snap.tokens > 0 and chat.current.status == "done" else 1)
+
+        app.set_interval(0.1, check)
+
+    app = make_app(session, args, on_ready=ready, sample_hz=2.0)
+    app.run(headless=True, size=(100, 30))
+    if "tokens" not in result:
+        print("smoke: the chat never finished a turn (see the backend log above).",
+              file=sys.stderr)
+        return 1
+    wall = time.monotonic() - t0
+    print(f"smoke: {result['tokens']} tokens streamed, status {result['status']}, "
+          f"first token {(result['ttft_ms'] or 0) / 1000:.1f} s after sending, "
+          f"{wall:.1f} s in all")
+    if result["reasoning"]:
+        print(f"reasoning: {result['reasoning'][:200]}")
+    print(f"answer: {result['content'][:400]}")
+    if result["note"]:
+        print(f"note: {result['note']}")
+    return int(app.return_code or 0) if result["tokens"] > 0 else 1

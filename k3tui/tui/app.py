@@ -277,6 +277,10 @@ class ChatScreen(Screen):
         if self.generating:
             self.notify("Press Esc to stop the current answer first.", severity="warning")
             return
+        app = self.k3app
+        if app.starter is not None and not app.backend_alive():
+            app.start_backend(then=self.action_regenerate)  # the backend died: restart it
+            return
         if not await self._drop_last_answer():
             self.notify("Nothing to regenerate yet.")
             return
@@ -404,7 +408,10 @@ class ChatApp(App):
                  clock: Callable[[], float] = time.monotonic, ascii: bool | None = None,
                  conversation_id: int | None = None, sample_hz: float = 2.0,
                  system_prompt: str = "", theme: str | None = None,
-                 on_ready: Callable[[ChatApp], Any] | None = None) -> None:
+                 on_ready: Callable[[ChatApp], Any] | None = None,
+                 starter: Callable[[Callable[[Any], None]], Any] | None = None,
+                 on_started: Callable[[Any], None] | None = None,
+                 backend_alive: Callable[[], bool] | None = None) -> None:
         super().__init__()
         self.stream = stream
         self.history = history
@@ -416,6 +423,9 @@ class ChatApp(App):
         self.system_prompt = system_prompt
         self._conversation_id = conversation_id
         self._on_ready = on_ready
+        self.starter = starter
+        self._on_started = on_started
+        self.backend_alive = backend_alive or (lambda: True)
         if theme:
             self.theme = theme
 
@@ -427,8 +437,30 @@ class ChatApp(App):
         return next(s for s in self.screen_stack if isinstance(s, ChatScreen))
 
     def on_ready(self) -> None:
+        if self.starter is not None:
+            self.start_backend()
         if self._on_ready is not None:
             self._on_ready(self)
+
+    def start_backend(self, then: Callable[[], Any] | None = None) -> None:
+        """Show the start-up screen until `starter` returns a running backend."""
+        from k3tui.tui.screens.startup import StartupScreen
+
+        assert self.starter is not None
+
+        def started(running: Any) -> None:
+            if self._on_started is not None:
+                self._on_started(running)
+            chat = self.chat
+            chat.query_one("#header", Static).update(self.backend.header())
+            if self.monitor is not None:
+                self.monitor.set_pid(self.backend.pid)
+            if then is not None:
+                self.call_later(then)
+
+        title = f"starting the {self.backend.kind} backend: {self.backend.model}"
+        self.push_screen(StartupScreen(title, self.starter, lambda: self.backend.log_path),
+                         started)
 
     def copy(self, text: str) -> list[str]:
         """OSC 52 through our own driver (tmux-wrapped), plus a local clipboard tool."""

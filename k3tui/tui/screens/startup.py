@@ -1,0 +1,129 @@
+"""Backend start-up (load progress + log tail) and the backend log viewer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rich.text import Text
+from textual import work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.screen import Screen
+from textual.widgets import Footer, Log, Static
+
+from k3tui.errors import K3Error
+
+
+def tail(path: str | Path | None, n: int = 200) -> list[str]:
+    if not path:
+        return []
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, 2)
+            fh.seek(max(0, fh.tell() - 64 * 1024))
+            return fh.read().decode("utf-8", "replace").splitlines()[-n:]
+    except OSError:
+        return []
+
+
+class LogView(Vertical):
+    """A log tail that re-reads the file twice a second."""
+
+    def __init__(self, path: str | Path | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.path = path
+        self._shown: list[str] = []
+
+    def compose(self) -> ComposeResult:
+        yield Log(id="log-tail", auto_scroll=True)
+
+    def on_mount(self) -> None:
+        self.border_title = f"log {self.path or '(none yet)'}"
+        self.reload()
+        self.set_interval(0.5, self.reload)
+
+    def reload(self) -> None:
+        lines = tail(self.path)
+        if lines != self._shown:
+            log = self.query_one(Log)
+            log.clear()
+            log.write_lines(lines)
+            self._shown = lines
+
+
+class LogScreen(Screen):
+    BINDINGS = [Binding("escape", "app.pop_screen", "Back"), Binding("q", "app.pop_screen", "Back")]
+
+    def __init__(self, path: str | Path | None) -> None:
+        super().__init__()
+        self.path = path
+
+    def compose(self) -> ComposeResult:
+        if not self.path:
+            yield Static("This backend was not started by k3tui, so there is no log here "
+                         "(check the server's own output).", id="log-none")
+        yield LogView(self.path, id="log-view")
+        yield Footer()
+
+
+class StartupScreen(Screen[Any]):
+    """Runs `start(on_progress)` in a thread; shows progress lines and the log tail.
+
+    Dismisses with whatever `start` returned (a RunningBackend). A K3Error stays on screen
+    as its sentence and next step, with r to retry.
+    """
+
+    BINDINGS = [Binding("r", "retry", "Retry"), Binding("escape", "app.quit", "Quit")]
+
+    def __init__(self, title: str, start: Callable[[Callable[[Any], None]], Any],
+                 log_path: Callable[[], str | Path | None] | None = None) -> None:
+        super().__init__()
+        self.title_text = title
+        self.start = start
+        self.log_path = log_path
+        self.last_line = ""
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="startup"):
+            yield Static(Text(f" {self.title_text}", style="bold"), id="startup-title")
+            yield Static("starting…", id="startup-progress")
+            yield LogView(None, id="startup-log")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.run_start()
+
+    def action_retry(self) -> None:
+        self.run_start()
+
+    def _progress(self, progress: Any) -> None:
+        line = progress.line() if hasattr(progress, "line") else str(progress)
+        self.app.call_from_thread(self._show, line)
+
+    def _show(self, line: str, style: str = "") -> None:
+        self.last_line = line
+        self.query_one("#startup-progress", Static).update(Text(line, style=style))
+        if self.log_path is not None:
+            view = self.query_one(LogView)
+            path = self.log_path()
+            if path and view.path != path:
+                view.path = path
+                view.border_title = f"log {path}"
+
+    @work(thread=True, exclusive=True, group="startup")
+    def run_start(self) -> None:
+        self.app.call_from_thread(self._show, "starting…")
+        try:
+            backend = self.start(self._progress)
+        except K3Error as exc:
+            self.app.call_from_thread(self._show, f"{exc.message}\nnext: {exc.next_step}\n"
+                                      "press r to retry, Esc to quit", "bold red")
+            return
+        except Exception as exc:  # never a traceback on screen
+            self.app.call_from_thread(self._show, f"The backend did not start: {exc}\n"
+                                      "press r to retry, Esc to quit", "bold red")
+            return
+        self.app.call_from_thread(self.dismiss, backend)
