@@ -1,0 +1,133 @@
+"""An arena of routed-expert slots (MXFP4 bytes, never dequantised) with pluggable eviction.
+
+Each slot holds one expert's aligned read windows. A slot is EMPTY, FILLING (a read is in
+flight; it cannot be chosen as a victim and its key is not yet published), or holds a key
+`(layer, expert)`. Slots handed to the model are pinned (`users > 0`) until the model
+leaves its `experts()` block, so no read ever overwrites bytes being computed on.
+
+Eviction is a policy object. LRU is the default; flat routing (Quantile Balancing) over a
+cyclic layer order makes any recency policy retain ~nothing below one token's working
+set, so the seam is here for a better one.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Iterable, Protocol
+
+import numpy as np
+
+from engine.errors import PlanError
+from engine.io import aligned_buffer
+
+Key = Hashable
+
+
+class EvictionPolicy(Protocol):
+    def touch(self, slot: int) -> None: ...
+
+    def victims(self, k: int, evictable: np.ndarray, empty: np.ndarray) -> list[int]: ...
+
+
+class LRU:
+    """Least recently used first; empty slots before any occupied one."""
+
+    def __init__(self, nslots: int):
+        self._used_at = np.zeros(nslots, dtype=np.float64)
+        self._clock = 0.0
+
+    def touch(self, slot: int) -> None:
+        self._clock += 1.0
+        self._used_at[slot] = self._clock
+
+    def victims(self, k: int, evictable: np.ndarray, empty: np.ndarray) -> list[int]:
+        score = self._used_at.copy()
+        score[empty] = -1.0
+        score[~evictable] = np.inf
+        if k >= len(score):
+            order = np.argsort(score, kind="stable")
+        else:
+            part = np.argpartition(score, k)[:k]
+            order = part[np.argsort(score[part], kind="stable")]
+        out = [int(s) for s in order[:k] if np.isfinite(score[s])]
+        return out
+
+
+POLICIES = {"lru": LRU}
+
+
+class ExpertCache:
+    """`nslots` slots of `slot_bytes` in one aligned arena; keys are (layer, expert)."""
+
+    def __init__(self, nslots: int, slot_bytes: int, policy: str | EvictionPolicy = "lru"):
+        if nslots < 1:
+            raise PlanError("the expert cache needs at least one slot.")
+        self.nslots = nslots
+        self.slot_bytes = slot_bytes
+        self.arena = aligned_buffer(nslots * slot_bytes)
+        self.policy: EvictionPolicy = POLICIES[policy](nslots) if isinstance(policy, str) \
+            else policy
+        self.key_of: list[Key | None] = [None] * nslots
+        self.slot_of: dict[Key, int] = {}
+        self.users = np.zeros(nslots, dtype=np.int32)
+        self.filling = np.zeros(nslots, dtype=bool)
+        self.evictions = 0
+
+    def buffer(self, slot: int) -> np.ndarray:
+        start = slot * self.slot_bytes
+        return self.arena[start : start + self.slot_bytes]
+
+    def lookup(self, key: Key) -> int | None:
+        return self.slot_of.get(key)
+
+    @property
+    def free_for_reuse(self) -> int:
+        """Slots not pinned by a user nor being filled (what one request may claim)."""
+        return int(np.count_nonzero((self.users == 0) & ~self.filling))
+
+    def pin(self, slot: int) -> None:
+        self.users[slot] += 1
+        self.policy.touch(slot)
+
+    def unpin(self, slot: int) -> None:
+        self.users[slot] -= 1
+
+    def reserve(self, k: int) -> list[int]:
+        """Claim `k` slots for reads: evict their keys, mark them FILLING and pinned."""
+        if k == 0:
+            return []
+        empty = np.array([key is None for key in self.key_of], dtype=bool)
+        evictable = (self.users == 0) & ~self.filling
+        slots = self.policy.victims(k, evictable, empty)
+        if len(slots) < k:
+            raise PlanError(
+                f"the expert cache has {self.nslots} slots but {k} more are needed at once "
+                f"while {self.nslots - self.free_for_reuse} are in use; give a larger "
+                "--cache-gb."
+            )
+        for s in slots:
+            old = self.key_of[s]
+            if old is not None:
+                del self.slot_of[old]
+                self.key_of[s] = None
+                self.evictions += 1
+            self.filling[s] = True
+            self.users[s] += 1
+        return slots
+
+    def publish(self, slot: int, key: Key) -> None:
+        """The read into `slot` fully arrived: it now holds `key`."""
+        self.filling[slot] = False
+        self.key_of[slot] = key
+        self.slot_of[key] = slot
+        self.policy.touch(slot)
+
+    def discard(self, slot: int) -> None:
+        """The read into `slot` failed or was abandoned: it is EMPTY again."""
+        self.filling[slot] = False
+        old = self.key_of[slot]
+        if old is not None:
+            del self.slot_of[old]
+        self.key_of[slot] = None
+
+    def resident(self) -> Iterable[Key]:
+        return list(self.slot_of)

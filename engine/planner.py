@@ -1,0 +1,446 @@
+"""The memory plan: how a budget is split between pinned trunk, read-ahead ring and experts.
+
+Trunk first (spec 2.4): every token reads the whole unpinned trunk, so a pinned GB saves a
+GB per token for sure, while an expert-cache GB saves a fraction of that. The plan pins a
+prefix of layers (a cyclic 0..n-1 scan gives LRU a 0 % hit rate; a prefix gives exactly
+npin/n), streams the rest through a ring of uniform slots (two when they fit, so the next
+layer is read while the current one computes), and gives what is left to expert slots,
+never fewer than top-k + 1. The plan is printed as a forecast before anything is
+allocated, and refused, with the numbers, when it cannot fit.
+
+Memory facts come straight from /proc/meminfo and the cgroup (v2 or v1) limit: the
+engine never imports k3tui.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.errors import PlanError
+
+GB = 1e9
+# Per-preset (trunk GB, expert cache GB), as the peer's `--list-presets` for the real model.
+PRESETS: dict[str, tuple[float, float]] = {
+    "laptop": (3.0, 1.0),
+    "desktop": (16.0, 10.0),
+    "workstation": (60.0, 30.0),
+    "server": (110.0, 13.0),
+    "max": (110.0, 109.0),
+}
+RUNTIME_BYTES = 250_000_000  # python + numpy + thread stacks, measured ~0.2 GB
+DEFAULT_CONTEXT = 8192
+
+
+def fmt_bytes(n: float) -> str:
+    """Readable size with enough digits for tiny test checkpoints and the 1.5 TB one."""
+    for unit, scale in (("GB", GB), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= scale * 0.1 or unit == "KB":
+            return f"{n / scale:.3g} {unit}" if n < scale * 100 else f"{n / scale:.0f} {unit}"
+    return f"{n} B"
+
+
+def gb_arg(n: float) -> str:
+    """A --*-gb value that is at least `n` bytes (rounded up at 4 significant digits)."""
+    x = n / GB
+    if x <= 0:
+        return "0"
+    digits = max(0, 3 - int(math.floor(math.log10(x))))
+    q = 10 ** digits
+    return f"{math.ceil(x * q) / q:.{digits}f}"
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What the planner needs to know about a checkpoint, in bytes."""
+
+    n_layers: int
+    layer_bytes: tuple[int, ...]  # buffer bytes to hold each layer's trunk (aligned)
+    expert_slot_bytes: int  # buffer bytes for one routed expert (aligned windows)
+    expert_bytes: int  # payload bytes of one routed expert
+    n_experts: int
+    top_k: int
+    moe_layers: int
+    model_bytes: int  # model-level tensors kept resident (embed, lm_head, norms)
+    checkpoint_bytes: int
+    kv_bytes_per_token: int  # MLA latent cache, all MLA layers
+    state_bytes: int  # KDA recurrent state + conv history
+    scratch_bytes: int  # compute temporaries (widened weights, activations)
+
+    @property
+    def trunk_bytes(self) -> int:
+        return sum(self.layer_bytes)
+
+    @property
+    def all_experts_bytes(self) -> int:
+        return self.n_experts * self.moe_layers * self.expert_slot_bytes
+
+    @property
+    def min_expert_slots(self) -> int:
+        return self.top_k + 1
+
+
+@dataclass(frozen=True)
+class MemoryFacts:
+    mem_total: int
+    mem_available: int
+    cgroup_limit: int | None
+    cgroup_usage: int | None
+
+    @property
+    def available(self) -> int:
+        """MemAvailable, or what the cgroup still allows if that is less."""
+        avail = self.mem_available
+        if self.cgroup_limit is not None:
+            avail = min(avail, self.cgroup_limit - (self.cgroup_usage or 0))
+        return max(0, avail)
+
+
+def read_memory_facts(proc: Path = Path("/proc"), cgroup: Path = Path("/sys/fs/cgroup")
+                      ) -> MemoryFacts:
+    info: dict[str, int] = {}
+    try:
+        for line in (proc / "meminfo").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            parts = rest.split()
+            if parts:
+                info[key] = int(parts[0]) * (1024 if parts[-1] == "kB" else 1)
+    except OSError:
+        pass
+    total = info.get("MemTotal", 0)
+    avail = info.get("MemAvailable", info.get("MemFree", total))
+    limit, usage = _cgroup_limit(proc, cgroup)
+    return MemoryFacts(total, avail, limit, usage)
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return None if text in ("", "max") else int(text)
+
+
+def _cgroup_limit(proc: Path, cgroup: Path) -> tuple[int | None, int | None]:
+    """The memory limit of this process's cgroup (v2 `memory.max`, v1 `limit_in_bytes`)."""
+    try:
+        lines = (proc / "self" / "cgroup").read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        _, controllers, rel = line.split(":", 2)
+        rel = rel.lstrip("/")
+        if controllers == "":  # v2 unified
+            d = cgroup / rel
+            limit = _read_int(d / "memory.max")
+            if limit is not None:
+                return limit, _read_int(d / "memory.current")
+        elif "memory" in controllers.split(","):
+            for d in (cgroup / "memory" / rel, cgroup / "memory"):
+                limit = _read_int(d / "memory.limit_in_bytes")
+                if limit is not None:
+                    if limit >= 1 << 60:  # v1 spells "no limit" as a huge number
+                        return None, None
+                    return limit, _read_int(d / "memory.usage_in_bytes")
+    return None, None
+
+
+@dataclass
+class Plan:
+    geometry: Geometry
+    trunk_budget: int
+    cache_budget: int
+    pinned: tuple[int, ...]  # layers kept in RAM after their first read
+    ring_slots: int
+    ring_slot_bytes: int
+    expert_slots: int
+    threads: int
+    context: int
+    facts: MemoryFacts | None = None
+    source: str = "budget"  # how the numbers were chosen: budget, preset NAME, trunk/cache
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(self.geometry.layer_bytes[i] for i in self.pinned)
+
+    @property
+    def ring_bytes(self) -> int:
+        return self.ring_slots * self.ring_slot_bytes
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.expert_slots * self.geometry.expert_slot_bytes
+
+    @property
+    def budget_bytes(self) -> int:
+        """What the plan allocates for weights: pinned + ring + expert arena."""
+        return self.pinned_bytes + self.ring_bytes + self.cache_bytes
+
+    @property
+    def overhead_bytes(self) -> int:
+        """The fixed part outside the budget: tables, state, KV for the context, runtime."""
+        g = self.geometry
+        return (g.model_bytes + g.state_bytes + g.kv_bytes_per_token * self.context
+                + g.scratch_bytes + RUNTIME_BYTES)
+
+    @property
+    def streamed_trunk_bytes(self) -> int:
+        g = self.geometry
+        return sum(b for i, b in enumerate(g.layer_bytes) if i not in set(self.pinned))
+
+    def describe(self) -> str:
+        g = self.geometry
+        f = fmt_bytes
+        ring = ""
+        if self.ring_slots:
+            ring = (f", ring {self.ring_slots} x {f(self.ring_slot_bytes)}"
+                    + (" with read-ahead" if self.ring_slots >= 2 else " (no read-ahead)"))
+        lines = [
+            f"memory plan ({self.source}): weights {f(self.budget_bytes)} + fixed "
+            f"{f(self.overhead_bytes)} = peak RSS forecast "
+            f"{f(self.budget_bytes + self.overhead_bytes)}",
+            f"  trunk: {len(self.pinned)} of {g.n_layers} layers pinned "
+            f"({f(self.pinned_bytes)}){ring}; streams {f(self.streamed_trunk_bytes)} of trunk "
+            "per token",
+            f"  experts: {self.expert_slots} slots x {f(g.expert_slot_bytes)} = "
+            f"{f(self.cache_bytes)} (top-{g.top_k} needs {g.min_expert_slots}; all "
+            f"{g.n_experts * g.moe_layers} experts = {f(g.all_experts_bytes)})",
+            f"  fixed: model tables {f(g.model_bytes)}, state+KV for {self.context} tokens "
+            f"{f(g.state_bytes + g.kv_bytes_per_token * self.context)}, scratch+runtime "
+            f"{f(g.scratch_bytes + RUNTIME_BYTES)}",
+            f"  reader threads: {self.threads}",
+        ]
+        if self.facts is not None:
+            lines.append(f"  available memory: {f(self.facts.available)}")
+        lines += [f"  note: {x}" for x in self.notes]
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "budget_gb": self.budget_bytes / GB,
+            "overhead_gb": self.overhead_bytes / GB,
+            "pinned_layers": len(self.pinned),
+            "ring_slots": self.ring_slots,
+            "ring_slot_gb": self.ring_slot_bytes / GB,
+            "expert_slots": self.expert_slots,
+            "threads": self.threads,
+        }
+
+
+def _split_trunk(g: Geometry, trunk_budget: int) -> tuple[tuple[int, ...], int, int, int]:
+    """Pin a prefix and size the ring for `trunk_budget`; → (pinned, R, slot, leftover).
+
+    The ring slot must hold the largest *unpinned* layer, so pinning a big layer can
+    shrink the slot. Two slots (read-ahead) whenever two fit, as the peer does, then the
+    longest prefix that still fits beside them.
+    """
+    sizes = g.layer_bytes
+    n = g.n_layers
+    if trunk_budget >= g.trunk_bytes:
+        return tuple(range(n)), 0, 0, trunk_budget - g.trunk_bytes
+    prefix = [0]
+    for b in sizes:
+        prefix.append(prefix[-1] + b)
+    suffix_max = [0] * (n + 1)
+    for i in range(n - 1, -1, -1):
+        suffix_max[i] = max(sizes[i], suffix_max[i + 1])
+    ring = 2 if 2 * suffix_max[0] <= trunk_budget else 1
+    npin = 0
+    for k in range(n):  # k pinned, layers k.. streamed
+        if prefix[k] + ring * suffix_max[k] <= trunk_budget:
+            npin = k
+    used = prefix[npin] + ring * suffix_max[npin]
+    return tuple(range(npin)), ring, suffix_max[npin], trunk_budget - used
+
+
+def make_plan(
+    geometry: Geometry,
+    *,
+    budget_gb: float | None = None,
+    preset: str | None = None,
+    trunk_gb: float | None = None,
+    cache_gb: float | None = None,
+    threads: int = 0,
+    context: int = DEFAULT_CONTEXT,
+    facts: MemoryFacts | None = None,
+    check_memory: bool = True,
+) -> Plan:
+    """Split a budget (or preset, or trunk/cache pair) into pinned layers, ring and slots."""
+    g = geometry
+    facts = facts if facts is not None else read_memory_facts()
+    slot_e = g.expert_slot_bytes
+    min_cache = g.min_expert_slots * slot_e
+    min_total = max(g.layer_bytes) + min_cache
+    source = "budget"
+    if preset == "auto":
+        trunk, cache = _auto(g, facts, context)
+        source = "preset auto"
+    elif preset:
+        if preset not in PRESETS:
+            raise PlanError(
+                f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)} or auto."
+            )
+        t, c = PRESETS[preset]
+        trunk, cache = int(t * GB), int(c * GB)
+        source = f"preset {preset}"
+    else:
+        trunk = cache = None
+    if trunk_gb is not None:
+        trunk, source = int(trunk_gb * GB), "trunk/cache"
+    if cache_gb is not None:
+        cache, source = int(cache_gb * GB), "trunk/cache"
+    if budget_gb is not None:
+        budget = int(budget_gb * GB)
+        if budget < min_total:
+            raise PlanError(
+                f"a {fmt_bytes(budget)} budget is below this checkpoint's minimum of "
+                f"{fmt_bytes(min_total)} (one ring slot of {fmt_bytes(max(g.layer_bytes))} "
+                f"for the largest layer + {g.min_expert_slots} expert slots of "
+                f"{fmt_bytes(slot_e)}); give --budget-gb {gb_arg(min_total)} or more."
+            )
+        if trunk is None and cache is None:
+            # Trunk first; the leftover after pinning flows to the expert arena below.
+            trunk, cache = budget - min_cache, min_cache
+        elif trunk is None:
+            trunk = budget - cache
+        elif cache is None:
+            cache = budget - trunk
+        source = f"budget {budget_gb:g} GB" if source == "budget" else source
+    if trunk is None or cache is None:
+        raise PlanError(
+            "no memory budget given; pass --budget-gb X, --preset NAME|auto, or both "
+            "--trunk-gb and --cache-gb."
+        )
+    pinned, ring, slot, leftover = _split_trunk(g, max(trunk, 0))
+    if not pinned and ring and slot > trunk:
+        raise PlanError(
+            f"a trunk budget of {fmt_bytes(trunk)} cannot hold one ring slot for the largest "
+            f"layer ({fmt_bytes(slot)}); give --trunk-gb {gb_arg(slot)} or more."
+        )
+    if budget_gb is not None or trunk_gb is None:
+        cache += max(leftover, 0)  # unspent trunk budget becomes expert slots
+    nslots = min(int(cache // slot_e), g.n_experts * g.moe_layers)
+    if nslots < g.min_expert_slots:
+        raise PlanError(
+            f"an expert cache of {fmt_bytes(cache)} holds {nslots} slots of "
+            f"{fmt_bytes(slot_e)} but top-{g.top_k} needs {g.min_expert_slots}; give "
+            f"--cache-gb {gb_arg(min_cache)} or more."
+        )
+    plan = Plan(
+        geometry=g,
+        trunk_budget=trunk,
+        cache_budget=cache,
+        pinned=pinned,
+        ring_slots=ring,
+        ring_slot_bytes=slot,
+        expert_slots=nslots,
+        threads=threads if threads and threads > 0 else default_threads(g),
+        context=context,
+        facts=facts,
+        source=source,
+    )
+    if check_memory:
+        check_fits(plan)
+    return plan
+
+
+def default_threads(g: Geometry) -> int:
+    """Enough reads in flight to keep an NVMe queue busy, without thrashing two cores."""
+    return 8 if g.top_k >= 8 else 4
+
+
+def check_fits(plan: Plan) -> None:
+    """Refuse a plan above 95 % of available memory, or a KV cache above 90 % of it."""
+    facts = plan.facts
+    if facts is None or facts.available <= 0:
+        return
+    avail = facts.available
+    g = plan.geometry
+    kv = g.kv_bytes_per_token * plan.context
+    if kv > 0.9 * avail:
+        raise PlanError(
+            f"the KV cache for {plan.context} tokens needs {fmt_bytes(kv)}, above 90% of the "
+            f"{fmt_bytes(avail)} available; use a shorter context (a memory limit, not an "
+            "engine ceiling)."
+        )
+    total = plan.budget_bytes + plan.overhead_bytes
+    if total > 0.95 * avail:
+        raise PlanError(
+            f"the plan needs {fmt_bytes(total)} ({fmt_bytes(plan.budget_bytes)} of weights + "
+            f"{fmt_bytes(plan.overhead_bytes)} fixed) but only {fmt_bytes(avail)} is "
+            f"available (95% = {fmt_bytes(0.95 * avail)}); give a smaller --budget-gb or "
+            "--preset auto."
+        )
+
+
+def _auto(g: Geometry, facts: MemoryFacts, context: int) -> tuple[int, int]:
+    """Budget from what the machine has now, leaving headroom for the OS and the rest."""
+    avail = facts.available
+    fixed = (g.model_bytes + g.state_bytes + g.kv_bytes_per_token * context + g.scratch_bytes
+             + RUNTIME_BYTES)
+    reserve = int(2 * GB + 0.02 * avail) + fixed
+    usable = avail - reserve
+    min_cache = g.min_expert_slots * g.expert_slot_bytes
+    if usable < max(g.layer_bytes) + min_cache:
+        raise PlanError(
+            f"only {fmt_bytes(avail)} is available and {fmt_bytes(reserve)} must stay free, "
+            f"which leaves {fmt_bytes(max(usable, 0))}, below this checkpoint's minimum of "
+            f"{fmt_bytes(max(g.layer_bytes) + min_cache)}; close other programs or use a "
+            "machine with more memory."
+        )
+    if usable >= g.trunk_bytes + min_cache:
+        return g.trunk_bytes, min(usable - g.trunk_bytes, g.all_experts_bytes)
+    return usable - min_cache, min_cache
+
+
+# ---- command-line flags shared by run, serve and bench ------------------------------
+
+
+def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
+    """The memory flags every engine entry point honours."""
+    grp = parser.add_argument_group("memory (stream the model under a budget)")
+    grp.add_argument("--budget-gb", type=float, default=None, metavar="X",
+                     help="total GB for trunk + expert cache (trunk gets memory first)")
+    grp.add_argument("--preset", default=None,
+                     choices=[*PRESETS, "auto"],
+                     help="a named budget, or auto from available memory and the cgroup limit")
+    grp.add_argument("--trunk-gb", type=float, default=None, metavar="X",
+                     help="GB for the trunk: pinned layers + read-ahead ring")
+    grp.add_argument("--cache-gb", type=float, default=None, metavar="Y",
+                     help="GB for the routed-expert cache")
+    grp.add_argument("--trunk", default=None, metavar="DIR",
+                     help="a packed trunk (trunk.bin + trunk.json from `pack`) to stream from")
+    grp.add_argument("--threads", type=int, default=0, metavar="N",
+                     help="reader threads = disk queue depth (0 = automatic)")
+
+
+MEMORY_FLAGS = ("budget_gb", "preset", "trunk_gb", "cache_gb", "trunk")
+
+
+def wants_streaming(args: argparse.Namespace) -> bool:
+    return any(getattr(args, k, None) is not None for k in MEMORY_FLAGS)
+
+
+def plan_from_args(geometry: Geometry, args: argparse.Namespace,
+                   context: int = DEFAULT_CONTEXT) -> Plan:
+    trunk_gb = getattr(args, "trunk_gb", None)
+    cache_gb = getattr(args, "cache_gb", None)
+    if (getattr(args, "trunk", None) and trunk_gb is None and cache_gb is None
+            and getattr(args, "budget_gb", None) is None and getattr(args, "preset", None) is None):
+        preset = "auto"  # --trunk alone: stream under what the machine can give
+    else:
+        preset = getattr(args, "preset", None)
+    return make_plan(
+        geometry,
+        budget_gb=getattr(args, "budget_gb", None),
+        preset=preset,
+        trunk_gb=trunk_gb,
+        cache_gb=cache_gb,
+        threads=getattr(args, "threads", 0) or 0,
+        context=context,
+    )
+

@@ -1,0 +1,510 @@
+"""`StreamingSource`: the model's weights from disk under a memory budget.
+
+* Trunk: a pinned prefix of layers (read once, kept) and a ring of uniform slots for the
+  rest. While layer L computes in one slot, the reader threads fill the next slot(s) with
+  the layers that come next in the cyclic 0..n-1 order; a slot whose layer is being
+  computed on is never reused (with one slot there is no read-ahead: the next read
+  starts when the layer is released).
+* Experts: `experts(L, ids)` finds the ones already resident, claims victim slots for
+  the rest and issues all their reads at once, sorted by file offset, ahead of any trunk
+  read-ahead; `ex[e]` waits only for expert e, so compute starts on the first arrival.
+  A prefill that asks for a chunk's union reads each distinct expert once.
+* Nothing reaches the model from a failed or short read: the error is raised from the
+  `with` block that needed the bytes.
+* Counters for per-token statistics: bytes are counted when the model consumes them
+  (pinned layers once, streamed layers each pass, experts on a miss), waits as wall time
+  the model spent blocked on reads.
+
+`open_source(checkpoint_dir, args)` is what run/serve/bench call: the resident source when
+no memory flag was given, else a plan (printed to stderr as a forecast) and this source.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from engine.config import ModelConfig
+from engine.errors import CheckpointError, ReadError
+from engine.experts import EvictionPolicy, ExpertCache
+from engine.io import Batch, FileTable, Layout, ReadPool, TensorSpec, aligned_buffer
+from engine.planner import (
+    DEFAULT_CONTEXT, GB, Geometry, Plan, plan_from_args, wants_streaming,
+)
+from engine.safetensors import SafetensorsIndex, TensorInfo
+from engine.weights import ExpertWeights, ResidentSource, TensorNames, expert_from_arrays
+
+MODEL_TENSORS = ("embed_tokens.weight", "lm_head.weight", "norm.weight",
+                 "output_attn_res_norm.weight", "output_attn_res_proj.weight")
+EXPERT_PRIORITY = 0  # the compute is blocked on these
+TRUNK_PRIORITY = 1
+
+
+def spec_of(t: TensorInfo) -> TensorSpec:
+    return TensorSpec(t.name, Path(t.file), t.offset, t.nbytes, t.np_dtype, tuple(t.shape))
+
+
+class CheckpointMap:
+    """Where every layer's trunk, every expert and the model tensors live on disk."""
+
+    def __init__(self, checkpoint_dir: str | Path, trunk_dir: str | Path | None = None,
+                 index: SafetensorsIndex | None = None):
+        self.root = Path(checkpoint_dir)
+        self.index = index or SafetensorsIndex.open(self.root)
+        self.config = ModelConfig.from_dir(self.root)
+        self.names = TensorNames.detect(self.index)
+        n = self.config.num_hidden_layers
+        per_layer: dict[int, list[TensorSpec]] = {i: [] for i in range(n)}
+        lp = self.names.prefix + "layers."
+        for name, t in self.index.tensors.items():
+            if not name.startswith(lp) or self.names.is_expert(name):
+                continue
+            num = name[len(lp):].split(".", 1)[0]
+            if num.isdigit() and int(num) < n:
+                per_layer[int(num)].append(spec_of(t))
+        empty = [i for i, specs in per_layer.items() if not specs]
+        if empty:
+            raise CheckpointError(
+                f"layer {empty[0]} has no trunk tensors in {self.root}; the download is "
+                "incomplete."
+            )
+        if trunk_dir is not None:
+            from engine.trunk import trunk_specs  # the packed trunk replaces the shard runs
+
+            per_layer = trunk_specs(Path(trunk_dir), self.index, self.names, n, self.root)
+        self.layers = [Layout(per_layer[i]) for i in range(n)]
+        self._expert_layouts: dict[tuple[int, int], Layout] = {}
+
+    def expert_layout(self, layer: int, expert: int) -> Layout:
+        key = (layer, expert)
+        lay = self._expert_layouts.get(key)
+        if lay is None:
+            infos = [self.index.info(n) for n in self.names.expert(layer, expert)]
+            lay = self._expert_layouts[key] = Layout([spec_of(t) for t in infos])
+        return lay
+
+    def model_spec(self, short: str) -> TensorSpec:
+        return spec_of(self.index.info(self.names.model(short)))
+
+    def geometry(self) -> Geometry:
+        c = self.config
+        moe = [i for i in range(c.num_hidden_layers) if c.is_moe(i)]
+        slot = payload = 0
+        for i in moe:  # experts are uniform; check one per layer
+            lay = self.expert_layout(i, 0)
+            slot, payload = max(slot, lay.nbytes), max(payload, lay.payload)
+        model = [self.model_spec(s) for s in MODEL_TENSORS]
+        mats = [s for lay in self.layers for _, s in lay.tensors.values()] + model
+        biggest = max((int(np.prod(s.shape)) for s in mats if len(s.shape) == 2), default=0)
+        n_mla = len(c.mla_layers)
+        n_kda = c.num_hidden_layers - n_mla
+        kda_state = n_kda * c.kda_num_heads * c.kda_head_dim * c.kda_head_dim * 4
+        conv = n_kda * 3 * c.kda_width * max(c.short_conv_kernel_size - 1, 0) * 4
+        files = {t.file for t in self.index.tensors.values()}
+        return Geometry(
+            n_layers=c.num_hidden_layers,
+            layer_bytes=tuple(lay.nbytes for lay in self.layers),
+            expert_slot_bytes=slot,
+            expert_bytes=payload,
+            n_experts=c.num_experts,
+            top_k=c.num_experts_per_token,
+            moe_layers=len(moe),
+            model_bytes=sum(s.nbytes for s in model),
+            checkpoint_bytes=sum(Path(f).stat().st_size for f in files),
+            kv_bytes_per_token=n_mla * (c.kv_lora_rank + c.qk_rope_head_dim) * 4,
+            state_bytes=kda_state + conv,
+            scratch_bytes=8 * biggest,  # a widened copy (u32 + f32) of the largest matrix
+        )
+
+
+@dataclass
+class _RingSlot:
+    buf: np.ndarray
+    layer: int | None = None
+    batch: Batch | None = None
+    users: int = 0
+    views: dict[str, np.ndarray] | None = None
+
+
+@dataclass
+class _Pinned:
+    buf: np.ndarray
+    batch: Batch
+    counted: bool = False
+    views: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+class StreamingSource:
+    """A `WeightSource` that reads trunk and experts from disk under `plan`."""
+
+    def __init__(self, cmap: CheckpointMap, plan: Plan,
+                 policy: str | EvictionPolicy = "lru"):
+        self.map = cmap
+        self.plan = plan
+        self.config = cmap.config
+        self.names = cmap.names
+        g = plan.geometry
+        self.n = g.n_layers
+        self.files = FileTable()
+        self.pool = ReadPool(plan.threads)
+        self.cache = ExpertCache(plan.expert_slots, g.expert_slot_bytes, policy)
+        self._ring = [_RingSlot(aligned_buffer(plan.ring_slot_bytes))
+                      for _ in range(plan.ring_slots)]
+        self._pinned_set = set(plan.pinned)
+        self._streamed = [i for i in range(self.n) if i not in self._pinned_set]
+        self._pass = 0  # forward passes seen, for read-ahead priorities across tokens
+        self._last = -1
+        self._expert_seq = 0
+        self._c = dict(wait_trunk_s=0.0, wait_experts_s=0.0, trunk_bytes=0, expert_bytes=0,
+                       expert_hits=0, expert_misses=0)
+        self._model: dict[str, np.ndarray] = {}
+        self._pinned: dict[int, _Pinned] = {}
+        self._closed = False
+        # Pinned layers stream in at once, in layer order, behind any urgent read.
+        for i in plan.pinned:
+            lay = cmap.layers[i]
+            buf = aligned_buffer(lay.nbytes)
+            batch = self.pool.submit(lay.reads(self.files, buf), (TRUNK_PRIORITY, i))
+            self._pinned[i] = _Pinned(buf, batch)
+        self._schedule(0, in_use=False, first=True)
+
+    # ---- trunk -------------------------------------------------------------------------
+
+    @contextmanager
+    def layer(self, index: int) -> Iterator[Mapping[str, np.ndarray]]:
+        if not 0 <= index < self.n:
+            raise CheckpointError(f"layer {index} does not exist (the model has {self.n}).")
+        if index <= self._last:
+            self._pass += 1
+        self._last = index
+        if index in self._pinned_set:
+            self._schedule(index, in_use=False)
+            yield self._pinned_views(index)
+            return
+        slot = self._slot_for(index)
+        slot.users += 1
+        try:
+            self._schedule(index, in_use=True)
+            self._await_slot(slot, index)
+            yield slot.views  # type: ignore[misc]
+        finally:
+            slot.users -= 1
+            if slot.users == 0:
+                self._schedule(index, in_use=False)  # this slot now takes a later layer
+
+    def _pinned_views(self, index: int) -> dict[str, np.ndarray]:
+        p = self._pinned[index]
+        if not p.counted:
+            t0 = time.perf_counter()
+            try:
+                p.batch.wait()
+            finally:
+                self._c["wait_trunk_s"] += time.perf_counter() - t0
+            lay = self.map.layers[index]
+            p.views = lay.views(p.buf, self.names.layer_prefix(index))
+            p.counted = True
+            self._c["trunk_bytes"] += lay.payload
+        return p.views
+
+    def _await_slot(self, slot: _RingSlot, index: int) -> None:
+        if slot.views is not None:
+            return
+        t0 = time.perf_counter()
+        try:
+            assert slot.batch is not None
+            slot.batch.wait()
+        except ReadError:
+            slot.layer, slot.batch = None, None
+            raise
+        finally:
+            self._c["wait_trunk_s"] += time.perf_counter() - t0
+        lay = self.map.layers[index]
+        slot.views = lay.views(slot.buf, self.names.layer_prefix(index))
+        self._c["trunk_bytes"] += lay.payload
+
+    def _slot_for(self, index: int) -> _RingSlot:
+        for s in self._ring:
+            if s.layer == index:
+                return s
+        # Not read ahead (first call, or the model left the cyclic order): read it now.
+        free = [s for s in self._ring if s.users == 0]
+        if not free:
+            raise CheckpointError(
+                "every trunk ring slot is in use; the model asked for more layers at once "
+                "than the plan's ring holds."
+            )
+        slot = next((s for s in free if s.layer is None), free[0])
+        self._fill(slot, index, (TRUNK_PRIORITY, -1))
+        return slot
+
+    def _fill(self, slot: _RingSlot, index: int, priority: tuple) -> None:
+        if slot.batch is not None and not slot.batch.done():
+            slot.batch.cancel()
+            slot.batch.finished()  # no read may still be writing into this buffer
+        lay = self.map.layers[index]
+        slot.layer, slot.views = index, None
+        slot.batch = self.pool.submit(lay.reads(self.files, slot.buf), priority)
+
+    def _schedule(self, current: int, in_use: bool, first: bool = False) -> None:
+        """Fill free slots with the streamed layers that come after `current`, in cyclic
+        order; a slot in use (or holding `current` while in use) is never touched."""
+        s = self._streamed
+        if not self._ring or not s:
+            return
+        start = 0 if first else next((k for k, L in enumerate(s) if L > current), len(s))
+        want = min(len(self._ring) - int(in_use), len(s) - int(in_use))
+        upcoming = [s[(start + k) % len(s)] for k in range(want)]
+        keep = set(upcoming) | ({current} if in_use else set())
+        held = {r.layer for r in self._ring}
+        for L in upcoming:
+            if L in held:
+                continue
+            free = [r for r in self._ring if r.users == 0 and r.layer not in keep]
+            if not free:
+                break
+            later_pass = not first and L <= current
+            self._fill(free[0], L, (TRUNK_PRIORITY, (self._pass + later_pass) * self.n + L))
+            held.add(L)
+
+    # ---- experts -----------------------------------------------------------------------
+
+    @property
+    def max_experts_per_call(self) -> int:
+        """How many distinct experts one `experts()` call can hold at once."""
+        return self.cache.nslots
+
+    @contextmanager
+    def experts(self, layer: int, ids: Sequence[int]) -> Iterator[Mapping[int, ExpertWeights]]:
+        wanted = list(dict.fromkeys(int(e) for e in ids))
+        bad = [e for e in wanted if not 0 <= e < self.config.num_experts]
+        if bad:
+            raise CheckpointError(f"expert {bad[0]} of layer {layer} does not exist.")
+        view = _ExpertView(self, layer, wanted)
+        try:
+            yield view
+        finally:
+            view.release()
+
+    def _acquire(self, layer: int, group: list[int]) -> dict[int, tuple[int, Batch | None]]:
+        """Pin resident experts, claim slots and issue sorted reads for the rest."""
+        cache = self.cache
+        got: dict[int, tuple[int, Batch | None]] = {}
+        missing = []
+        for e in group:
+            slot = cache.lookup((layer, e))
+            if slot is not None:
+                cache.pin(slot)
+                got[e] = (slot, None)
+                self._c["expert_hits"] += 1
+            else:
+                missing.append(e)
+        try:
+            slots = cache.reserve(len(missing))
+        except Exception:
+            for slot, _ in got.values():
+                cache.unpin(slot)
+            raise
+        layouts = [self.map.expert_layout(layer, e) for e in missing]
+        order = sorted(range(len(missing)),
+                       key=lambda k: (str(layouts[k].runs[0].file), layouts[k].runs[0].start))
+        for k in order:
+            lay, slot = layouts[k], slots[k]
+            if lay.nbytes > cache.slot_bytes:
+                cache.discard(slot)
+                cache.unpin(slot)
+                raise CheckpointError(
+                    f"expert {missing[k]} of layer {layer} needs {lay.nbytes} bytes, more "
+                    f"than a cache slot ({cache.slot_bytes}); the checkpoint's experts differ "
+                    "in size."
+                )
+            self._expert_seq += 1
+            batch = self.pool.submit(lay.reads(self.files, cache.buffer(slot)),
+                                     (EXPERT_PRIORITY, self._expert_seq))
+            got[missing[k]] = (slot, batch)
+        self._c["expert_misses"] += len(missing)
+        return got
+
+    # ---- model tensors, stats, lifetime ------------------------------------------------
+
+    def model_tensor(self, name: str) -> np.ndarray:
+        arr = self._model.get(name)
+        if arr is None:
+            spec = self.map.model_spec(name)
+            lay = Layout([spec])
+            buf = aligned_buffer(lay.nbytes)
+            self.pool.submit(lay.reads(self.files, buf), (EXPERT_PRIORITY, -1)).wait()
+            arr = self._model[name] = lay.views(buf)[spec.name]
+        return arr
+
+    def stats(self) -> dict[str, Any]:
+        c = self._c
+        return {
+            "wait_trunk_s": c["wait_trunk_s"],
+            "wait_experts_s": c["wait_experts_s"],
+            "gb_read_trunk": c["trunk_bytes"] / GB,
+            "gb_read_experts": c["expert_bytes"] / GB,
+            "expert_hits": c["expert_hits"],
+            "expert_misses": c["expert_misses"],
+            "evictions": self.cache.evictions,
+            "gb_read_device": self.pool.bytes_read / GB,
+            "disk_busy_s": self.pool.busy_s,
+            "rss_gb": current_rss() / GB,
+            "peak_rss_gb": peak_rss() / GB,
+            "budget_gb": self.plan.budget_bytes / GB,
+        }
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.pool.close()
+        self.files.close()
+
+    def __enter__(self) -> "StreamingSource":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _ExpertView(Mapping[int, ExpertWeights]):
+    """`ex[e]` for one `experts()` call; waits only for expert e's own read.
+
+    When the set is larger than the cache can hold at once, it is served in groups in the
+    order of `ids`: an expert stays valid only until one from a later group is asked for
+    (iterate in order and use each at once, as the MoE loop does).
+    """
+
+    def __init__(self, src: StreamingSource, layer: int, wanted: list[int]):
+        self.src = src
+        self.layer = layer
+        self.wanted = wanted
+        cap = max(1, src.cache.free_for_reuse)
+        self.groups = [wanted[i:i + cap] for i in range(0, len(wanted), cap)]
+        self.group_of = {e: g for g, grp in enumerate(self.groups) for e in grp}
+        self.current = -1
+        self.held: dict[int, tuple[int, Batch | None]] = {}
+        self.ready: dict[int, ExpertWeights] = {}
+        self._load(0)
+
+    def _load(self, g: int) -> None:
+        self.release()
+        self.current = g
+        if self.groups:
+            self.held = self.src._acquire(self.layer, self.groups[g])
+
+    def __getitem__(self, e: int) -> ExpertWeights:
+        e = int(e)
+        got = self.ready.get(e)
+        if got is not None:
+            return got
+        if e not in self.group_of:
+            raise KeyError(e)
+        if self.group_of[e] != self.current:
+            self._load(self.group_of[e])
+        slot, batch = self.held[e]
+        src = self.src
+        if batch is not None:
+            t0 = time.perf_counter()
+            try:
+                batch.wait()
+            except ReadError:
+                src.cache.discard(slot)
+                src.cache.unpin(slot)
+                del self.held[e]
+                raise
+            finally:
+                src._c["wait_experts_s"] += time.perf_counter() - t0
+            src.cache.publish(slot, (self.layer, e))
+            src._c["expert_bytes"] += src.map.expert_layout(self.layer, e).payload
+            self.held[e] = (slot, None)
+        lay = src.map.expert_layout(self.layer, e)
+        views = lay.views(src.cache.buffer(slot))
+        weights = expert_from_arrays([views[n] for n in src.names.expert(self.layer, e)])
+        self.ready[e] = weights
+        return weights
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.wanted)
+
+    def __len__(self) -> int:
+        return len(self.wanted)
+
+    def __contains__(self, e: object) -> bool:
+        return e in self.group_of
+
+    def release(self) -> None:
+        """Unpin this group's slots; reads still in flight finish before their slot frees."""
+        cache = self.src.cache
+        for e, (slot, batch) in self.held.items():
+            if batch is not None:
+                batch.finished()  # never free a slot a read is still writing into
+                if batch.error is None and not batch.cancelled:
+                    cache.publish(slot, (self.layer, e))
+                    self.src._c["expert_bytes"] += self.src.map.expert_layout(
+                        self.layer, e).payload
+                else:
+                    cache.discard(slot)
+            cache.unpin(slot)
+        self.held = {}
+        self.ready = {}
+
+
+def current_rss() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        return 0
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def token_stats(before: Mapping[str, Any], after: Mapping[str, Any], seconds: float
+                ) -> dict[str, Any]:
+    """Per-token statistics from two `stats()` snapshots around one token."""
+    def d(k: str) -> float:
+        return float(after.get(k, 0) or 0) - float(before.get(k, 0) or 0)
+
+    wt, we = d("wait_trunk_s"), d("wait_experts_s")
+    gb = d("gb_read_trunk") + d("gb_read_experts")
+    req = d("expert_hits") + d("expert_misses")
+    return {
+        "compute_s": max(seconds - wt - we, 0.0),
+        "wait_trunk_s": wt,
+        "wait_experts_s": we,
+        "gb_read_trunk": d("gb_read_trunk"),
+        "gb_read_experts": d("gb_read_experts"),
+        "mb_per_s": gb * 1000 / seconds if seconds > 0 else 0.0,
+        "true_hit_rate": d("expert_hits") / req if req else None,
+        "evictions": int(d("evictions")),
+        "rss_gb": after.get("rss_gb"),
+    }
+
+
+def open_source(checkpoint_dir: str | Path, args: argparse.Namespace | None = None,
+                *, context: int | None = None, quiet: bool = False):
+    """The resident source when no memory flag was given, else a planned StreamingSource."""
+    if args is None or not wants_streaming(args):
+        return ResidentSource(checkpoint_dir)
+    cmap = CheckpointMap(checkpoint_dir, getattr(args, "trunk", None))
+    ctx = context or getattr(args, "context_tokens", None) or DEFAULT_CONTEXT
+    plan = plan_from_args(cmap.geometry(), args, context=ctx)
+    if not quiet:
+        print(plan.describe(), file=sys.stderr, flush=True)
+    return StreamingSource(cmap, plan)
+
+
+def describe_stats(stats: Mapping[str, Any]) -> str:
+    return json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in stats.items()})
