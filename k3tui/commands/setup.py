@@ -1,15 +1,75 @@
-"""`k3tui setup`: not built yet."""
+"""`k3tui setup`: probe, choose checkpoint / folder / backend / preset, write the config.
+
+Interactive by default (questionary). `--yes` takes the recommendation plus any flags given,
+without questions. Without a terminal and without `--yes` it refuses (exit 2) instead of
+hanging on a prompt nobody can answer.
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 from k3tui.errors import K3Error
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pass
+    parser.add_argument("--yes", "-y", action="store_true",
+                        help="no questions: take the recommendation and the flags below")
+    parser.add_argument("--model", choices=("safetensors", "gguf", "remote"),
+                        help="checkpoint kind (with --yes)")
+    parser.add_argument("--backend", choices=("bundled", "llama-server", "remote"),
+                        help="backend (with --yes; implies the checkpoint kind)")
+    parser.add_argument("--preset", choices=("laptop", "desktop", "workstation", "server", "max",
+                                             "auto"),
+                        help="engine memory preset (with --yes)")
+    parser.add_argument("--model-dir", metavar="PATH", help="where the checkpoint goes")
+    parser.add_argument("--remote-url", metavar="URL", help="remote endpoint (with --yes)")
+    parser.add_argument("--api-key-env", metavar="NAME",
+                        help="environment variable holding the remote API key (with --yes)")
+    parser.add_argument("--force", action="store_true",
+                        help="with --yes: save even when the plan has blockers (e.g. disk)")
 
 
 def run(args: argparse.Namespace) -> int:
-    raise K3Error("`k3tui setup` is not built yet.", "see the README for what works today", 2)
+    from k3tui.config import config_exists, load_config
+    from k3tui.paths import get_paths
+    from k3tui.probe import probe_machine
+
+    interactive = not args.yes
+    if interactive and not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise K3Error("`k3tui setup` asks questions, but this is not a terminal.",
+                      "run it in a terminal, or answer with flags: `k3tui setup --yes "
+                      "[--model …] [--preset …] [--model-dir PATH]`", 2)
+    existing = load_config() if config_exists() else None
+    from k3tui.config import Config
+
+    base = existing or Config()
+    report = probe_machine(args.model_dir or base.model.dir or get_paths().models_dir)
+    report.description = f"this machine ({report.hostname})"
+    from k3tui import wizard
+
+    if interactive:
+        return run_interactive(report, base)
+    result = wizard.answers_from_flags(
+        report, base, model=args.model, backend=args.backend, preset=args.preset,
+        model_dir=args.model_dir, remote_url=args.remote_url, api_key_env=args.api_key_env,
+        force=args.force)
+    wizard.apply(result)
+    return 0
+
+
+def run_interactive(report, base, **wizard_kwargs) -> int:
+    """The questionary flow; Ctrl-C or EOF before the final yes writes nothing."""
+    from k3tui import wizard
+
+    try:
+        result = wizard.Wizard(report, base, **wizard_kwargs).run()
+    except (KeyboardInterrupt, EOFError):
+        print(f"\n{wizard.CANCELLED}", file=wizard_kwargs.get("out") or sys.stdout)
+        return 130
+    if result is None:
+        print(wizard.CANCELLED, file=wizard_kwargs.get("out") or sys.stdout)
+        return 1
+    wizard.apply(result, out=wizard_kwargs.get("out"))
+    return 0

