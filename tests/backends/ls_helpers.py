@@ -174,3 +174,61 @@ def raw_server(model: Path, *extra: str, log: Path | None = None):
             proc.wait()
         if log:
             out.close()
+
+
+class ReplayServer:
+    """A real HTTP server on loopback (uvicorn in a thread) that answers
+    /v1/chat/completions with whatever bytes the test sets, chunked as given."""
+
+    def __init__(self) -> None:
+        import threading
+
+        import uvicorn
+        from starlette.applications import Starlette
+        from starlette.responses import Response, StreamingResponse
+        from starlette.routing import Route
+
+        self.parts: list[bytes] = []
+        self.status = 200
+        self.delay_s = 0.0
+        self.requests: list[dict] = []
+        self.closed = threading.Event()
+
+        async def chat(request):
+            import asyncio
+            import json as _json
+
+            self.requests.append(_json.loads(await request.body()))
+            if self.status != 200:
+                return Response(b"".join(self.parts), self.status,
+                                media_type="application/json")
+
+            async def gen():
+                try:
+                    for part in self.parts:
+                        yield part
+                        if self.delay_s:
+                            await asyncio.sleep(self.delay_s)
+                finally:
+                    self.closed.set()
+
+            return StreamingResponse(gen(), media_type="text/event-stream")
+
+        async def health(request):
+            return Response(b'{"status":"ok"}', 200 if self.status == 200 else self.status)
+
+        app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
+                                Route("/health", health)])
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(5)
