@@ -1,15 +1,143 @@
-"""`k3tui jobs`: not built yet."""
+"""`k3tui jobs [attach|cancel|log] [ID]`: detached downloads and packing."""
 
 from __future__ import annotations
 
 import argparse
+import sys
+import time
 
-from k3tui.errors import K3Error
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pass
+    parser.add_argument("action", nargs="?", default="list",
+                        choices=["list", "attach", "cancel", "log"],
+                        help="list (default), attach (live progress; Ctrl-C detaches), "
+                        "cancel, or log (print the job's log)")
+    parser.add_argument("id", nargs="?", help="job id, or a unique part of it "
+                        "(default: the newest running job)")
 
 
 def run(args: argparse.Namespace) -> int:
-    raise K3Error("`k3tui jobs` is not built yet.", "see the README for what works today", 2)
+    from k3tui import jobs
+
+    if args.action == "list":
+        return _list()
+    job_id = jobs.resolve_id(args.id)
+    if args.action == "attach":
+        return attach(job_id)
+    if args.action == "log":
+        state = jobs.read_state(job_id)
+        sys.stdout.write(open(state["log"], encoding="utf-8", errors="replace").read())
+        return 0
+    state = jobs.read_state(job_id)
+    if state["status"] != "running":
+        print(f"Job {job_id} is not running ({state['status']}).")
+        return 0
+    state = jobs.cancel_job(job_id)
+    print(f"Job {job_id}: {state['status']}. Its partial files are kept; rerun the same "
+          "command to resume.")
+    return 0
+
+
+def _gb(n: float | None) -> str:
+    return "?" if n is None else f"{n / 1e9:,.2f} GB" if n >= 1e7 else f"{n / 1e6:,.1f} MB"
+
+
+def _eta(s: float | None) -> str:
+    if s is None:
+        return "--"
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def summary_line(state: dict) -> str:
+    total, done = state.get("total_bytes") or 0, state.get("done_bytes") or 0
+    pct = f"{100 * done / total:5.1f}%" if total else "   --"
+    rate = state.get("rate_bps") or 0.0
+    bits = [f"{pct}  {_gb(done)} / {_gb(total)}"]
+    if state.get("status") == "running":
+        bits.append(f"{rate / 1e6:,.1f} MB/s  ETA {_eta(state.get('eta_s'))}")
+        if state.get("stalled"):
+            bits.append("STALLED (retrying)")
+    if state.get("layer") is not None:
+        bits.append(f"layer {state['layer']}")
+    return "  ".join(bits)
+
+
+def _list() -> int:
+    from k3tui import jobs
+
+    rows = jobs.list_jobs()
+    if not rows:
+        print("No jobs. Start one with `k3tui download` or `k3tui pack`.")
+        return 0
+    for s in rows:
+        started = time.strftime("%Y-%m-%d %H:%M", time.localtime(s.get("started", 0)))
+        print(f"{s['id']:<32} {s['status']:<9} {started}  {summary_line(s)}")
+        print(f"{'':32} {s.get('target', '')}  {s.get('message', '')}"[:160])
+    return 0
+
+
+def render_state(state: dict):
+    """A Rich renderable for one job's state (also used by `download --foreground`)."""
+    from rich.console import Group
+    from rich.progress_bar import ProgressBar
+    from rich.table import Table
+    from rich.text import Text
+
+    total, done = state.get("total_bytes") or 0, state.get("done_bytes") or 0
+    head = Text.assemble((f"{state.get('kind', 'job')} {state.get('id', '')}", "bold"),
+                         f"  {state.get('status', '')}  ", (state.get("message") or "", "dim"))
+    bar = ProgressBar(total=max(total, 1), completed=done, width=60)
+    parts = [head, bar, Text(summary_line(state),
+                             style="bold red" if state.get("stalled") else "")]
+    files = state.get("files") or []
+    busy = [f for f in files if f["status"] not in ("done", "pending")]
+    if busy:
+        table = Table.grid(padding=(0, 2))
+        for f in busy[:8]:
+            pct = 100 * f["done"] / f["size"] if f["size"] else 100.0
+            table.add_row(f["name"], f"{pct:5.1f}%", _gb(f["size"]), f["status"])
+        parts.append(table)
+    if files:
+        n_done = sum(f["status"] == "done" for f in files)
+        parts.append(Text(f"{n_done}/{len(files)} files verified"
+                          + (f", {state['retries']} retries" if state.get("retries") else ""),
+                          style="dim"))
+    for err in (state.get("errors") or [])[-2:]:
+        parts.append(Text(f"last error: {err}", style="yellow"))
+    return Group(*parts)
+
+
+def attach(job_id: str) -> int:
+    """Follow a job until it ends; Ctrl-C detaches and leaves it running."""
+    from rich.console import Console
+    from rich.live import Live
+
+    from k3tui import jobs
+
+    console = Console()
+    state = jobs.read_state(job_id)
+    try:
+        if console.is_terminal:
+            with Live(render_state(state), console=console, refresh_per_second=4) as live:
+                while state["status"] == "running":
+                    time.sleep(0.25)
+                    state = jobs.read_state(job_id)
+                    live.update(render_state(state))
+        else:                     # piped / logged: one plain line every few seconds
+            last = 0.0
+            while state["status"] == "running":
+                if time.monotonic() - last >= 5:
+                    print(f"{job_id} {summary_line(state)}", flush=True)
+                    last = time.monotonic()
+                time.sleep(0.25)
+                state = jobs.read_state(job_id)
+    except KeyboardInterrupt:
+        console.print(f"\nDetached; job {job_id} keeps running. "
+                      f"Reattach with `k3tui jobs attach {job_id}`.")
+        return 0
+    print(f"{job_id}: {state['status']}: {state.get('message', '')}")
+    if state["status"] != "done":
+        print(f"  log: `k3tui jobs log {job_id}`", file=sys.stderr)
+    return 0 if state["status"] == "done" else 1

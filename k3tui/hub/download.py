@@ -1,0 +1,235 @@
+"""A whole repo snapshot: plan (what is done, what remains, is there room), then a pool
+of workers fetching files with `transfer.FileFetch`, reporting `ProgressEvent`s."""
+
+from __future__ import annotations
+
+import queue
+import shutil
+import threading
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import httpx
+
+from k3tui.errors import K3Error
+from k3tui.hub.progress import Progress, ProgressEvent, Ticker
+from k3tui.hub.remote import RemoteFile, RepoSnapshot
+from k3tui.hub.store import LocalStore, expected_digest, hash_file, new_hasher
+from k3tui.hub.transfer import Cancelled, DiskFull, FileFailed, FileFetch, HubRefused, Options
+
+GB = 1e9
+
+
+def gb(n: float) -> str:
+    return f"{n / GB:,.2f} GB" if n >= 0.01 * GB else f"{n / 1e6:,.1f} MB"
+
+
+def free_bytes(path: Path) -> int:
+    """Free space of the filesystem that holds `path` (or its nearest existing parent)."""
+    p = Path(path).resolve()
+    while not p.exists():
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def space_margin(need: int) -> int:
+    """Room to leave free: 5% of what remains, at least 1 MB, at most 1 GiB."""
+    return max(1 << 20, min(1 << 30, need // 20))
+
+
+@dataclass
+class DownloadPlan:
+    snapshot: RepoSnapshot
+    target: Path
+    complete: list[str] = field(default_factory=list)       # recorded and unchanged
+    to_check: list[str] = field(default_factory=list)       # on disk, not (re)verified yet
+    partial: dict[str, int] = field(default_factory=dict)   # resumable bytes per file
+    missing: list[str] = field(default_factory=list)
+    free: int = 0
+
+    @property
+    def remaining_bytes(self) -> int:
+        """Bytes still to fetch if every unchecked file on disk turns out fine."""
+        sizes = {f.name: f.size for f in self.snapshot.files}
+        return sum(sizes[n] - self.partial.get(n, 0) for n in self.missing)
+
+    @property
+    def margin(self) -> int:
+        return space_margin(self.remaining_bytes)
+
+    @property
+    def short_of_space(self) -> bool:
+        return self.remaining_bytes + self.margin > self.free
+
+    def describe(self) -> str:
+        s = self.snapshot
+        lines = [f"{s.repo} @ {s.commit[:12]} ({s.revision}): {len(s.files)} files, "
+                 f"{gb(s.total_bytes)} → {self.target}",
+                 f"  complete: {len(self.complete)}   to check: {len(self.to_check)}   "
+                 f"partial: {len(self.partial)}   missing: {len(self.missing)}",
+                 f"  to download: {gb(self.remaining_bytes)}   free: {gb(self.free)}"]
+        return "\n".join(lines)
+
+    def refuse_if_short(self) -> None:
+        if self.short_of_space:
+            need = self.remaining_bytes + self.margin
+            raise K3Error(
+                f"Not enough space in {self.target}: {gb(self.remaining_bytes)} still to "
+                f"download plus a {gb(self.margin)} margin, but only {gb(self.free)} free.",
+                f"free {gb(need - self.free)} or choose another --dir", 2)
+
+
+CHECKS = ("size", "stat", "hash")
+
+
+def plan_download(snapshot: RepoSnapshot, target: Path, *, check: str = "size") -> DownloadPlan:
+    """Sort files into complete / to check / partial / missing.
+
+    `check`: "size" trusts a verification record whose size still matches; "stat" (used
+    by --verify) also wants the same mtime, else the file is re-hashed; "hash" re-hashes
+    every file on disk. A file on disk without a record is always hashed before use.
+    """
+    assert check in CHECKS
+    store = LocalStore(target)
+    plan = DownloadPlan(snapshot, Path(target), free=free_bytes(target))
+    for rf in snapshot.files:
+        final = store.final(rf.name)
+        if check != "hash" and store.recorded_ok(rf, mtime=check == "stat"):
+            plan.complete.append(rf.name)
+        elif final.exists():
+            plan.to_check.append(rf.name)
+        else:
+            plan.missing.append(rf.name)
+            if have := store.resumable_bytes(rf):
+                plan.partial[rf.name] = have
+    return plan
+
+
+@dataclass
+class DownloadResult:
+    ok: bool
+    cancelled: bool = False
+    error: K3Error | None = None
+    failed: list[str] = field(default_factory=list)
+    verified_now: list[str] = field(default_factory=list)    # found on disk and checked
+    replaced: list[str] = field(default_factory=list)        # found on disk, bad, refetched
+
+
+def disk_full_error(target: Path, remaining: int) -> K3Error:
+    free = free_bytes(target)
+    return K3Error(
+        f"The disk holding {target} is full ({gb(free)} free, {gb(remaining)} still to "
+        "download); the partial files are kept.",
+        f"free at least {gb(remaining + space_margin(remaining) - free)} (or use another "
+        "--dir), then rerun `k3tui download`: it resumes where it stopped")
+
+
+def download(snapshot: RepoSnapshot, target: Path, *, workers: int = 4,
+             opts: Options | None = None, on_progress: Callable[[ProgressEvent], None] | None = None,
+             stop: threading.Event | None = None, check: str = "size",
+             log: Callable[[str], None] = print, max_hz: float = 10.0) -> DownloadResult:
+    """Bring `target` to exactly `snapshot`'s files (size + digest checked), resumably."""
+    opts = opts or Options.from_env()
+    stop = stop or threading.Event()
+    store = LocalStore(target)
+    store.ensure()
+    plan = plan_download(snapshot, target, check=check)
+    by_name = {f.name: f for f in snapshot.files}
+    progress = Progress([(f.name, f.size) for f in snapshot.files],
+                        stall_after_s=max(10.0, opts.timeout_s / 2))
+    for name in plan.complete:
+        progress.initial_bytes(name, by_name[name].size)
+        progress.status(name, "done")
+    for name, have in plan.partial.items():
+        progress.initial_bytes(name, have)
+    todo: queue.Queue[RemoteFile] = queue.Queue()
+    for name in plan.to_check + plan.missing:
+        todo.put(by_name[name])
+    result = DownloadResult(ok=False)
+    lock = threading.Lock()
+    client = httpx.Client(timeout=httpx.Timeout(opts.timeout_s, connect=min(10.0, opts.timeout_s)),
+                          follow_redirects=True,
+                          limits=httpx.Limits(max_connections=2 * max(1, workers)))
+
+    def check_on_disk(rf: RemoteFile) -> bool:
+        progress.status(rf.name, "verifying")
+        h = new_hasher(rf)
+        final = store.final(rf.name)
+        st = final.stat()
+        if st.st_size == rf.size:
+            hash_file(final, h, stop=stop)
+            if stop.is_set():
+                raise Cancelled()
+            if h.hexdigest() == expected_digest(rf):
+                store.record(rf.name, st.st_size, st.st_mtime_ns, expected_digest(rf),
+                             snapshot.commit)
+                progress.initial_bytes(rf.name, rf.size)
+                progress.status(rf.name, "done")
+                with lock:
+                    result.verified_now.append(rf.name)
+                return True
+        log(f"{rf.name}: the file on disk does not match the Hub (size or sha256); "
+            "fetching it again")
+        store.forget(rf.name)
+        final.unlink()
+        with lock:
+            result.replaced.append(rf.name)
+        return False
+
+    def fail(name: str, why: str, error: K3Error | None = None, halt: bool = False) -> None:
+        progress.status(name, "failed")
+        progress.error(why, retry=False)
+        log(why)
+        with lock:
+            result.failed.append(name)
+            if error is not None and result.error is None:
+                result.error = error
+        if halt:
+            stop.set()
+
+    def worker() -> None:
+        while not stop.is_set():
+            try:
+                rf = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                if rf.name in plan.to_check and check_on_disk(rf):
+                    continue
+                FileFetch(rf, snapshot, store, progress, client, opts, stop, log).run(
+                    plan.partial.get(rf.name, 0))
+            except Cancelled:
+                progress.status(rf.name, "pending")
+            except DiskFull:
+                left = sum(f.size for f in snapshot.files) - progress.snapshot().done_bytes
+                fail(rf.name, f"{rf.name}: disk full", disk_full_error(target, left), halt=True)
+            except HubRefused as exc:
+                fail(rf.name, f"{rf.name}: {exc.error.message}", exc.error, halt=True)
+            except FileFailed as exc:
+                fail(rf.name, str(exc))
+            except Exception as exc:  # noqa: BLE001 - a bug must not kill the other files
+                log(traceback.format_exc())
+                fail(rf.name, f"{rf.name}: unexpected {type(exc).__name__}: {exc}")
+
+    emit = on_progress or (lambda event: None)
+    try:
+        with Ticker(progress, emit, max_hz=max_hz):
+            threads = [threading.Thread(target=worker, name=f"dl-{i}", daemon=True)
+                       for i in range(max(1, workers))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                while t.is_alive():
+                    t.join(0.2)        # keeps the main thread responsive to signals
+    finally:
+        client.close()
+    result.cancelled = stop.is_set() and result.error is None
+    result.ok = not result.failed and not result.cancelled
+    if result.failed and result.error is None:
+        result.error = K3Error(
+            f"{len(result.failed)} of {len(snapshot.files)} files could not be downloaded "
+            f"({', '.join(result.failed[:3])}{'…' if len(result.failed) > 3 else ''}).",
+            "rerun `k3tui download`: finished and partial files are kept")
+    return result

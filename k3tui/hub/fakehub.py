@@ -1,0 +1,393 @@
+"""A loopback Hugging Face Hub for tests and `k3tui bench download` (stdlib only).
+
+It serves one model repo from a local folder with the routes and headers huggingface_hub
+2.x relies on (`/api/models/...`, `HEAD`/`GET /{repo}/resolve/{rev}/{file}`), an optional
+"CDN" on a second port (another origin, as on the real Hub, so tokens must not follow the
+redirect), gated/invalid-token answers, and per-file fault plans for the content GETs.
+
+    hub = FakeHub(folder, "acme/tiny", cdn=True)
+    hub.faults["model-00001.safetensors"] = [Fault.cut(5_000_000), Fault.status(503)]
+
+Each GET of a file's bytes pops the next fault of that file. `hub.log` records every
+request (method, path, range, whether Authorization was sent, which port) and every body
+sent (file, start, bytes actually written to the socket).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import socket
+import struct
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, unquote, urlsplit
+
+
+@dataclass
+class Fault:
+    """One misbehaviour for one content GET. Build with the classmethods."""
+
+    kind: str            # cut | reset | status | stall | ignore_range | corrupt | hold
+    at: int = 0          # bytes of the body sent before the fault (relative to this response)
+    status: int = 0
+    seconds: float = 0.0
+    event: threading.Event | None = None
+
+    @classmethod
+    def cut(cls, at: int) -> "Fault":
+        """Send `at` body bytes, then close the connection cleanly (FIN)."""
+        return cls("cut", at=at)
+
+    @classmethod
+    def reset(cls, at: int) -> "Fault":
+        """Send `at` body bytes, then reset the connection (RST)."""
+        return cls("reset", at=at)
+
+    @classmethod
+    def http_status(cls, status: int) -> "Fault":
+        """Answer the GET with this status (429 carries Retry-After: 0)."""
+        return cls("status", status=status)
+
+    @classmethod
+    def stall(cls, at: int, seconds: float) -> "Fault":
+        """Send `at` bytes, then go silent for `seconds`, then close."""
+        return cls("stall", at=at, seconds=seconds)
+
+    @classmethod
+    def ignore_range(cls) -> "Fault":
+        """Answer a Range request with 200 and the whole file."""
+        return cls("ignore_range")
+
+    @classmethod
+    def corrupt(cls, at: int) -> "Fault":
+        """Flip one byte at absolute file offset `at` in this response."""
+        return cls("corrupt", at=at)
+
+    @classmethod
+    def hold(cls, at: int, event: threading.Event) -> "Fault":
+        """Send `at` bytes, then wait until `event` is set, then send the rest."""
+        return cls("hold", at=at, event=event)
+
+
+def git_blob_sha1(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(8 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+class FakeHub:
+    def __init__(self, root: Path | str, repo_id: str, *, cdn: bool = False,
+                 gated_token: str | None = None, noaccess_tokens: tuple[str, ...] = (),
+                 lfs_min: int = 1 << 20, host: str = "127.0.0.1", port: int = 0):
+        self.root, self.repo_id, self.cdn = Path(root), repo_id, cdn
+        self.gated_token, self.noaccess_tokens = gated_token, set(noaccess_tokens)
+        self.lfs_min = lfs_min
+        self.faults: dict[str, list[Fault]] = {}
+        self.throttle_bps: float | None = None      # per response; lets a test kill mid-file
+        self.log: list[dict] = []
+        self.lock = threading.RLock()
+        self.files: dict[str, dict] = {}
+        self.rescan()
+        handler = self._handler_class()
+        self.httpd = ThreadingHTTPServer((host, port), handler)
+        self.httpd.daemon_threads = True
+        self.endpoint = f"http://{host}:{self.httpd.server_address[1]}"
+        self.servers = [self.httpd]
+        if cdn:   # another origin: a second listener on its own port
+            self.cdn_httpd = ThreadingHTTPServer((host, 0), handler)
+            self.cdn_httpd.daemon_threads = True
+            self.cdn_base = f"http://{host}:{self.cdn_httpd.server_address[1]}"
+            self.servers.append(self.cdn_httpd)
+        for srv in self.servers:
+            threading.Thread(target=srv.serve_forever, daemon=True).start()
+
+    # -- repo content -------------------------------------------------------------------
+    def rescan(self) -> None:
+        """(Re)index the folder: sizes, sha256 for LFS-sized files, git blob ids."""
+        files = {}
+        for full in sorted(p for p in self.root.rglob("*") if p.is_file()):
+            rel = full.relative_to(self.root).as_posix()
+            size = full.stat().st_size
+            if size >= self.lfs_min:
+                sha = _file_sha256(full)
+                ptr = (f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha}\n"
+                       f"size {size}\n").encode()
+                files[rel] = {"path": rel, "full": full, "size": size, "sha256": sha,
+                              "oid": git_blob_sha1(ptr), "lfs": {"oid": sha, "size": size,
+                                                                  "pointerSize": len(ptr)}}
+            else:
+                oid = git_blob_sha1(full.read_bytes())
+                files[rel] = {"path": rel, "full": full, "size": size, "sha256": None,
+                              "oid": oid, "lfs": None}
+        digest = hashlib.sha1(json.dumps([(f["path"], f["oid"]) for f in files.values()])
+                              .encode()).hexdigest()
+        with self.lock:
+            self.files, self.commit = files, digest
+
+    def stop(self) -> None:
+        for srv in self.servers:
+            srv.shutdown()
+            srv.server_close()
+
+    def __enter__(self) -> "FakeHub":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def body_bytes(self, name: str) -> int:
+        """Bytes of `name` the hub wrote to sockets so far (all GETs)."""
+        with self.lock:
+            return sum(e["sent"] for e in self.log if e.get("event") == "body"
+                       and e["file"] == name)
+
+    def requests(self, **match) -> list[dict]:
+        with self.lock:
+            return [e for e in self.log if "method" in e
+                    and all(e.get(k) == v for k, v in match.items())]
+
+    # -- HTTP -----------------------------------------------------------------------------
+    def _handler_class(self):
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"     # keep-alive, so every answer has Content-Length
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_HEAD(self) -> None:
+                hub.handle(self)
+
+            do_GET = do_POST = do_HEAD
+
+        return Handler
+
+    def _send(self, h, status: int, body: bytes = b"", headers: dict | None = None,
+              ctype: str = "application/json") -> bool:
+        h.send_response(status)
+        h.send_header("Content-Type", ctype)
+        for k, v in (headers or {}).items():
+            h.send_header(k, v)
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        if h.command != "HEAD":
+            h.wfile.write(body)
+        return True
+
+    def _error(self, h, status: int, code: str | None, msg: str, extra: dict | None = None):
+        headers = {"X-Error-Message": msg, **(extra or {})}
+        if code:
+            headers["X-Error-Code"] = code
+        return self._send(h, status, json.dumps({"error": msg}).encode(), headers)
+
+    def _auth_ok(self, h, need_access: bool) -> bool:
+        """Invalid token → 401 (any route); gated without access → 401/403 GatedRepo."""
+        auth = h.headers.get("Authorization")
+        token = auth.split(" ", 1)[1] if auth and " " in auth else None
+        known = {self.gated_token, *self.noaccess_tokens} - {None}
+        if token is not None and token not in known:
+            self._error(h, 401, None, "Invalid credentials in Authorization header")
+            return False
+        if need_access and self.gated_token is not None and token != self.gated_token:
+            self._error(h, 401 if token is None else 403, "GatedRepo",
+                        f"Access to model {self.repo_id} is restricted and you are not in "
+                        "the authorized list.")
+            return False
+        return True
+
+    def _entry(self, f: dict) -> dict:
+        e = {"type": "file", "path": f["path"], "size": f["size"], "oid": f["oid"]}
+        if f["lfs"]:
+            e["lfs"] = f["lfs"]
+        return e
+
+    def handle(self, h) -> None:
+        u = urlsplit(h.path)
+        path, qs = unquote(u.path), parse_qs(u.query)
+        with self.lock:
+            self.log.append({"method": h.command, "path": path, "range": h.headers.get("Range"),
+                             "auth": "Authorization" in h.headers,
+                             "port": h.server.server_address[1], "time": time.monotonic()})
+            files, commit = self.files, self.commit
+        api, res = f"/api/models/{self.repo_id}", f"/{self.repo_id}/resolve/"
+        if path.startswith("/cdn/"):          # signed-URL stand-in: anyone may fetch
+            f = next((f for f in files.values() if f["sha256"] == path[5:]), None)
+            return self._body(h, f, commit) if f else self._error(h, 404, None, "no such blob")
+        if path.startswith(api):              # metadata stays public when gated (like the Hub)
+            if not self._auth_ok(h, need_access=False):
+                return
+            rest = path[len(api):]
+            if rest == "/auth-check":
+                return self._auth_ok(h, need_access=True) and self._send(h, 200, b"{}")
+            if rest == "" or rest.startswith("/revision/"):
+                rev = rest[len("/revision/"):] if rest else "main"
+                if rev not in ("main", commit):
+                    return self._error(h, 404, "RevisionNotFound", f"Invalid rev id: {rev}")
+                blobs, siblings = qs.get("blobs", ["false"])[0] == "true", []
+                for f in files.values():
+                    s: dict = {"rfilename": f["path"]}
+                    if blobs:
+                        s.update(size=f["size"], blobId=f["oid"])
+                        if f["lfs"]:
+                            s["lfs"] = {"sha256": f["sha256"], "size": f["size"],
+                                        "pointerSize": f["lfs"]["pointerSize"]}
+                    siblings.append(s)
+                info = {"id": self.repo_id, "modelId": self.repo_id, "sha": commit,
+                        "private": False, "gated": "manual" if self.gated_token else False,
+                        "siblings": siblings}
+                return self._send(h, 200, json.dumps(info).encode())
+            if rest.startswith("/tree/"):
+                return self._send(h, 200, json.dumps([self._entry(f) for f in files.values()])
+                                  .encode())
+            if rest.startswith("/paths-info/"):
+                n = int(h.headers.get("Content-Length") or 0)
+                form = parse_qs(h.rfile.read(n).decode())
+                return self._send(h, 200, json.dumps([self._entry(files[p]) for p in
+                                  form.get("paths", []) if p in files]).encode())
+        if path.startswith(res):
+            rev, _, name = path[len(res):].partition("/")
+            if rev not in ("main", commit):
+                return self._error(h, 404, "RevisionNotFound", f"Invalid rev id: {rev}")
+            if not self._auth_ok(h, need_access=True):
+                return
+            f = files.get(name)
+            if f is None:
+                return self._error(h, 404, "EntryNotFound", f"{name} does not exist",
+                                   {"X-Repo-Commit": commit})
+            if f["lfs"] and self.cdn:         # the Hub answers LFS files with a 302 to its CDN
+                return self._send(h, 302, b"", {
+                    "Location": f"{self.cdn_base}/cdn/{f['sha256']}?sig=x",
+                    "X-Repo-Commit": commit, "ETag": f'"{f["oid"]}"',
+                    "X-Linked-Etag": f'"{f["sha256"]}"', "X-Linked-Size": str(f["size"])})
+            return self._body(h, f, commit)
+        return self._error(h, 404, "RepoNotFound", "Repository not found")
+
+    def _body(self, h, f: dict, commit: str) -> None:
+        size, start, end, status = f["size"], 0, f["size"] - 1, 200
+        fault = None
+        if h.command == "GET":
+            with self.lock:
+                plan = self.faults.get(f["path"])
+                fault = plan.pop(0) if plan else None
+        if fault and fault.kind == "status":
+            extra = {"Retry-After": "0"} if fault.status == 429 else {}
+            h.close_connection = True
+            return self._error(h, fault.status, None, f"fake hub says {fault.status}", extra)
+        rng = h.headers.get("Range")
+        if rng and not (fault and fault.kind == "ignore_range"):
+            a, _, b = rng.split("=", 1)[1].partition("-")
+            start, end, status = int(a), (int(b) if b else size - 1), 206
+        etag = f["sha256"] if f["lfs"] else f["oid"]
+        h.send_response(status)
+        h.send_header("Content-Type", "application/octet-stream")
+        h.send_header("Accept-Ranges", "bytes")
+        h.send_header("ETag", f'"{etag}"')
+        h.send_header("X-Repo-Commit", commit)
+        h.send_header("Content-Length", str(end - start + 1))
+        if status == 206:
+            h.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+        h.end_headers()
+        if h.command == "HEAD":
+            return
+        sent = 0
+        try:
+            sent = self._stream(h, f, start, end - start + 1, fault)
+        finally:
+            with self.lock:
+                self.log.append({"event": "body", "file": f["path"], "start": start,
+                                 "sent": sent, "fault": fault.kind if fault else None})
+
+    def _stream(self, h, f: dict, start: int, count: int, fault: Fault | None) -> int:
+        """Write the body (or its faulty version); returns bytes handed to the socket."""
+        sock = h.connection
+        limit = count
+        if fault and fault.kind in ("cut", "reset", "stall", "hold"):
+            limit = min(fault.at, count)
+        sent = 0
+        with open(f["full"], "rb") as fh:
+            if fault is None and self.throttle_bps is None:
+                h.wfile.flush()
+                while sent < count:       # sendfile: the hub costs the client no CPU
+                    n = sock.sendfile(fh, start + sent, count - sent)
+                    if not n:
+                        break
+                    sent += n
+                return sent
+            fh.seek(start)
+            t0 = time.monotonic()
+            while sent < limit:
+                block = fh.read(min(256 << 10, limit - sent))
+                if not block:
+                    break
+                if fault and fault.kind == "corrupt" and start + sent <= fault.at < \
+                        start + sent + len(block):
+                    i = fault.at - start - sent
+                    block = block[:i] + bytes([block[i] ^ 0xFF]) + block[i + 1:]
+                sock.sendall(block)
+                sent += len(block)
+                if self.throttle_bps:
+                    ahead = sent / self.throttle_bps - (time.monotonic() - t0)
+                    if ahead > 0:
+                        time.sleep(ahead)
+            if fault is None or fault.kind in ("ignore_range", "corrupt"):
+                return sent
+            if fault.kind == "hold":
+                assert fault.event is not None
+                fault.event.wait()          # then send the rest as if nothing happened
+                fh.seek(start + sent)
+                while sent < count:
+                    block = fh.read(min(1 << 20, count - sent))
+                    sock.sendall(block)
+                    sent += len(block)
+                return sent
+            if fault.kind == "stall":
+                time.sleep(fault.seconds)
+            h.close_connection = True
+            if fault.kind == "reset":     # SO_LINGER 0: close sends RST, not FIN
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                sock.close()
+            else:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        return sent
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m k3tui.hub.fakehub DIR --repo acme/m`: serve until killed."""
+    p = argparse.ArgumentParser(prog="python -m k3tui.hub.fakehub")
+    p.add_argument("folder")
+    p.add_argument("--repo", default="acme/tiny")
+    p.add_argument("--cdn", action="store_true", help="redirect LFS files to a second port")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--throttle-mbps", type=float, default=0.0, help="per-response MB/s cap")
+    a = p.parse_args(argv)
+    hub = FakeHub(a.folder, a.repo, cdn=a.cdn, port=a.port)
+    if a.throttle_mbps:
+        hub.throttle_bps = a.throttle_mbps * 1e6
+    print(f"endpoint {hub.endpoint}", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        hub.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""What the Hub says about a repo: files, sizes, hashes, the pinned commit, access.
+
+huggingface_hub does what it is good at here (URLs, auth headers, typed errors); the bytes
+are fetched by `k3tui.hub.transfer`. Every call carries a timeout: `model_info` without one
+can hang forever.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import time
+from dataclasses import dataclass
+
+from k3tui.errors import K3Error
+
+META_TIMEOUT_S = 20.0
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    name: str
+    size: int
+    sha256: str | None      # LFS files
+    blob_id: str | None     # git blob sha1, used to verify small non-LFS files
+
+
+@dataclass(frozen=True)
+class RepoSnapshot:
+    repo: str
+    revision: str           # what the user asked for
+    commit: str             # pinned for the whole download
+    files: tuple[RemoteFile, ...]
+    gated: bool
+    endpoint: str
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+def hub_endpoint() -> str:
+    """`HF_ENDPOINT` as huggingface_hub reads it (read now, so a job's env applies)."""
+    from huggingface_hub import constants
+
+    return (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+
+
+def hub_token() -> str | None:
+    """HF_TOKEN, then the token stored by `hf auth login` (same order as huggingface_hub)."""
+    if os.environ.get("HF_HUB_DISABLE_IMPLICIT_TOKEN"):
+        return None
+    from huggingface_hub import get_token
+
+    return get_token()
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Errors worth retrying: transport failures, timeouts, 408/429/5xx."""
+    import httpx
+    from huggingface_hub.errors import HfHubHTTPError
+    from huggingface_hub.utils import httpx as hf_httpx
+
+    if isinstance(exc, (httpx.TransportError, hf_httpx.TransportError, TimeoutError,
+                        ConnectionError)):
+        return True
+    status = _status(exc)
+    if isinstance(exc, (HfHubHTTPError, httpx.HTTPStatusError)) and status is not None:
+        return status in (408, 429) or status >= 500
+    return False
+
+
+def _status(exc: BaseException) -> int | None:
+    resp = getattr(exc, "response", None)
+    return getattr(resp, "status_code", None)
+
+
+def explain(exc: BaseException, repo: str, revision: str = "main",
+            token_sent: bool = False) -> K3Error:
+    """Turn a huggingface_hub / httpx error into one sentence and the next step."""
+    from huggingface_hub import errors as e
+
+    page = f"{hub_endpoint()}/{repo}"
+    status = _status(exc)
+    if isinstance(exc, e.GatedRepoError):     # subclass of RepositoryNotFoundError: first
+        if status == 403:
+            return K3Error(f"Your Hugging Face token has no access to {repo} yet.",
+                           f"request or accept access on {page} (manual approval can take "
+                           "time), then rerun")
+        return K3Error(f"{repo} is gated: downloading it needs a Hugging Face token.",
+                       f"accept the terms on {page}, then set HF_TOKEN or run "
+                       "`hf auth login`, and rerun")
+    if isinstance(exc, e.RevisionNotFoundError):
+        return K3Error(f"{repo} has no revision '{revision}'.",
+                       "check --revision (a branch, tag or 40-hex commit)")
+    if isinstance(exc, e.RepositoryNotFoundError):
+        return K3Error(f"Repository {repo} was not found (or it is private).",
+                       "check the name (owner/model) and, for a private repo, your token")
+    if isinstance(exc, e.RemoteEntryNotFoundError):
+        return K3Error(f"A file of {repo} disappeared from the Hub during the download.",
+                       "rerun `k3tui download` to pick up the repo's current file list")
+    if status == 401:
+        if token_sent:
+            return K3Error("The Hugging Face token was refused (invalid or expired).",
+                           "create a new token, then set HF_TOKEN or run `hf auth login`")
+        return K3Error(f"The Hub refused access to {repo} without a token.",
+                       "set HF_TOKEN or run `hf auth login`, then rerun")
+    if status == 403:
+        return K3Error(f"The Hub refused access to {repo} (403).",
+                       f"check your token's permissions and the repo page {page}")
+    if is_transient(exc):
+        return K3Error(f"Could not reach the Hub at {hub_endpoint()} ({type(exc).__name__}).",
+                       "check the network (or HF_ENDPOINT) and rerun; nothing is lost")
+    return K3Error(f"The Hub answered with an error: {exc}".split("\n")[0],
+                   "rerun; if it persists, check the repo page " + page)
+
+
+def fetch_snapshot(repo: str, revision: str = "main", include: list[str] | None = None, *,
+                   token: str | None | bool = None, timeout: float = META_TIMEOUT_S,
+                   attempts: int = 4, backoff_s: float = 1.0) -> RepoSnapshot:
+    """One `model_info(files_metadata=True)`: every file's size and sha256 + the commit.
+
+    Transient errors are retried a few times; anything else becomes a K3Error.
+    `include` filters by glob (a file matching any glob is kept).
+    """
+    from huggingface_hub import HfApi
+
+    if token is None:
+        token = hub_token()
+    endpoint = hub_endpoint()
+    api = HfApi(endpoint=endpoint, token=token if token else False)
+    for attempt in range(attempts):
+        try:
+            info = api.model_info(repo, revision=revision, files_metadata=True,
+                                  timeout=timeout)
+            break
+        except Exception as exc:  # noqa: BLE001 - classified right here
+            if not is_transient(exc) or attempt == attempts - 1:
+                raise explain(exc, repo, revision, token_sent=bool(token)) from None
+            time.sleep(backoff_s * 2 ** attempt)
+    files = []
+    for s in info.siblings or []:
+        if include and not any(fnmatch.fnmatch(s.rfilename, g) for g in include):
+            continue
+        lfs = s.lfs
+        size = lfs.size if lfs is not None else s.size
+        if size is None:
+            raise K3Error(f"The Hub did not report the size of {s.rfilename}.",
+                          "rerun; if it persists, report the repo and HF_ENDPOINT")
+        files.append(RemoteFile(s.rfilename, int(size), lfs.sha256 if lfs else None,
+                                s.blob_id))
+    if include and not files:
+        raise K3Error(f"No file of {repo} matches --include {' '.join(include)}.",
+                      "check the globs (quote them so the shell does not expand them)")
+    return RepoSnapshot(repo, revision, info.sha or revision, tuple(files),
+                        bool(info.gated), endpoint)
+
+
+def check_access(snapshot: RepoSnapshot, *, token: str | None | bool = None,
+                 timeout: float = META_TIMEOUT_S) -> None:
+    """HEAD the first file: gated/invalid-token errors surface before any job starts."""
+    if not snapshot.files:
+        return
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+
+    if token is None:
+        token = hub_token()
+    url = hf_hub_url(snapshot.repo, snapshot.files[0].name, revision=snapshot.commit,
+                     endpoint=snapshot.endpoint)
+    try:
+        get_hf_file_metadata(url, token=token if token else False, timeout=timeout)
+    except Exception as exc:  # noqa: BLE001
+        if is_transient(exc):
+            return   # the download loop retries these; only refusals matter here
+        raise explain(exc, snapshot.repo, snapshot.revision, token_sent=bool(token)) from None

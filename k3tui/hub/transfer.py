@@ -1,0 +1,308 @@
+"""Fetch one file: Range resume, sha256 while streaming, retries, verify, then rename.
+
+Why not `hf_hub_download`: huggingface_hub 2.x never resumes a partial across processes,
+deletes partials on some errors, gives up at once on a reset or a 503 and trusts what is
+on disk (see shared notes, part A). Here:
+
+* bytes go to `.k3tui/partial/<name>.part` in CHUNK_BYTES writes; a sidecar says which
+  content they belong to. After a kill the rerun asks `Range: bytes=<part size>-`, so at
+  most one chunk (the one being filled) is fetched twice.
+* after a transport error the pending chunk is written first, so an in-process retry
+  re-sends nothing.
+* the digest is computed while streaming in a helper thread (hashlib releases the GIL);
+  a resumed prefix is re-hashed once per process.
+* the token goes to the Hub only, never to a CDN on another origin.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import queue
+import random
+import threading
+import time
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import httpx
+
+from k3tui.hub.progress import Progress
+from k3tui.hub.remote import RemoteFile, RepoSnapshot, explain, is_transient
+from k3tui.hub.store import LocalStore, drop_page_cache, expected_digest, hash_file, new_hasher
+
+CHUNK_BYTES = 1 << 20             # unit of writing, hence the most a kill can make us re-fetch
+DROP_CACHE_EVERY = 64 << 20       # start writeback / drop cache of written ranges this often
+SIDECAR_EVERY_S = 2.0
+
+pwrite = os.pwrite                # the write seam (tests inject ENOSPC here)
+
+
+@dataclass
+class Options:
+    timeout_s: float = 30.0           # connect / read timeout: a silent server is a stall
+    backoff_s: float = 1.0            # first retry delay, doubled per failure, capped
+    backoff_cap_s: float = 60.0
+    max_failures: int = 8             # consecutive failed attempts without progress
+    token: str | None = None
+
+    @classmethod
+    def from_env(cls, **kw) -> "Options":
+        """Test and power-user knobs: K3TUI_DL_TIMEOUT_S, K3TUI_DL_BACKOFF_S, K3TUI_DL_MAX_FAILURES."""
+        env = os.environ
+        if "K3TUI_DL_TIMEOUT_S" in env:
+            kw.setdefault("timeout_s", float(env["K3TUI_DL_TIMEOUT_S"]))
+        if "K3TUI_DL_BACKOFF_S" in env:
+            kw.setdefault("backoff_s", float(env["K3TUI_DL_BACKOFF_S"]))
+        if "K3TUI_DL_MAX_FAILURES" in env:
+            kw.setdefault("max_failures", int(env["K3TUI_DL_MAX_FAILURES"]))
+        return cls(**kw)
+
+
+class DiskFull(Exception):
+    """ENOSPC/EDQUOT while writing: stop everything, keep the partials."""
+
+
+class Cancelled(Exception):
+    pass
+
+
+class FileFailed(Exception):
+    """This file cannot be fetched now (others may continue)."""
+
+
+class HubRefused(Exception):
+    """Auth/gating/not-found: no point retrying or continuing with other files."""
+
+    def __init__(self, error):
+        super().__init__(str(error))
+        self.error = error
+
+
+class _HashThread:
+    """Feeds chunks to a hasher on another thread so hashing overlaps receiving."""
+
+    def __init__(self, hasher):
+        self.hasher = hasher
+        self._q: queue.Queue = queue.Queue(maxsize=16)
+        self._t = threading.Thread(target=self._run, name="hash", daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while (chunk := self._q.get()) is not None:
+            self.hasher.update(chunk)
+
+    def feed(self, chunk) -> None:
+        self._q.put(chunk)
+
+    def hexdigest(self) -> str:
+        self._q.put(None)
+        self._t.join()
+        return self.hasher.hexdigest()
+
+
+def same_origin(a: str, b: str) -> bool:
+    ua, ub = urlsplit(a), urlsplit(b)
+    return (ua.scheme, ua.hostname, ua.port) == (ub.scheme, ub.hostname, ub.port)
+
+
+def _retry_after(exc: BaseException) -> float:
+    resp = getattr(exc, "response", None)
+    try:
+        return float(resp.headers.get("Retry-After", 0)) if resp is not None else 0.0
+    except (TypeError, ValueError):
+        return 0.0
+
+
+class FileFetch:
+    """Everything about fetching one file; `run()` returns when it is verified in place."""
+
+    def __init__(self, rf: RemoteFile, snap: RepoSnapshot, store: LocalStore,
+                 progress: Progress, client: httpx.Client, opts: Options,
+                 stop: threading.Event, log=print):
+        self.rf, self.snap, self.store, self.progress = rf, snap, store, progress
+        self.client, self.opts, self.stop, self.log = client, opts, stop, log
+        self.part = store.part(rf.name)
+        self.have = 0
+        self.hasher: _HashThread | None = None
+        self.fd = -1
+        self._dropped_at = 0
+        self._sidecar_t = 0.0
+        self.etag = ""
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def run(self, initial_counted: int) -> None:
+        """`initial_counted`: partial bytes the caller already reported as initial."""
+        rf = self.rf
+        self.part.parent.mkdir(parents=True, exist_ok=True)
+        keep = self.store.resumable_bytes(rf)
+        if keep != initial_counted:   # partial changed since planning: recount honestly
+            self.progress.reset_file(rf.name)
+            self.progress.initial_bytes(rf.name, keep)
+        self.fd = os.open(self.part, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            for attempt in range(2):  # a digest mismatch restarts the file once
+                self._open_partial(keep)
+                self._fetch_all()
+                digest = self.hasher.hexdigest()
+                if digest == expected_digest(rf):
+                    self._finish(digest)
+                    return
+                self.log(f"{rf.name}: digest mismatch (got {digest[:12]}…, expected "
+                         f"{expected_digest(rf)[:12]}…); fetching it again")
+                self.progress.error(f"{rf.name}: corrupt download, refetching")
+                self.progress.reset_file(rf.name)
+                keep = 0
+            self.store.discard_partial(rf.name)
+            raise FileFailed(f"{rf.name} arrived corrupt twice (sha256 mismatch)")
+        finally:
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+
+    def _open_partial(self, keep: int) -> None:
+        os.ftruncate(self.fd, keep)
+        self.have = keep
+        h = new_hasher(self.rf)
+        if keep:
+            self.progress.status(self.rf.name, "verifying")   # re-hash the prefix, once
+            if hash_file(self.part, h, keep, self.stop) != keep:
+                raise Cancelled()
+        self.hasher = _HashThread(h)
+        self.store.write_sidecar(self.rf, self.snap.commit, keep)
+
+    def _fetch_all(self) -> None:
+        failures = 0
+        while self.have < self.rf.size:
+            if self.stop.is_set():
+                raise Cancelled()
+            before = self.have
+            self.progress.status(self.rf.name, "downloading")
+            try:
+                self._attempt()
+                continue
+            except (DiskFull, Cancelled, HubRefused, FileFailed):
+                raise
+            except Exception as exc:  # noqa: BLE001 - classified below
+                if not (is_transient(exc) or isinstance(exc, _BadResponse)):
+                    raise HubRefused(explain(exc, self.snap.repo, self.snap.revision,
+                                             bool(self.opts.token))) from None
+                failures = 1 if self.have > before else failures + 1
+                what = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                self.log(f"{self.rf.name}: {what} at byte {self.have:,}; "
+                         f"retry {failures}/{self.opts.max_failures}")
+                self.progress.error(f"{self.rf.name}: {what}")
+                if failures >= self.opts.max_failures:
+                    raise FileFailed(f"{self.rf.name}: gave up after {failures} failed "
+                                     f"attempts in a row ({what})") from None
+                self.progress.status(self.rf.name, "retrying")
+                delay = min(self.opts.backoff_cap_s, self.opts.backoff_s * 2 ** (failures - 1))
+                delay = max(delay * random.uniform(0.5, 1.0), _retry_after(exc))
+                if self.stop.wait(delay):
+                    raise Cancelled() from None
+
+    # -- one HTTP attempt ----------------------------------------------------------------
+    def _attempt(self) -> None:
+        from huggingface_hub import get_hf_file_metadata, hf_hub_url
+
+        rf, snap = self.rf, self.snap
+        url = hf_hub_url(snap.repo, rf.name, revision=snap.commit, endpoint=snap.endpoint)
+        token = self.opts.token or False
+        meta = get_hf_file_metadata(url, token=token, timeout=self.opts.timeout_s)
+        if meta.size is not None and meta.size != rf.size:
+            raise FileFailed(f"{rf.name} changed on the Hub ({meta.size:,} B, expected "
+                             f"{rf.size:,} B); rerun `k3tui download` to pick up the change")
+        self.etag = meta.etag or ""
+        location = meta.location or url
+        headers = {"Accept-Encoding": "identity", "User-Agent": "k3tui"}
+        if token and same_origin(location, snap.endpoint):
+            headers["Authorization"] = f"Bearer {token}"      # never to a CDN on another host
+        if self.have:
+            headers["Range"] = f"bytes={self.have}-"
+        with self.client.stream("GET", location, headers=headers) as r:
+            if r.status_code == 416 and self.have == rf.size:
+                return
+            if r.status_code not in (200, 206):
+                r.read()
+                r.raise_for_status()
+                raise _BadResponse(f"unexpected HTTP {r.status_code}")
+            skip = 0
+            if r.status_code == 200 and self.have:
+                skip = self.have               # Range ignored: discard what we already have
+                self.log(f"{rf.name}: server ignored Range; skipping {skip:,} bytes")
+            elif r.status_code == 206:
+                cr = r.headers.get("Content-Range", "")
+                if not cr.startswith(f"bytes {self.have}-"):
+                    raise _BadResponse(f"Content-Range {cr!r} does not start at {self.have}")
+            self._receive(r, skip)
+
+    def _receive(self, r: httpx.Response, skip: int) -> None:
+        buf, n = bytearray(CHUNK_BYTES), 0
+        mv = memoryview(buf)
+        try:
+            for piece in r.iter_raw():
+                if self.stop.is_set():
+                    raise Cancelled()
+                pv = memoryview(piece)
+                if skip:
+                    if len(pv) <= skip:
+                        skip -= len(pv)
+                        continue
+                    pv, skip = pv[skip:], 0
+                room = self.rf.size - self.have - n
+                if len(pv) > room:
+                    raise _BadResponse("server sent more bytes than the file has")
+                while len(pv):
+                    k = min(CHUNK_BYTES - n, len(pv))
+                    mv[n:n + k] = pv[:k]
+                    n += k
+                    pv = pv[k:]
+                    if n == CHUNK_BYTES:
+                        self._write(buf, n)
+                        buf, n = bytearray(CHUNK_BYTES), 0
+                        mv = memoryview(buf)
+        finally:
+            if n:                               # keep every byte that arrived
+                self._write(buf, n)
+
+    def _write(self, buf: bytearray, n: int) -> None:
+        """Write buf[:n] at `have`, hash it, count it. ENOSPC keeps what fit."""
+        view, written = memoryview(buf)[:n], 0
+        try:
+            while written < n:
+                written += pwrite(self.fd, view[written:], self.have + written)
+        except OSError as exc:
+            if written:
+                self._accept(bytes(view[:written]), written)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                self.store.write_sidecar(self.rf, self.snap.commit, self.have, self.etag)
+                raise DiskFull(str(exc)) from None
+            raise
+        self._accept(buf if n == len(buf) else bytes(view), n)
+
+    def _accept(self, data, n: int) -> None:
+        self.hasher.feed(data)
+        self.have += n
+        self.progress.add(self.rf.name, n)
+        if self.have - self._dropped_at >= DROP_CACHE_EVERY:
+            drop_page_cache(self.fd, 0, self.have)   # start writeback, forget clean pages
+            self._dropped_at = self.have
+        now = time.monotonic()
+        if now - self._sidecar_t >= SIDECAR_EVERY_S:
+            self._sidecar_t = now
+            self.store.write_sidecar(self.rf, self.snap.commit, self.have, self.etag)
+
+    def _finish(self, digest: str) -> None:
+        rf, final = self.rf, self.store.final(self.rf.name)
+        os.fdatasync(self.fd)
+        drop_page_cache(self.fd)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(self.part, final)
+        self.store.sidecar(rf.name).unlink(missing_ok=True)
+        st = final.stat()
+        self.store.record(rf.name, st.st_size, st.st_mtime_ns, digest, self.snap.commit)
+        self.progress.status(rf.name, "done")
+
+
+class _BadResponse(Exception):
+    """The server answered something inconsistent: retry like a transport error."""

@@ -1,0 +1,251 @@
+"""Detached job processes (downloads, packing) that outlive the terminal that started them.
+
+A job is a child process in its own session (`start_new_session`: no controlling
+terminal, so closing the terminal, the tmux session or the SSH connection sends it no
+SIGHUP). It writes `<jobs_dir>/<id>.json` (state, replaced atomically) and `<id>.log`.
+State keys, read by `k3tui jobs` and the TUI:
+
+    id, kind, pid, status ("running"|"done"|"failed"|"cancelled"), started, updated,
+    message, log, total_bytes, done_bytes, rate_bps, eta_s, stalled,
+    files (download: [{name, size, done, status}]), layer (pack)
+    (+ target, argv, pid_start, retries, errors)
+
+One job per target: the parent takes an flock on `<jobs_dir>/locks/<hash>.lock` and the
+child inherits it, so the lock lives exactly as long as the job process.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from k3tui.errors import K3Error
+from k3tui.paths import get_paths
+
+STATUSES = ("running", "done", "failed", "cancelled")
+ENV_ID, ENV_LOCK = "K3TUI_JOB_ID", "K3TUI_JOB_LOCK_FD"
+START_GRACE_S = 30.0      # a job that has not written its pid yet is "starting"
+
+
+def jobs_dir() -> Path:
+    d = get_paths().jobs_dir
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def state_path(job_id: str) -> Path:
+    return jobs_dir() / f"{job_id}.json"
+
+
+def k3tui_argv(*args: str) -> list[str]:
+    """The argv that runs `k3tui ARGS` with this interpreter (for `start_job`)."""
+    return [sys.executable, "-m", "k3tui", *args]
+
+
+def _write_state(state: dict) -> None:
+    path = state_path(state["id"])
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_text(json.dumps(state, indent=1))
+    os.replace(tmp, path)
+
+
+def _read_raw(job_id: str) -> dict:
+    try:
+        return json.loads(state_path(job_id).read_text())
+    except FileNotFoundError:
+        raise K3Error(f"There is no job {job_id}.", "list jobs with `k3tui jobs`", 2) from None
+    except ValueError:   # a concurrent writer uses os.replace, so this is a damaged file
+        raise K3Error(f"The state file of job {job_id} is damaged.",
+                      f"look at its log in {jobs_dir()}") from None
+
+
+# -- the target lock -----------------------------------------------------------------------
+def _lock_file(target_key: str) -> Path:
+    d = jobs_dir() / "locks"
+    d.mkdir(exist_ok=True)
+    return d / (hashlib.sha1(target_key.encode()).hexdigest()[:16] + ".lock")
+
+
+def lock_target(target_key: str, owner: str) -> int:
+    """flock the target; returns the fd (close it to release). K3Error if taken."""
+    path = _lock_file(target_key)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        holder = path.read_text().strip() or "another k3tui process"
+        if holder.startswith("job "):
+            jid = holder[4:]
+            raise K3Error(f"Job {jid} is already working on {target_key}.",
+                          f"watch it with `k3tui jobs attach {jid}` or stop it with "
+                          f"`k3tui jobs cancel {jid}`", 2) from None
+        raise K3Error(f"{holder} is already working on {target_key}.",
+                      "wait for it to finish (only one job per folder)", 2) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, owner.encode(), 0)
+    return fd
+
+
+def holds_inherited_lock() -> bool:
+    """True inside a job process: the parent passed us the target lock."""
+    return ENV_LOCK in os.environ
+
+
+# -- starting and inspecting jobs ----------------------------------------------------------
+def new_state(job_id: str, kind: str, argv: list[str], target_key: str) -> dict:
+    now = time.time()
+    return {"id": job_id, "kind": kind, "pid": None, "status": "running", "started": now,
+            "updated": now, "message": "starting", "log": str(jobs_dir() / f"{job_id}.log"),
+            "total_bytes": 0, "done_bytes": 0, "rate_bps": 0.0, "eta_s": None,
+            "stalled": False, "files": [], "layer": None, "target": target_key,
+            "argv": argv, "pid_start": None, "retries": 0, "errors": []}
+
+
+def start_job(kind: str, argv: list[str], target_key: str) -> str:
+    """Run `argv` as a detached job; returns its id. K3Error if the target is busy."""
+    job_id = f"{kind}-{time.strftime('%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    lock_fd = lock_target(target_key, f"job {job_id}")
+    try:
+        state = new_state(job_id, kind, argv, target_key)
+        _write_state(state)
+        env = dict(os.environ, **{ENV_ID: job_id, ENV_LOCK: str(lock_fd)})
+        with open(state["log"], "ab") as log:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True,
+                                    pass_fds=(lock_fd,), env=env, close_fds=True)
+    finally:
+        os.close(lock_fd)       # the child keeps the lock alive through its inherited copy
+    # Reap it if we outlive it (a TUI), so it never lingers as a zombie.
+    threading.Thread(target=proc.wait, name=f"reap-{job_id}", daemon=True).start()
+    return job_id
+
+
+def _alive(pid: int | None, pid_start: float | None) -> bool:
+    import psutil
+
+    if not pid:
+        return False
+    try:
+        p = psutil.Process(pid)
+        if p.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return pid_start is None or abs(p.create_time() - pid_start) < 1.0
+    except psutil.Error:
+        return False
+
+
+def read_state(job_id: str) -> dict:
+    """The job's state; a 'running' job whose process is gone is reported (and saved) as
+    failed, so a SIGKILL or a reboot never leaves a job 'running' forever."""
+    state = _read_raw(job_id)
+    if state.get("status") != "running":
+        return state
+    if state.get("pid") is None:
+        if time.time() - state.get("started", 0) < START_GRACE_S:
+            return state
+    elif _alive(state["pid"], state.get("pid_start")):
+        return state
+    state.update(status="failed", updated=time.time(), stalled=False, rate_bps=0.0,
+                 eta_s=None, message="the job process ended without reporting (killed or "
+                 "rebooted); rerun the same command to resume")
+    _write_state(state)
+    return state
+
+
+def list_jobs() -> list[dict]:
+    """Every job, newest first."""
+    out = []
+    for p in jobs_dir().glob("*.json"):
+        try:
+            out.append(read_state(p.stem))
+        except K3Error:
+            continue
+    return sorted(out, key=lambda s: s.get("started", 0), reverse=True)
+
+
+def resolve_id(prefix: str | None) -> str:
+    """An exact id, a unique prefix/suffix, or (None) the newest running job."""
+    jobs = list_jobs()
+    if prefix is None:
+        running = [j for j in jobs if j["status"] == "running"]
+        if not (running or jobs):
+            raise K3Error("There are no jobs.", "start one with `k3tui download`", 2)
+        return (running or jobs)[0]["id"]
+    matches = [j["id"] for j in jobs if j["id"] == prefix]
+    matches = matches or [j["id"] for j in jobs if j["id"].startswith(prefix)
+                          or j["id"].endswith(prefix)]
+    if len(matches) != 1:
+        what = "No job matches" if not matches else "Several jobs match"
+        raise K3Error(f"{what} '{prefix}'.", "list jobs with `k3tui jobs`", 2)
+    return matches[0]
+
+
+def cancel_job(job_id: str, wait_s: float = 10.0) -> dict:
+    """Ask the job to stop (SIGTERM: it keeps its partial files), SIGKILL if it hangs."""
+    state = read_state(job_id)
+    if state["status"] != "running":
+        return state
+    pid = state.get("pid")
+    if pid and _alive(pid, state.get("pid_start")):
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and _alive(pid, state.get("pid_start")):
+            time.sleep(0.1)
+        if _alive(pid, state.get("pid_start")):
+            os.kill(pid, signal.SIGKILL)
+            time.sleep(0.2)
+    state = _read_raw(job_id)
+    if state["status"] == "running" or (state["status"] == "failed" and not pid):
+        state.update(status="cancelled", message="cancelled", updated=time.time(),
+                     stalled=False, rate_bps=0.0, eta_s=None)
+        _write_state(state)
+    return state
+
+
+# -- inside the job process ------------------------------------------------------------------
+class JobReporter:
+    """Writes this job's state file. Use `JobReporter.from_env()` in the job process."""
+
+    def __init__(self, job_id: str):
+        import psutil
+
+        self.state = _read_raw(job_id)
+        self.stop = threading.Event()
+        self.state.update(pid=os.getpid(), pid_start=psutil.Process().create_time(),
+                          status="running", message="running")
+        self._lock = threading.Lock()
+        self.update()
+
+    @classmethod
+    def from_env(cls) -> "JobReporter | None":
+        job_id = os.environ.get(ENV_ID)
+        return cls(job_id) if job_id else None
+
+    def install_signals(self) -> threading.Event:
+        """SIGTERM/SIGINT = cancel (sets `self.stop`); SIGHUP is ignored (no terminal)."""
+        def on_term(signum, frame):
+            self.stop.set()
+        signal.signal(signal.SIGTERM, on_term)
+        signal.signal(signal.SIGINT, on_term)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        return self.stop
+
+    def update(self, **fields) -> None:
+        with self._lock:
+            self.state.update(fields)
+            self.state["updated"] = time.time()
+            _write_state(self.state)
+
+    def finish(self, status: str, message: str) -> None:
+        assert status in STATUSES
+        self.update(status=status, message=message, stalled=False, rate_bps=0.0, eta_s=None)
