@@ -95,6 +95,18 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def transport_warnings(url: str, verify_tls: bool | str = True) -> list[str]:
+    """What is unsafe about reaching `url` this way (shown before anything is sent)."""
+    parts = urlsplit(url.strip())
+    warnings = []
+    if parts.scheme == "http" and parts.hostname and not _is_loopback(parts.hostname):
+        warnings.append("plain http to another machine: the API key and the chat travel "
+                        "unencrypted; use https or an SSH tunnel")
+    if verify_tls is False and parts.scheme == "https":
+        warnings.append("TLS verification is off: anyone in between could read the key")
+    return warnings
+
+
 def _fail(message: str, next_step: str, **kw: Any) -> EndpointCheck:
     return EndpointCheck(ok=False, message=message, next_step=next_step, **kw)
 
@@ -159,12 +171,7 @@ def check_endpoint(url: str, api_key: str | None, verify_tls: bool | str = True,
                      "give the server's address, e.g. https://cluster.example:8000/v1")
     root, v1 = _roots(url)
     where = f"{parts.scheme}://{parts.netloc}"
-    warnings: list[str] = []
-    if parts.scheme == "http" and not _is_loopback(parts.hostname):
-        warnings.append("plain http to another machine: the API key and the chat travel "
-                        "unencrypted; use https or an SSH tunnel")
-    if verify_tls is False and parts.scheme == "https":
-        warnings.append("TLS verification is off: anyone in between could read the key")
+    warnings = transport_warnings(url, verify_tls)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Timeout(timeout, connect=CONNECT_TIMEOUT_S)
     try:
@@ -175,6 +182,20 @@ def check_endpoint(url: str, api_key: str | None, verify_tls: bool | str = True,
         failed = _transport_failure(exc, where, verify_tls)
         return EndpointCheck(ok=False, message=failed.message, next_step=failed.next_step,
                              warnings=warnings)
+
+
+def _key_refused(resp: httpx.Response, where: str, api_key: str | None,
+                 health_ok: bool | None, warnings: list[str],
+                 models: list[str] | None = None) -> EndpointCheck:
+    detail = _error_text(resp, api_key)
+    if api_key:
+        msg = (f"{where} refused the API key {mask_key(api_key)} ({resp.status_code}"
+               f"{': ' + detail if detail else ''}).")
+        step = "check the key, or the environment variable named by `api_key_env`"
+    else:
+        msg = f"{where} needs an API key ({resp.status_code})."
+        step = "set the key in the variable named by `api_key_env`, or enter it in `k3tui setup`"
+    return _fail(msg, step, models=models or [], health_ok=health_ok, warnings=warnings)
 
 
 def _run_checks(http: httpx.Client, root: str, v1: str, where: str, api_key: str | None,
@@ -188,18 +209,10 @@ def _run_checks(http: httpx.Client, root: str, v1: str, where: str, api_key: str
         return _fail(f"{where} is up but not ready: it is still loading the model (503).",
                      "wait until loading finishes (its log shows progress), then check again",
                      health_ok=False, warnings=warnings)
-    # 2. /v1/models: proves the key and names the model.
+    # 2. /v1/models: names the model (and proves the key where the list is protected).
     resp = http.get(v1 + "/models")
     if resp.status_code in (401, 403):
-        detail = _error_text(resp, api_key)
-        if api_key:
-            msg = (f"{where} refused the API key {mask_key(api_key)} ({resp.status_code}"
-                   f"{': ' + detail if detail else ''}).")
-            step = "check the key, or the environment variable named by `api_key_env`"
-        else:
-            msg = f"{where} needs an API key ({resp.status_code})."
-            step = "set the key in the variable named by `api_key_env`, or enter it in `k3tui setup`"
-        return _fail(msg, step, health_ok=health_ok, warnings=warnings)
+        return _key_refused(resp, where, api_key, health_ok, warnings)
     if resp.status_code == 404:
         return _fail(f"{where} has no {urlsplit(v1).path}/models: not an OpenAI-compatible "
                      "server at this path.",
@@ -223,6 +236,8 @@ def _run_checks(http: httpx.Client, root: str, v1: str, where: str, api_key: str
     body: dict[str, Any] = {"model": chosen or "default", "max_tokens": 1, "stream": False,
                             "messages": [{"role": "user", "content": "Say OK."}]}
     resp = http.post(v1 + "/chat/completions", json=body)
+    if resp.status_code in (401, 403):  # some servers (llama-server) list models without a key
+        return _key_refused(resp, where, api_key, health_ok, warnings, models)
     if resp.status_code != 200:
         hint = ("the model is still loading; wait and check again" if resp.status_code == 503
                 else "pick a model from the list" if resp.status_code in (400, 404)

