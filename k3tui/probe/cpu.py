@@ -9,6 +9,11 @@ from dataclasses import dataclass
 from k3tui.probe.env import ProbeEnv
 
 
+# Arm "CPU part" ids of cores k3tui is likely to meet (aarch64 /proc/cpuinfo has no model name).
+ARM_PARTS = {"0xd85": "Cortex-X925", "0xd87": "Cortex-A725", "0xd4f": "Neoverse-V2",
+             "0xd40": "Neoverse-V1", "0xd0c": "Neoverse-N1", "0xd8e": "Neoverse-N3"}
+
+
 @dataclass
 class CpuInfo:
     arch: str = ""
@@ -41,6 +46,7 @@ def probe_cpu(env: ProbeEnv, quota_cores: float | None = None) -> CpuInfo:
     arch = (env.read(env.proc / "sys" / "kernel" / "arch") or "").strip()
     info.arch = arch or platform.machine()
     flags: set[str] = set()
+    parts: list[str] = []
     for line in (env.read(env.proc / "cpuinfo") or "").splitlines():
         key, _, value = line.partition(":")
         key = key.strip().lower()
@@ -48,6 +54,12 @@ def probe_cpu(env: ProbeEnv, quota_cores: float | None = None) -> CpuInfo:
             flags = set(value.split())
         elif key in ("model name", "cpu model") and not info.model:
             info.model = value.strip()
+        elif key == "cpu part":
+            name = ARM_PARTS.get(value.strip().lower(), value.strip())
+            if name not in parts:
+                parts.append(name)
+    if not info.model and parts:
+        info.model = " + ".join(parts)
     info.avx2 = "avx2" in flags
     info.avx512 = "avx512f" in flags
     # aarch64 always has Advanced SIMD; /proc/cpuinfo calls it "asimd".

@@ -80,9 +80,11 @@ def probe_memory(env: ProbeEnv, cg: CgroupInfo) -> MemoryInfo:
         cgroup_current_bytes=cg.memory_current_bytes,
         cgroup_swap_limit_bytes=cg.swap_limit_bytes,
     )
-    own = memory_pressure_file(env, cg)
-    text = env.read(own) if own else None
+    # Machine-wide pressure first (other programs squeezing RAM matter); the cgroup's own
+    # file only when the kernel exposes no system-wide one.
+    text = env.read(env.proc / "pressure" / "memory")
     if text is None:
-        text = env.read(env.proc / "pressure" / "memory")
+        own = memory_pressure_file(env, cg)
+        text = env.read(own) if own else None
     info.psi_some_avg10, info.psi_full_avg10 = parse_psi(text)
     return info
