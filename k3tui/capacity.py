@@ -248,8 +248,8 @@ def render_routes() -> str:
 
     lines = ["Routes beyond one machine (k3tui connects to them as a remote backend):"]
     lines += [f"  {route:<7} {summary(route)}" for route in ROUTES]
-    lines.append("  print one with its launch commands and reasons: `recipes.render(ROUTE)` "
-                 "(`k3tui plan --recipe rpc|sglang|vllm` where the CLI offers it)")
+    lines.append("  `k3tui plan --recipe rpc|sglang|vllm` prints one: what fits, the launch "
+                 "commands, why each flag")
     return "\n".join(lines)
 
 
@@ -272,16 +272,44 @@ def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
                    help="checkpoint size each machine stores (GB)")
     g.add_argument("--recipe", choices=("rpc", "sglang", "vllm"),
                    help="print the launch recipe of one multi-machine route")
+    g.add_argument("--node-gib", type=float, default=121.0,
+                   help="memory of each machine pooled by the rpc recipe (DGX Spark: 121)")
+    g.add_argument("--gguf-gib", type=float, default=539.0,
+                   help="size of the GGUF the rpc recipe keeps resident")
+
+
+def _recipe_params(args: argparse.Namespace, route: str) -> dict[str, float]:
+    if route != "rpc":
+        return {}
+    node, gguf = getattr(args, "node_gib", 121.0), getattr(args, "gguf_gib", 539.0)
+    if not (node > 8 and gguf > 0):
+        raise K3Error(f"--node-gib must be more than 8 and --gguf-gib positive "
+                      f"(got {node:g} and {gguf:g}).", "e.g. --node-gib 121 --gguf-gib 539", 2)
+    return {"node_gib": node, "gguf_gib": gguf}
+
+
+def _recipe_json(route: str, params: dict[str, float]) -> dict[str, Any]:
+    from k3tui.recipes import recipe
+
+    r = recipe(route, **params)
+    return {"route": r.route, "title": r.title, "checked_against": r.checked_against,
+            "sources": list(r.sources), "fit": list(r.fit), "connect": r.connect,
+            "steps": [{"where": st.where, "env": list(st.env), "argv": list(st.argv),
+                       "why": list(st.why)} for st in r.steps], "notes": list(r.notes)}
 
 
 def main(args: argparse.Namespace) -> int:
     """Entry point `commands/plan.py` delegates to when `--users` (or `--recipe`) is given."""
     recipe = getattr(args, "recipe", None)
     users = getattr(args, "users", None)
+    params = _recipe_params(args, recipe) if recipe else {}
     if recipe and users is None:
         from k3tui.recipes import render
 
-        print(render(recipe))
+        if getattr(args, "json", False):
+            print(json.dumps({"recipe": _recipe_json(recipe, params)}, indent=2))
+        else:
+            print(render(recipe, **params))
         return 0
     missing = [flag for flag, attr in (("--users", "users"),
                                        ("--requests-per-user-day", "requests_per_user_day"),
@@ -313,7 +341,7 @@ def main(args: argparse.Namespace) -> int:
         out: dict[str, Any] = asdict(sizing)
         out["why_latency"] = " ".join(WHY_LATENCY.split())
         if recipe:
-            out["recipe"] = recipe
+            out["recipe"] = _recipe_json(recipe, params)
         print(json.dumps(out, indent=2))
         return 0
     print(render_text(sizing))
@@ -321,7 +349,7 @@ def main(args: argparse.Namespace) -> int:
     if recipe:
         from k3tui.recipes import render
 
-        print(render(recipe))
+        print(render(recipe, **params))
     else:
         print(render_routes())
     return 0

@@ -264,7 +264,8 @@ def render(route: str, **params: float) -> str:
     lines += ["", "Notes:"]
     for note in r.notes:
         lines += textwrap.wrap(note, 88, initial_indent="  - ", subsequent_indent="    ")
-    lines += ["", f"Then connect: {r.connect}",
-              f"Flags checked against: {r.checked_against}",
-              "Sources: " + "; ".join(r.sources)]
+    lines += ["", f"Then connect: {r.connect}"]
+    lines += textwrap.wrap(f"Flags checked against: {r.checked_against}", 88,
+                           subsequent_indent="  ")
+    lines += textwrap.wrap("Sources: " + "; ".join(r.sources), 88, subsequent_indent="  ")
     return "\n".join(lines)

@@ -121,3 +121,19 @@ def test_rmt_from_bench_refuses_files_without_a_rate(tmp_path):
     path.write_text("not json")
     with pytest.raises(K3Error, match="not a JSON file"):
         capacity.throughput_from_bench(path)
+
+
+def test_rmt_cli_recipe_alone_with_sizing_and_as_json():
+    out = _run("--recipe", "rpc", "--node-gib", "64")
+    assert out.returncode == 0, out.stderr
+    assert "10 machines" in out.stdout and "rpc-server --host" in out.stdout
+    out = _run("--recipe", "vllm", "--json")
+    assert out.returncode == 0, out.stderr
+    steps = json.loads(out.stdout)["recipe"]["steps"]
+    assert steps[0]["argv"][:2] == ["vllm", "serve"] and "--headless" in steps[1]["argv"]
+    out = _run("--users", "50", "--requests-per-user-day", "5", "--tokens-per-answer", "300",
+               "--tok-per-s", "0.37", "--recipe", "sglang")
+    assert out.returncode == 0 and "machines needed     11" in out.stdout
+    assert "sglang serve" in out.stdout and "--tp-size 16" in out.stdout
+    out = _run("--recipe", "rpc", "--node-gib", "4")
+    assert out.returncode == 2 and "--node-gib" in out.stderr and "Traceback" not in out.stderr
