@@ -205,6 +205,11 @@ class OutputParser:
     def in_reasoning(self) -> bool:
         return self.channel == "think" and not self.done
 
+    @property
+    def in_tag(self) -> bool:
+        """Between `<|open|>`/`<|close|>` and its `<|sep|>`."""
+        return self._tag is not None
+
     def _emit(self, out: ParsedDelta, token_id: int | None = None, text: str | None = None) -> None:
         key = "think" if self.channel == "think" else "response"
         dec = self._decoders.setdefault(key, self.tok.stream_decoder())

@@ -1,0 +1,989 @@
+"""`python -m engine serve CHECKPOINT`: an OpenAI-compatible HTTP server for the engine.
+
+It speaks what llama-server speaks (see the README's server section): SSE chunks with
+`reasoning_content` / `content` deltas, a finish chunk, an optional usage chunk, `timings`
+on the last chunk, `data: [DONE]`; errors as `{"error": {"code", "message", "type"}}`.
+Each chunk also carries a `k3` object with the engine's per-token statistics.
+
+Design:
+* The socket is bound first, then the model loads in a background thread; until it is
+  ready every route but /health and /metrics answers 503 (/health with load progress).
+* One generation at a time, in a worker thread (the event loop only moves bytes). A
+  second request waits its turn (FIFO, `k3_requests_deferred`); more than
+  `MAX_WAITING` waiting requests get 503. Closing the connection sets a cancel event that
+  the generator checks between tokens and layers, so generation stops within one token.
+* Binding anything but loopback requires `--api-key`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import ipaddress
+import json
+import secrets
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Iterator
+
+import anyio
+import psutil
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from engine.chat_template import EFFORTS, ChatTemplate, TemplateError
+from engine.errors import EngineError
+from engine.steer import DEMO_NOTICE, DemoSteer, Forced, think_to_response
+from engine.tokenizer import Tokenizer
+
+MAX_WAITING = 8
+FINGERPRINT = "k3-engine-0.1.0"
+DEFAULT_CTX = 8192
+PING_SECONDS = 15.0
+PUBLIC_PATHS = ("/health", "/v1/health")
+LOADING_PATHS = PUBLIC_PATHS + ("/metrics",)
+
+
+# ---------------------------------------------------------------------------------------
+# errors in llama-server's shape
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    500: "server_error",
+    501: "not_supported_error",
+    503: "unavailable_error",
+}
+
+
+def error_body(code: int, message: str, kind: str | None = None, **extra: Any) -> dict:
+    return {"error": {"code": code, "message": message, "type": kind or ERROR_TYPES.get(code, "server_error"), **extra}}
+
+
+def error_response(code: int, message: str, kind: str | None = None, **extra: Any) -> JSONResponse:
+    return JSONResponse(error_body(code, message, kind, **extra), status_code=code)
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, code: int = 400, kind: str | None = None, **extra: Any):
+        super().__init__(message)
+        self.code, self.kind, self.extra = code, kind, extra
+
+
+# ---------------------------------------------------------------------------------------
+# what a loaded model offers the server
+
+
+@dataclass
+class Loaded:
+    """The model side: `generate(prompt_ids, params, cancel, logits_hook)` yields
+    engine.generate.GenToken-like objects (`id, seconds, index, prefill_seconds, stats`)."""
+
+    tok: Tokenizer
+    generate: Callable[..., Iterator[Any]]
+    make_params: Callable[..., Any]
+    n_ctx: int
+    info: dict[str, Any] = field(default_factory=dict)  # for /props and /v1/models
+    budget_gb: float | None = None
+    source: Any = None
+
+
+@dataclass
+class LoadProgress:
+    phase: str = "starting"
+    started: float = field(default_factory=time.monotonic)
+    error: str | None = None
+    layers_bound: int | None = None
+    n_layers: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        proc = psutil.Process()
+        try:
+            read = proc.io_counters().read_chars
+        except (AttributeError, psutil.Error):
+            read = None
+        return {
+            "phase": self.phase,
+            "elapsed_s": round(time.monotonic() - self.started, 3),
+            "bytes_read": read,
+            "layers_bound": self.layers_bound,
+            "n_layers": self.n_layers,
+            "rss_gb": round(proc.memory_info().rss / 1e9, 3),
+        }
+
+
+class Metrics:
+    COUNTERS = {
+        "requests_total": "chat completion requests accepted",
+        "requests_cancelled_total": "generations stopped because the client went away",
+        "requests_failed_total": "generations that ended with an error",
+        "prompt_tokens_total": "prompt tokens processed",
+        "prompt_seconds_total": "seconds spent in prefill",
+        "tokens_predicted_total": "tokens generated (reasoning included)",
+        "tokens_predicted_seconds_total": "seconds spent generating tokens",
+        "gb_read_total": "GB read from storage by generation",
+    }
+    GAUGES = {
+        "requests_processing": "generations running now (0 or 1)",
+        "requests_deferred": "requests waiting for the generation slot",
+        "model_loaded": "1 once the model is ready",
+        "load_seconds": "seconds the model took to load",
+        "rss_gb": "resident memory of the server process in GB",
+        "budget_gb": "memory budget of the plan in GB (0 = resident, no budget)",
+        "last_s_per_token": "seconds of the last generated token",
+        "last_true_hit_rate": "expert cache true hit rate of the last token",
+    }
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.values: dict[str, float] = {k: 0.0 for k in (*self.COUNTERS, *self.GAUGES)}
+
+    def add(self, name: str, value: float = 1.0) -> None:
+        with self._lock:
+            self.values[name] += value
+
+    def set(self, name: str, value: float) -> None:
+        with self._lock:
+            self.values[name] = float(value)
+
+    def render(self) -> str:
+        self.set("rss_gb", psutil.Process().memory_info().rss / 1e9)
+        lines = []
+        with self._lock:
+            for kind, table in (("counter", self.COUNTERS), ("gauge", self.GAUGES)):
+                for name, help_text in table.items():
+                    lines += [f"# HELP k3_{name} {help_text}", f"# TYPE k3_{name} {kind}",
+                              f"k3_{name} {self.values[name]:.10g}"]
+        return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------
+# request parsing
+
+
+@dataclass
+class ChatRequest:
+    messages: list
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+    timings_per_token: bool
+    thinking: bool
+    effort: str
+    reasoning_budget: int  # -1 = unlimited
+
+
+def _number(body: dict, key: str, kind: type, default: Any, lo: float | None = None,
+            hi: float | None = None) -> Any:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+        raise BadRequest(f"'{key}' must be {'an integer' if kind is int else 'a number'}")
+    value = kind(value)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise BadRequest(f"'{key}' must be between {lo} and {hi}" if hi is not None else f"'{key}' must be at least {lo}")
+    return value
+
+
+def parse_chat_request(body: Any, default_budget: int) -> ChatRequest:
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty array of {role, content} objects")
+    max_tokens = None
+    for key in ("n_predict", "max_completion_tokens", "max_tokens"):  # llama-server: n_predict wins
+        if body.get(key) is not None:
+            max_tokens = _number(body, key, int, None, lo=-1)
+            if max_tokens == 0:
+                raise BadRequest(f"'{key}' must be at least 1 (or -1 for no limit)")
+            max_tokens = None if max_tokens == -1 else max_tokens
+            break
+    stop = body.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise BadRequest("'stop' must be a string or an array of strings")
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise BadRequest("'stream_options' must be an object")
+
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise BadRequest("'chat_template_kwargs' must be an object")
+    thinking, effort = True, "max"
+    for key in ("enable_thinking", "thinking"):
+        if key in kwargs:
+            thinking = bool(kwargs[key])
+    if "thinking_effort" in kwargs:
+        effort = str(kwargs["thinking_effort"])
+    re_effort = body.get("reasoning_effort")
+    if re_effort is not None:
+        if re_effort == "none":
+            thinking = False
+        else:
+            effort = str(re_effort)
+    if thinking and effort not in EFFORTS:
+        raise BadRequest(
+            f"reasoning effort '{effort}' is not supported by Kimi-K3; use low, high or max "
+            "(or reasoning_effort 'none' to turn thinking off)"
+        )
+    budget = default_budget
+    for key in ("reasoning_budget_tokens", "thinking_budget_tokens", "reasoning_budget"):
+        if body.get(key) is not None:
+            budget = _number(body, key, int, default_budget, lo=-1)
+            break
+    seed = body.get("seed")
+    seed = secrets.randbits(31) if seed is None or seed == -1 else _number(body, "seed", int, 0, lo=0)
+    return ChatRequest(
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=_number(body, "temperature", float, 0.6, lo=0.0, hi=100.0),
+        top_p=_number(body, "top_p", float, 0.95, lo=0.0, hi=1.0),
+        top_k=_number(body, "top_k", int, 0, lo=0),
+        seed=seed,
+        stop=[s for s in stop if s],
+        stream=bool(body.get("stream", False)),
+        include_usage=bool(stream_options.get("include_usage", False)),
+        timings_per_token=bool(body.get("timings_per_token", False)),
+        thinking=thinking,
+        effort=effort,
+        reasoning_budget=budget,
+    )
+
+
+class StopScanner:
+    """Holds back text that could be the start of a stop string; reports a match."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.buf = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        if not self.stops:
+            return text, False
+        self.buf += text
+        hits = [i for i in (self.buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.buf = self.buf[: min(hits)], ""
+            return out, True
+        cut = max(0, len(self.buf) - self.hold)
+        out, self.buf = self.buf[:cut], self.buf[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.buf = self.buf, ""
+        return out
+
+
+# ---------------------------------------------------------------------------------------
+# one generation, in a worker thread
+
+
+@dataclass
+class Job:
+    req: ChatRequest
+    prompt_ids: list[int]
+    max_new: int
+    cancel: threading.Event = field(default_factory=threading.Event)
+    # filled by the worker
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0
+    prompt_s: float = 0.0
+    predicted_s: float = 0.0
+    content_chars: int = 0
+    finish: str | None = None
+
+
+def k3_stats(tok_event: Any, budget_gb: float | None) -> dict[str, Any]:
+    stats = getattr(tok_event, "stats", None) or {}
+    gb = None
+    if "gb_read_trunk" in stats or "gb_read_experts" in stats:
+        gb = float(stats.get("gb_read_trunk", 0.0)) + float(stats.get("gb_read_experts", 0.0))
+    rss = stats.get("rss_gb")
+    if rss is None:
+        rss = psutil.Process().memory_info().rss / 1e9
+    seconds = getattr(tok_event, "seconds", None)
+    mb_per_s = stats.get("mb_per_s")
+    if mb_per_s is None and gb is not None and seconds:
+        mb_per_s = gb * 1000.0 / seconds
+    out = {
+        "s_per_token": seconds,
+        "gb_read": gb,
+        "mb_per_s": mb_per_s,
+        "true_hit_rate": stats.get("true_hit_rate"),
+        "rss_gb": rss,
+        "budget_gb": stats.get("budget_gb", budget_gb),
+        "compute_s": stats.get("compute_s"),
+        "wait_trunk_s": stats.get("wait_trunk_s"),
+        "wait_experts_s": stats.get("wait_experts_s"),
+    }
+    return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in out.items()}
+
+
+def run_job(job: Job, loaded: Loaded, template: ChatTemplate, metrics: Metrics, steer_demo: bool,
+            emit: Callable[[tuple], None]) -> None:
+    """Generate for `job`, emitting ("token", k3, reasoning, content) items, then
+    ("end", finish_reason) or ("error", message). Runs in a worker thread."""
+    req, tok = job.req, loaded.tok
+    parser = template.parser(thinking=req.thinking)
+    forced = Forced()
+    steer = DemoSteer(tok, parser, forced, seed=req.seed) if steer_demo else None
+    budget = req.reasoning_budget
+
+    def hook(generated, logits):
+        f = forced.take(logits)
+        if f is not None:
+            return f
+        if budget >= 0 and parser.in_reasoning and not parser.in_tag and parser.reasoning_tokens >= budget:
+            forced.push(think_to_response(tok))
+            return forced.take(logits)
+        return steer(generated, logits) if steer else logits
+
+    scanners = {"reasoning": StopScanner(req.stop), "content": StopScanner(req.stop)}
+    params = loaded.make_params(
+        max_tokens=job.max_new, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+        seed=req.seed, stop_ids=tuple(template.end_ids()),
+    )
+    finish = "length"
+    metrics.set("requests_processing", 1)
+    gen = None
+    try:
+        gen = loaded.generate(job.prompt_ids, params, cancel=job.cancel, logits_hook=hook)
+        for t in gen:
+            if job.cancel.is_set():
+                break
+            if t.prefill_seconds is not None and job.completion_tokens == 0:
+                job.prompt_s = float(t.prefill_seconds)
+                metrics.add("prompt_tokens_total", len(job.prompt_ids))
+                metrics.add("prompt_seconds_total", job.prompt_s)
+            job.completion_tokens += 1
+            # the first token's `seconds` includes the prefill, which timings count apart
+            seconds = max(0.0, float(t.seconds) - float(t.prefill_seconds or 0.0))
+            job.predicted_s += seconds
+            metrics.add("tokens_predicted_total")
+            metrics.add("tokens_predicted_seconds_total", seconds)
+            k3 = k3_stats(t, loaded.budget_gb)
+            if k3["gb_read"]:
+                metrics.add("gb_read_total", k3["gb_read"])
+            metrics.set("last_s_per_token", float(t.seconds))
+            if k3["true_hit_rate"] is not None:
+                metrics.set("last_true_hit_rate", k3["true_hit_rate"])
+            was_reasoning = parser.in_reasoning
+            delta = parser.feed(int(t.id))
+            if was_reasoning:
+                job.reasoning_tokens += 1
+            reasoning, hit_r = scanners["reasoning"].push(delta.reasoning)
+            content, hit_c = scanners["content"].push(delta.content)
+            job.content_chars += len(content)
+            emit(("token", k3, reasoning, content))
+            if parser.done:
+                finish = "stop"
+                break
+            if hit_r or hit_c:
+                finish = "stop"
+                break
+            if job.completion_tokens >= job.max_new:
+                break
+        if job.cancel.is_set():
+            finish = "cancelled"
+        else:
+            tail = parser.finish()
+            reasoning = scanners["reasoning"].push(tail.reasoning)[0] + scanners["reasoning"].flush()
+            content = scanners["content"].push(tail.content)[0] + scanners["content"].flush()
+            if reasoning or content:
+                job.content_chars += len(content)
+                emit(("token", None, reasoning, content))
+        job.finish = finish
+        if finish == "cancelled":
+            metrics.add("requests_cancelled_total")
+            emit(("cancelled",))
+        else:
+            emit(("end", finish))
+    except Exception as exc:  # noqa: BLE001 - reported to the client as an error chunk
+        if job.cancel.is_set():
+            job.finish = "cancelled"
+            metrics.add("requests_cancelled_total")
+            emit(("cancelled",))
+        else:
+            metrics.add("requests_failed_total")
+            if isinstance(exc, EngineError):
+                message = str(exc)
+            else:
+                traceback.print_exc(file=sys.stderr)
+                message = f"generation failed: {type(exc).__name__}: {exc}"
+            emit(("error", message))
+    finally:
+        if gen is not None and hasattr(gen, "close"):
+            try:
+                gen.close()
+            except Exception:  # noqa: BLE001 - closing a failed generator
+                pass
+        metrics.set("requests_processing", 0)
+
+
+def empty_answer_note(job: Job) -> str | None:
+    """Why the content is empty when the token limit ran out inside the reasoning."""
+    if job.finish == "length" and job.content_chars == 0:
+        if job.reasoning_tokens:
+            return (
+                f"max_tokens ({job.max_new}) ran out while the model was still reasoning "
+                f"({job.reasoning_tokens} reasoning tokens), so the answer is empty: raise "
+                "max_tokens, or set reasoning_budget_tokens below max_tokens so thinking stops "
+                "in time to answer"
+            )
+        return f"max_tokens ({job.max_new}) ran out before any answer text was produced"
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# the service
+
+
+class Service:
+    def __init__(self, *, model_name: str, steer_demo: bool, reasoning_budget: int,
+                 api_keys: list[str], info: dict[str, Any] | None = None) -> None:
+        self.model_name = model_name
+        self.steer_demo = steer_demo
+        self.reasoning_budget = reasoning_budget
+        self.api_keys = api_keys
+        self.static_info = info or {}
+        self.progress = LoadProgress()
+        self.loaded: Loaded | None = None
+        self.template: ChatTemplate | None = None
+        self.metrics = Metrics()
+        self.created = int(time.time())
+        self.waiting = 0
+        self._slot = asyncio.Lock()
+        self._running: Job | None = None
+
+    # -- loading ------------------------------------------------------------------------
+    def set_loaded(self, loaded: Loaded) -> None:
+        self.template = ChatTemplate(loaded.tok)
+        self.loaded = loaded
+        self.progress.phase = "ready"
+        self.metrics.set("model_loaded", 1)
+        self.metrics.set("load_seconds", time.monotonic() - self.progress.started)
+        self.metrics.set("budget_gb", loaded.budget_gb or 0.0)
+
+    def cancel_running(self) -> None:
+        if self._running is not None:
+            self._running.cancel.set()
+
+    # -- ASGI app -----------------------------------------------------------------------
+    def app(self) -> Starlette:
+        routes = [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/v1/health", self.health, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/models", self.models, methods=["GET"]),
+            Route("/metrics", self.metrics_route, methods=["GET"]),
+            Route("/props", self.props, methods=["GET"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/chat/completions", self.chat, methods=["POST"]),
+        ]
+
+        async def http_error(request: Request, exc: HTTPException) -> Response:
+            msg = "File Not Found" if exc.status_code == 404 else str(exc.detail)
+            return error_response(exc.status_code, msg)
+
+        app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+        return self._guard(app)
+
+    def _guard(self, app: Callable) -> Callable:
+        """API key and loading checks in front of every route (pure ASGI: streams pass)."""
+
+        async def guarded(scope, receive, send):
+            if scope["type"] != "http":
+                return await app(scope, receive, send)
+            path = scope.get("path", "")
+            if self.api_keys and path not in PUBLIC_PATHS and not self._authorised(scope):
+                return await error_response(401, "Invalid API Key")(scope, receive, send)
+            if self.loaded is None and path not in LOADING_PATHS:
+                return await error_response(503, "Loading model")(scope, receive, send)
+            return await app(scope, receive, send)
+
+        return guarded
+
+    def _authorised(self, scope: dict) -> bool:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        given = headers.get("x-api-key") or ""
+        auth = headers.get("authorization", "")
+        if auth.lower().startswith("bearer "):
+            given = auth[7:].strip()
+        return any(hmac.compare_digest(given.encode(), k.encode()) for k in self.api_keys)
+
+    # -- routes -------------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        if self.progress.error:
+            return error_response(500, self.progress.error)
+        if self.loaded is None:
+            body = error_body(503, "Loading model")
+            body["progress"] = self.progress.as_dict()
+            return JSONResponse(body, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_route(self, request: Request) -> Response:
+        self.metrics.set("requests_deferred", self.waiting)
+        return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    def _owned_by(self) -> str:
+        return DEMO_NOTICE if self.steer_demo else "k3-engine"
+
+    async def models(self, request: Request) -> Response:
+        loaded = self.loaded
+        entry = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": self._owned_by(),
+            "meta": {"n_vocab": loaded.tok.vocab_size, "n_ctx": loaded.n_ctx, **loaded.info.get("meta", {})},
+        }
+        if self.steer_demo:
+            entry["description"] = DEMO_NOTICE
+        return JSONResponse({"object": "list", "data": [entry]})
+
+    async def props(self, request: Request) -> Response:
+        loaded = self.loaded
+        tok = loaded.tok
+        body = {
+            "model_alias": self.model_name,
+            "model_path": loaded.info.get("checkpoint"),
+            "owned_by": self._owned_by(),
+            "demo": self.steer_demo,
+            "description": DEMO_NOTICE if self.steer_demo else "Kimi-K3 on the bundled numpy engine",
+            "total_slots": 1,
+            "default_generation_settings": {
+                "n_ctx": loaded.n_ctx,
+                "params": {"temperature": 0.6, "top_p": 0.95, "top_k": 0,
+                           "reasoning_budget_tokens": self.reasoning_budget},
+            },
+            "chat_template": "Kimi-K3 XTML (engine/chat_template.py)",
+            "chat_template_caps": {"supports_thinking": True, "thinking_efforts": list(EFFORTS)},
+            "bos_token": "[BOS]",
+            "eos_token": "[EOS]",
+            "end_token_ids": list(self.template.end_ids()),
+            "build_info": FINGERPRINT,
+            "memory_plan": loaded.info.get("memory_plan"),
+            "budget_gb": loaded.budget_gb,
+            "load_seconds": self.metrics.values["load_seconds"],
+            "is_sleeping": False,
+        }
+        return JSONResponse(body)
+
+    async def chat(self, request: Request) -> Response:
+        try:
+            raw = await request.body()
+            try:
+                body = json.loads(raw)
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise BadRequest(f"the request body is not valid JSON ({exc})") from exc
+            req = parse_chat_request(body, self.reasoning_budget)
+            loaded, template = self.loaded, self.template
+            try:
+                prompt = template.render(req.messages, thinking=req.thinking, effort=req.effort)
+            except TemplateError as exc:
+                raise BadRequest(str(exc)) from exc
+            if len(prompt) >= loaded.n_ctx:
+                raise BadRequest(
+                    f"request ({len(prompt)} tokens) exceeds the available context size "
+                    f"({loaded.n_ctx} tokens), try increasing it",
+                    kind="exceed_context_size_error", n_prompt_tokens=len(prompt), n_ctx=loaded.n_ctx,
+                )
+        except BadRequest as exc:
+            return error_response(exc.code, str(exc), exc.kind, **exc.extra)
+        room = loaded.n_ctx - len(prompt)
+        job = Job(req, prompt, max_new=min(req.max_tokens or room, room))
+
+        if self.waiting >= MAX_WAITING:
+            return error_response(503, f"the engine is busy and {self.waiting} requests are already waiting; retry later")
+        self.waiting += 1
+        try:
+            got = await self._acquire(request)
+        finally:
+            self.waiting -= 1
+        if not got:
+            return Response(status_code=499)  # the client left while waiting: nobody reads this
+        self.metrics.add("requests_total")
+        queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def emit(item: tuple) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the loop is gone (shutdown): nobody is listening
+                job.cancel.set()
+
+        def work() -> None:
+            try:
+                run_job(job, loaded, template, self.metrics, self.steer_demo, emit)
+            finally:
+                self._running = None
+                try:
+                    loop.call_soon_threadsafe(self._slot.release)
+                except RuntimeError:
+                    pass
+
+        self._running = job
+        threading.Thread(target=work, name="k3-generate", daemon=True).start()
+        ids = ChunkIds(self.model_name)
+        if req.stream:
+            return EventStream(self._sse(job, queue, ids, request), job.cancel)
+        return await self._collect(job, queue, ids, request)
+
+    async def _acquire(self, request: Request) -> bool:
+        """Wait for the generation slot; give up if the client disconnects meanwhile."""
+        task = asyncio.ensure_future(self._slot.acquire())
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return True
+            if await request.is_disconnected():
+                task.cancel()
+                try:
+                    await task
+                    self._slot.release()  # acquired just as we cancelled
+                except asyncio.CancelledError:
+                    pass
+                return False
+
+    # -- responses ----------------------------------------------------------------------
+    def _timings(self, job: Job) -> dict[str, Any]:
+        prompt_ms = job.prompt_s * 1000.0
+        pred_ms = job.predicted_s * 1000.0
+        n_p, n = len(job.prompt_ids), job.completion_tokens
+        return {
+            "cache_n": 0,
+            "prompt_n": n_p,
+            "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": prompt_ms / n_p if n_p else 0.0,
+            "prompt_per_second": n_p / job.prompt_s if job.prompt_s else 0.0,
+            "predicted_n": n,
+            "predicted_ms": pred_ms,
+            "predicted_per_token_ms": pred_ms / n if n else 0.0,
+            "predicted_per_second": n / job.predicted_s if job.predicted_s else 0.0,
+        }
+
+    def _usage(self, job: Job) -> dict[str, Any]:
+        n_p, n = len(job.prompt_ids), job.completion_tokens
+        return {
+            "completion_tokens": n,
+            "prompt_tokens": n_p,
+            "total_tokens": n_p + n,
+            "prompt_tokens_details": {"cached_tokens": 0},
+            "completion_tokens_details": {"reasoning_tokens": job.reasoning_tokens},
+        }
+
+    def _final_k3(self, job: Job, last: dict[str, Any] | None) -> dict[str, Any]:
+        k3 = dict(last or k3_stats(None, self.loaded.budget_gb))
+        k3["reasoning_tokens"] = job.reasoning_tokens
+        note = empty_answer_note(job)
+        if note:
+            k3["note"] = note
+        if self.steer_demo:
+            k3["demo"] = DEMO_NOTICE
+        return k3
+
+    async def _sse(self, job: Job, queue: asyncio.Queue, ids: "ChunkIds", request: Request) -> AsyncIterator[str]:
+        req = job.req
+        yield ids.sse({"role": "assistant", "content": None})
+        last_k3 = None
+        while True:
+            try:
+                item = await asyncio.wait_for(queue.get(), timeout=PING_SECONDS)
+            except asyncio.TimeoutError:
+                yield ":\n\n"  # keep-alive comment while a long prefill runs
+                continue
+            if item[0] == "token":
+                _, k3, reasoning, content = item
+                last_k3 = k3 or last_k3
+                extra: dict[str, Any] = {"k3": k3 or last_k3}
+                if req.timings_per_token:
+                    extra["timings"] = self._timings(job)
+                if reasoning:
+                    yield ids.sse({"reasoning_content": reasoning}, **extra)
+                if content:
+                    yield ids.sse({"content": content}, **extra)
+            elif item[0] == "end":
+                final = {"k3": self._final_k3(job, last_k3)}
+                if not req.include_usage or req.timings_per_token:
+                    final["timings"] = self._timings(job)
+                yield ids.sse({}, finish_reason=item[1], **final)
+                if req.include_usage:
+                    yield ids.sse(None, usage=self._usage(job), timings=self._timings(job), k3=final["k3"])
+                yield "data: [DONE]\n\n"
+                return
+            elif item[0] == "error":
+                yield f"data: {json.dumps(error_body(500, item[1]))}\n\n"
+                return
+            else:  # cancelled: the client is gone
+                return
+
+    async def _collect(self, job: Job, queue: asyncio.Queue, ids: "ChunkIds", request: Request) -> Response:
+        reasoning, content, last_k3 = [], [], None
+        while True:
+            try:
+                item = await asyncio.wait_for(queue.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    job.cancel.set()
+                continue
+            if item[0] == "token":
+                last_k3 = item[1] or last_k3
+                reasoning.append(item[2])
+                content.append(item[3])
+            elif item[0] == "end":
+                message: dict[str, Any] = {"role": "assistant", "content": "".join(content)}
+                if "".join(reasoning):
+                    message["reasoning_content"] = "".join(reasoning)
+                body = ids.base("chat.completion")
+                body.update(
+                    choices=[{"finish_reason": item[1], "index": 0, "message": message}],
+                    usage=self._usage(job), timings=self._timings(job), k3=self._final_k3(job, last_k3),
+                )
+                return JSONResponse(body)
+            elif item[0] == "error":
+                return error_response(500, item[1])
+            else:
+                return Response(status_code=499)
+
+
+class ChunkIds:
+    """The fields every chunk of one completion shares."""
+
+    def __init__(self, model: str) -> None:
+        self.id = "chatcmpl-" + secrets.token_urlsafe(24)[:32]
+        self.created = int(time.time())
+        self.model = model
+
+    def base(self, obj: str) -> dict[str, Any]:
+        return {"created": self.created, "id": self.id, "model": self.model,
+                "system_fingerprint": FINGERPRINT, "object": obj}
+
+    def sse(self, delta: dict | None, finish_reason: str | None = None, **extra: Any) -> str:
+        chunk: dict[str, Any] = {}
+        chunk["choices"] = [] if delta is None else [{"finish_reason": finish_reason, "index": 0, "delta": delta}]
+        chunk.update(self.base("chat.completion.chunk"))
+        chunk.update(extra)
+        return f"data: {json.dumps(chunk, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class EventStream(StreamingResponse):
+    """SSE body that watches for the client going away while it streams, and then sets
+    the generation's cancel event at once (not only at the next write)."""
+
+    def __init__(self, chunks: AsyncIterator[str], cancel: threading.Event) -> None:
+        super().__init__(chunks, status_code=200, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.chunks, self.cancel = chunks, cancel
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def watch(scope_to_cancel: anyio.CancelScope) -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    self.cancel.set()
+                    scope_to_cancel.cancel()
+                    return
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch, tg.cancel_scope)
+                await send({"type": "http.response.start", "status": self.status_code,
+                            "headers": self.raw_headers})
+                async for chunk in self.chunks:
+                    await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                tg.cancel_scope.cancel()
+        except OSError:
+            pass
+        finally:
+            # Normal end: the job already finished. Otherwise the client left mid-stream.
+            self.cancel.set()
+            await self.chunks.aclose()
+
+
+# ---------------------------------------------------------------------------------------
+# loading the real model
+
+
+def load_engine(checkpoint: Path, tokenizer_dir: Path, args: argparse.Namespace,
+                progress: LoadProgress, n_ctx: int) -> Loaded:
+    """Tokenizer, weight source under the memory plan, model; generation via ENG's API."""
+    from engine.generate import GenParams, generate
+    from engine.model import load_model
+    from engine.streaming import open_source
+
+    progress.phase = "tokenizer"
+    tok = Tokenizer.from_dir(tokenizer_dir)
+    progress.phase = "weights"
+    args.context_tokens = n_ctx
+    source = open_source(checkpoint, args)
+    progress.phase = "model"
+    model = load_model(checkpoint, source)
+    cfg = model.config
+    progress.n_layers = getattr(cfg, "num_hidden_layers", None)
+    progress.layers_bound = progress.n_layers
+    vocab = getattr(cfg, "vocab_size", None)
+    if vocab is not None and vocab < tok.vocab_size:
+        raise EngineError(
+            f"the tokenizer has {tok.vocab_size} ids but the model only {vocab}; "
+            "pass --tokenizer with the checkpoint's own tokenizer files"
+        )
+    plan = getattr(source, "plan", None)
+    budget = plan.budget_bytes / 1e9 if plan is not None else None
+    memory_plan = (
+        {"mode": "streaming", "describe": plan.describe(), **plan.as_dict()}
+        if plan is not None
+        else {"mode": "resident", "describe": "every weight resident in RAM (no memory flag given)"}
+    )
+    max_pos = getattr(cfg, "max_position_embeddings", None) or n_ctx
+
+    def gen(prompt_ids, params, cancel=None, logits_hook=None):
+        return generate(model, prompt_ids, params, cancel=cancel, logits_hook=logits_hook)
+
+    return Loaded(
+        tok=tok,
+        generate=gen,
+        make_params=GenParams,
+        n_ctx=min(n_ctx, max_pos),
+        info={
+            "checkpoint": str(checkpoint),
+            "memory_plan": _jsonable(memory_plan),
+            "meta": {"n_layers": getattr(cfg, "num_hidden_layers", None), "n_vocab_model": vocab},
+        },
+        budget_gb=budget,
+        source=source,
+    )
+
+
+def _jsonable(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))
+
+
+# ---------------------------------------------------------------------------------------
+# CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="checkpoint folder (config.json + safetensors shards)")
+    parser.add_argument("--tokenizer", default=None, metavar="DIR",
+                        help="folder with tiktoken.model + tokenizer_config.json (default: the checkpoint)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8080, help="port (0 = any free port; default 8080)")
+    parser.add_argument("--api-key", default=None, metavar="KEY",
+                        help="require this key (comma-separated for several); needed off loopback")
+    parser.add_argument("--model-name", default=None, metavar="NAME", help="model id in responses")
+    parser.add_argument("--ctx-size", type=int, default=DEFAULT_CTX, metavar="N",
+                        help=f"context tokens per conversation (default {DEFAULT_CTX})")
+    parser.add_argument("--reasoning-budget", type=int, default=-1, metavar="N",
+                        help="default max tokens of thinking before the answer is forced (-1 = no limit)")
+    parser.add_argument("--steer-demo", action="store_true",
+                        help="demo for random-weight models: readable words in a scripted think/answer shape")
+    parser.add_argument("--debug-load-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    from engine.planner import add_memory_arguments
+
+    add_memory_arguments(parser)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _fail(message: str, code: int = 1) -> int:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def main(args: argparse.Namespace) -> int:
+    api_keys = [k.strip() for k in (args.api_key or "").split(",") if k.strip()]
+    if not is_loopback(args.host) and not api_keys:
+        return _fail(
+            f"refusing to bind {args.host} without --api-key: anyone who can reach it could use "
+            "the model; pass --api-key KEY, or bind 127.0.0.1 and tunnel (ssh -L)", 2)
+    checkpoint = Path(args.checkpoint).expanduser()
+    if not (checkpoint / "config.json").is_file():
+        return _fail(f"{checkpoint} has no config.json; pass the checkpoint folder (with the safetensors shards)")
+    tok_dir = Path(args.tokenizer).expanduser() if args.tokenizer else checkpoint
+    if not (tok_dir / "tiktoken.model").is_file():
+        return _fail(
+            f"{tok_dir} has no tiktoken.model; pass --tokenizer DIR with tiktoken.model and "
+            "tokenizer_config.json (for a synthesised model: python -m engine synth writes them)")
+    if args.ctx_size < 16:
+        return _fail("--ctx-size must be at least 16 tokens", 2)
+    try:
+        sock = socket.create_server((args.host.strip("[]"), args.port),
+                                    family=socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    except OSError as exc:
+        return _fail(f"cannot listen on {args.host}:{args.port} ({exc.strerror or exc}); "
+                     "pick another --port or stop the program using it")
+    host, port = sock.getsockname()[:2]
+    url_host = f"[{host}]" if ":" in host else host
+
+    name = args.model_name or (DEMO_NOTICE if args.steer_demo else checkpoint.resolve().name)
+    service = Service(model_name=name, steer_demo=args.steer_demo,
+                      reasoning_budget=args.reasoning_budget, api_keys=api_keys)
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            print(f"listening on http://{url_host}:{port}", flush=True)
+
+    config = uvicorn.Config(service.app(), log_level="warning", access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=3, http="h11")
+    server = Server(config)
+    failed: list[str] = []
+
+    def load() -> None:
+        try:
+            if args.debug_load_delay:
+                service.progress.phase = "debug-delay"
+                time.sleep(args.debug_load_delay)
+            loaded = load_engine(checkpoint, tok_dir, args, service.progress, args.ctx_size)
+            service.set_loaded(loaded)
+            print(f"model ready in {service.metrics.values['load_seconds']:.1f} s", file=sys.stderr, flush=True)
+        except Exception as exc:  # noqa: BLE001 - any load failure ends the server with one sentence
+            if not isinstance(exc, EngineError):
+                traceback.print_exc(file=sys.stderr)
+            failed.append(str(exc) if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}")
+            service.progress.error = failed[-1]
+            server.should_exit = True
+
+    threading.Thread(target=load, name="k3-load", daemon=True).start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        service.cancel_running()
+    if failed:
+        return _fail(f"the model failed to load: {failed[-1]}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main(argparse.ArgumentParser().parse_args()))

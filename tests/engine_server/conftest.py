@@ -1,0 +1,114 @@
+"""Fixtures for the server tests: a test vocabulary, an in-process server with a small
+numpy generator (same contract as engine.generate), and a real `python -m engine serve`."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.tokenizer import Tokenizer, write_test_tokenizer
+
+N_RANKS = 1792
+
+
+class FakeToken:
+    def __init__(self, id, seconds, index, prefill_seconds, stats):
+        self.id, self.seconds, self.index = id, seconds, index
+        self.prefill_seconds, self.stats = prefill_seconds, stats
+
+
+class FakeParams:
+    def __init__(self, max_tokens=256, temperature=0.0, top_k=0, top_p=1.0, seed=0, stop_ids=()):
+        self.max_tokens, self.seed, self.stop_ids = max_tokens, seed, stop_ids
+
+
+def fake_generate(vocab: int, delay: float = 0.0, counter: list | None = None, fail_at: int | None = None):
+    """Random logits per step (seeded), the hook, then argmax: generate()'s contract."""
+
+    def gen(prompt_ids, params, cancel=None, logits_hook=None):
+        rng = np.random.default_rng(params.seed)
+        generated: list[int] = []
+        for index in range(params.max_tokens):
+            if cancel is not None and cancel.is_set():
+                return
+            if fail_at is not None and index == fail_at:
+                raise RuntimeError("simulated engine failure")
+            time.sleep(delay)
+            if counter is not None:
+                counter.append(index)
+            logits = rng.standard_normal(vocab).astype(np.float32)
+            if logits_hook is not None:
+                logits = logits_hook(list(generated), logits)
+            tok = int(np.argmax(logits))
+            generated.append(tok)
+            yield FakeToken(tok, delay + 0.001, index, 0.002 if index == 0 else None,
+                            {"gb_read_trunk": 0.001, "gb_read_experts": 0.0, "compute_s": delay})
+            if tok in params.stop_ids:
+                return
+
+    return gen
+
+
+@pytest.fixture(scope="session")
+def vocab_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("srv_vocab")
+    write_test_tokenizer(d, N_RANKS)
+    return d
+
+
+@pytest.fixture(scope="session")
+def test_tok(vocab_dir) -> Tokenizer:
+    return Tokenizer.from_dir(vocab_dir)
+
+
+class InProcServer:
+    def __init__(self, service, loaded=None):
+        import uvicorn
+
+        self.service = service
+        sock = socket.create_server(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        if loaded is not None:
+            service.set_loaded(loaded)
+        cfg = uvicorn.Config(service.app(), log_level="warning", lifespan="off", http="h11")
+        self.server = uvicorn.Server(cfg)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def stop(self):
+        self.service.cancel_running()
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture
+def inproc(test_tok):
+    """Factory: inproc(delay=..., steer_demo=..., **service kwargs) -> InProcServer."""
+    from engine.server import Loaded, Service
+
+    servers = []
+
+    def make(delay=0.0, steer_demo=False, loaded=True, api_keys=(), reasoning_budget=-1,
+             n_ctx=4096, counter=None, fail_at=None):
+        service = Service(model_name="fake-k3", steer_demo=steer_demo, reasoning_budget=reasoning_budget,
+                          api_keys=list(api_keys))
+        ld = None
+        if loaded:
+            ld = Loaded(tok=test_tok, generate=fake_generate(test_tok.vocab_size, delay, counter, fail_at),
+                        make_params=FakeParams, n_ctx=n_ctx, info={"memory_plan": {"mode": "resident"}})
+        srv = InProcServer(service, ld)
+        servers.append(srv)
+        return srv
+
+    yield make
+    for s in servers:
+        s.stop()
