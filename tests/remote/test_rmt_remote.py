@@ -299,6 +299,11 @@ def test_rmt_engine_server_with_api_key(tmp_path):
             time.sleep(0.1)
         url = f"http://127.0.0.1:{port}/v1"
         check = remote.check_endpoint(url, KEY)
+        while not check.ok and "still loading" in check.message:  # 503 while it loads
+            assert check.health_ok is False and "wait" in check.next_step
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+            check = remote.check_endpoint(url, KEY)
         assert check.ok, check.describe()
         assert "k3-small" in check.models and check.test_ok
         wrong = remote.check_endpoint(url, WRONG)
