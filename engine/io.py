@@ -72,9 +72,12 @@ class DirectFile:
 
     def _open_buffered(self) -> int:
         try:
-            return os.open(self.path, os.O_RDONLY)
+            fd = os.open(self.path, os.O_RDONLY)
         except OSError as exc:
             raise ReadError(f"cannot open {self.path} ({exc.strerror}); check the path.") from None
+        # No kernel read-ahead: it would cache pages past the range we drop after reading.
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        return fd
 
     def fall_back_to_buffered(self) -> None:
         old, self.fd, self.direct = self.fd, self._open_buffered(), False

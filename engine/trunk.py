@@ -1,0 +1,423 @@
+"""Trunk packing: every layer's non-expert tensors copied into one aligned `trunk.bin`.
+
+`trunk.json` uses the peer engine's schema, so a trunk packed by either tool works with
+both: `{"n_layers", "align": 4096, "layers": [{"layer", "shard", "run_start", "nbytes",
+"file_off", "tensors": {full_name: {"off", "nbytes", "dtype", "shape"}}}]}`, plus a
+`"fingerprint"` of the checkpoint it came from (the peer ignores unknown keys). A layer
+whose trunk tensors are not one contiguous run in one shard is refused: the gap would drag
+expert bytes into every token's reads.
+
+The copy reads with O_DIRECT and writes with O_DIRECT from aligned buffers, a few chunks
+in flight, so neither side goes through (or grows) the page cache. Finished layers are
+recorded in `trunk.progress.json` after an fdatasync, so an interrupted pack resumes
+where it stopped; `trunk.json` appears only when every layer is in place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from engine.config import ModelConfig
+from engine.errors import CheckpointError, EngineError, ReadError
+from engine.io import ALIGN, FileTable, Read, ReadPool, TensorSpec, align_down, align_up, \
+    aligned_buffer
+from engine.safetensors import DTYPES, SafetensorsIndex, TensorInfo
+from engine.weights import TensorNames
+
+TRUNK_BIN = "trunk.bin"
+TRUNK_JSON = "trunk.json"
+PROGRESS = "trunk.progress.json"
+CHUNK = 32 << 20
+IN_FLIGHT = 3  # chunks read ahead of the writer
+Progress = Callable[[int, int, int], None]  # (done_bytes, total_bytes, layer)
+
+
+@dataclass(frozen=True)
+class LayerRun:
+    layer: int
+    shard: Path
+    start: int  # absolute offset of the run in the shard
+    own: int  # bytes of the run (= sum of its tensors)
+    file_off: int  # offset in trunk.bin (aligned)
+    tensors: tuple[TensorInfo, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return align_up(self.own)
+
+
+def layer_runs(index: SafetensorsIndex, names: TensorNames, n_layers: int) -> list[LayerRun]:
+    """Each layer's trunk as one contiguous run; refuse a layer where that is not so."""
+    per: dict[int, list[TensorInfo]] = {i: [] for i in range(n_layers)}
+    lp = names.prefix + "layers."
+    for name, t in index.tensors.items():
+        if name.startswith(lp) and not names.is_expert(name):
+            num = name[len(lp):].split(".", 1)[0]
+            if num.isdigit() and int(num) < n_layers:
+                per[int(num)].append(t)
+    runs = []
+    off = 0
+    for i in range(n_layers):
+        ts = sorted(per[i], key=lambda t: t.offset)
+        if not ts:
+            raise CheckpointError(f"layer {i} has no trunk tensors in {index.root}.")
+        shards = sorted({t.file.name for t in ts})
+        if len(shards) > 1:
+            raise CheckpointError(
+                f"layer {i}'s trunk tensors span several shards ({', '.join(shards)}); it cannot "
+                "be packed as one run."
+            )
+        lo, hi = ts[0].offset, max(t.end for t in ts)
+        own = sum(t.nbytes for t in ts)
+        if hi - lo != own:
+            raise CheckpointError(
+                f"layer {i}'s trunk tensors in {shards[0]} are not one contiguous run (bytes "
+                f"[{lo}, {hi}) hold {own} bytes of trunk and {hi - lo - own} of other data); "
+                "packing it would drag expert bytes into every token's reads."
+            )
+        runs.append(LayerRun(i, ts[0].file, lo, own, off, tuple(ts)))
+        off += align_up(own)
+    return runs
+
+
+def fingerprint(checkpoint_dir: Path, index: SafetensorsIndex, runs: list[LayerRun]) -> str:
+    """Identity of a checkpoint: config, shard sizes, trunk layout and sampled trunk bytes."""
+    h = hashlib.sha256()
+    cfg = Path(checkpoint_dir) / "config.json"
+    if cfg.is_file():
+        h.update(cfg.read_bytes())
+    for f in index.files():
+        h.update(f"{f.name}:{f.stat().st_size}\n".encode())
+    for r in runs:
+        for t in r.tensors:
+            h.update(f"{t.name}:{t.dtype}:{list(t.shape)}:{t.offset}\n".encode())
+        with open(r.shard, "rb") as f:  # first and last 4 KiB of the run: same layout,
+            for pos in (r.start, max(r.start, r.start + r.own - ALIGN)):  # other weights
+                h.update(os.pread(f.fileno(), min(ALIGN, r.own), pos))
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    return "sha256:" + h.hexdigest()
+
+
+def _open_checkpoint(checkpoint_dir: Path) -> tuple[SafetensorsIndex, TensorNames, int]:
+    index = SafetensorsIndex.open(checkpoint_dir)
+    names = TensorNames.detect(index)
+    n = ModelConfig.from_dir(checkpoint_dir).num_hidden_layers
+    return index, names, n
+
+
+def trunk_json(runs: list[LayerRun], fp: str) -> dict[str, Any]:
+    return {
+        "n_layers": len(runs),
+        "align": ALIGN,
+        "fingerprint": fp,
+        "layers": [
+            {
+                "layer": r.layer,
+                "shard": r.shard.name,
+                "run_start": r.start,
+                "nbytes": r.nbytes,
+                "file_off": r.file_off,
+                "tensors": {
+                    t.name: {"off": t.offset - r.start, "nbytes": t.nbytes, "dtype": t.dtype,
+                             "shape": list(t.shape)}
+                    for t in r.tensors
+                },
+            }
+            for r in runs
+        ],
+    }
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def _open_out(path: Path) -> tuple[int, bool]:
+    flags = os.O_WRONLY | os.O_CREAT
+    try:
+        return os.open(path, flags | os.O_DIRECT, 0o644), True
+    except OSError:
+        return os.open(path, flags, 0o644), False
+
+
+class _Copier:
+    """Copies byte ranges into trunk.bin at aligned offsets, reads and writes overlapped."""
+
+    def __init__(self, out_fd: int, direct: bool):
+        self.fd, self.direct = out_fd, direct
+        self.files = FileTable()
+        self.pool = ReadPool(IN_FLIGHT)
+        self.wbuf = aligned_buffer(CHUNK)
+        self.rbufs = [aligned_buffer(CHUNK + 2 * ALIGN) for _ in range(IN_FLIGHT)]
+
+    def copy_run(self, run: LayerRun, on_bytes: Callable[[int], None]) -> None:
+        total = run.nbytes
+        pieces = [(k, min(CHUNK, total - k)) for k in range(0, total, CHUNK)]
+        pending: list[tuple[Any, np.ndarray, int, int, int]] = []
+        src = self.files.get(run.shard)
+
+        def submit(i: int) -> None:
+            k, n = pieces[i]
+            lo = run.start + k
+            hi = run.start + min(k + n, run.own)  # payload; the tail of the last is padding
+            win = align_down(lo)
+            buf = self.rbufs[i % IN_FLIGHT][: align_up(max(hi, lo + 1)) - win]
+            batch = self.pool.submit([Read(src, win, buf, max(hi - win, 0))])
+            pending.append((batch, buf, lo - win, hi - lo, n))
+
+        for i in range(min(IN_FLIGHT, len(pieces))):
+            submit(i)
+        for i, (k, n) in enumerate(pieces):
+            batch, buf, delta, payload, size = pending.pop(0)
+            batch.wait()
+            if delta == 0 and payload == size:
+                out = buf[:size]
+            else:  # shift to an aligned address and zero the padding
+                out = self.wbuf[:size]
+                out[:payload] = buf[delta:delta + payload]
+                out[payload:] = 0
+            self._write(out, run.file_off + k)
+            if i + IN_FLIGHT < len(pieces):
+                submit(i + IN_FLIGHT)
+            on_bytes(size)
+        os.fdatasync(self.fd)
+        if not self.direct:
+            os.posix_fadvise(self.fd, run.file_off, total, os.POSIX_FADV_DONTNEED)
+
+    def _write(self, buf: np.ndarray, offset: int) -> None:
+        done = 0
+        while done < buf.nbytes:
+            try:
+                n = os.pwrite(self.fd, buf[done:], offset + done)
+            except OSError as exc:
+                raise EngineError(
+                    f"writing {TRUNK_BIN} failed at byte {offset + done} ({exc.strerror}); "
+                    "free disk space or choose another folder, then rerun to resume."
+                ) from None
+            done += n
+
+    def close(self) -> None:
+        self.pool.close()
+        self.files.close()
+
+
+def pack(checkpoint_dir: str | Path, out_dir: str | Path,
+         progress: Progress | None = None) -> dict[str, Any]:
+    """Pack the trunk into `out_dir`; resumable. Returns a summary (bytes, seconds, MB/s)."""
+    root, out = Path(checkpoint_dir), Path(out_dir)
+    index, names, n = _open_checkpoint(root)
+    runs = layer_runs(index, names, n)
+    fp = fingerprint(root, index, runs)
+    out.mkdir(parents=True, exist_ok=True)
+    total = sum(r.nbytes for r in runs)
+    done_json = out / TRUNK_JSON
+    if done_json.is_file():
+        have = _load_json(done_json)
+        if have.get("fingerprint") == fp and (out / TRUNK_BIN).is_file() \
+                and (out / TRUNK_BIN).stat().st_size >= total:
+            if progress:
+                progress(total, total, n - 1)
+            return {"bytes": 0, "total_bytes": total, "seconds": 0.0, "mb_per_s": 0.0,
+                    "layers_copied": 0, "already_packed": True, "out": str(out)}
+        raise EngineError(
+            f"{out} already holds a trunk packed from a different checkpoint; choose another "
+            "folder or delete that one."
+        )
+    state_file = out / PROGRESS
+    done: set[int] = set()
+    if state_file.is_file():
+        state = _load_json(state_file)
+        if state.get("fingerprint") == fp:
+            done = {int(i) for i in state.get("done", [])}
+    fd, direct = _open_out(out / TRUNK_BIN)
+    copier = _Copier(fd, direct)
+    copied = sum(r.nbytes for r in runs if r.layer in done)
+    moved = n_copied = 0
+    t0 = time.perf_counter()
+    try:
+        os.ftruncate(fd, total)
+        for r in runs:
+            if r.layer in done:
+                continue
+
+            def on_bytes(k: int, layer: int = r.layer) -> None:
+                nonlocal copied, moved
+                copied += k
+                moved += k
+                if progress:
+                    progress(copied, total, layer)
+
+            copier.copy_run(r, on_bytes)
+            n_copied += 1
+            done.add(r.layer)
+            _write_json(state_file, {"fingerprint": fp, "done": sorted(done)})
+    except ReadError as exc:
+        raise EngineError(f"{exc} Rerun pack to resume.") from None
+    finally:
+        copier.close()
+        os.close(fd)
+    _write_json(done_json, trunk_json(runs, fp))
+    state_file.unlink(missing_ok=True)
+    secs = time.perf_counter() - t0
+    return {"bytes": moved, "total_bytes": total, "seconds": secs,
+            "mb_per_s": moved / 1e6 / secs if secs > 0 else 0.0,
+            "layers_copied": n_copied, "already_packed": False, "out": str(out)}
+
+
+def _load_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError
+        return data
+    except (OSError, ValueError):
+        raise CheckpointError(f"{path} is unreadable or not JSON; delete it and re-pack.") \
+            from None
+
+
+def trunk_specs(trunk_dir: Path, index: SafetensorsIndex, names: TensorNames, n_layers: int,
+                checkpoint_dir: Path) -> dict[int, list[TensorSpec]]:
+    """Per layer, where its tensors live in a packed trunk (checked against the checkpoint)."""
+    meta_path = trunk_dir / TRUNK_JSON
+    if not meta_path.is_file():
+        raise CheckpointError(
+            f"{trunk_dir} has no {TRUNK_JSON}; pack one with `python -m engine pack "
+            f"{checkpoint_dir} {trunk_dir}`."
+        )
+    meta = _load_json(meta_path)
+    runs = layer_runs(index, names, n_layers)
+    if meta.get("fingerprint") is not None and meta["fingerprint"] != fingerprint(
+            checkpoint_dir, index, runs):
+        raise CheckpointError(
+            f"the trunk in {trunk_dir} was packed from a different checkpoint than "
+            f"{checkpoint_dir}; re-pack it with `python -m engine pack {checkpoint_dir} "
+            f"{trunk_dir}-new`."
+        )
+    if meta.get("align") != ALIGN or meta.get("n_layers") != n_layers:
+        raise CheckpointError(
+            f"{meta_path} describes {meta.get('n_layers')} layers aligned to {meta.get('align')}"
+            f" but the checkpoint has {n_layers} (align {ALIGN}); re-pack it."
+        )
+    binary = trunk_dir / TRUNK_BIN
+    size = binary.stat().st_size if binary.is_file() else -1
+    out: dict[int, list[TensorSpec]] = {}
+    for entry, run in zip(meta.get("layers", []), runs):
+        L = int(entry["layer"])
+        want = {t.name: t for t in run.tensors}
+        got = entry.get("tensors", {})
+        if L != run.layer or set(got) != set(want) or entry.get("shard") != run.shard.name \
+                or int(entry.get("run_start", -1)) != run.start:
+            raise CheckpointError(
+                f"{meta_path}: layer {run.layer} does not match the checkpoint's tensors; the "
+                "trunk was packed from another checkpoint; re-pack it."
+            )
+        base = int(entry["file_off"])
+        if base % ALIGN or base + int(entry["nbytes"]) > size:
+            raise CheckpointError(
+                f"{binary} is {size} bytes but layer {L} needs bytes up to "
+                f"{base + int(entry['nbytes'])}; the pack is incomplete; rerun pack."
+            )
+        specs = []
+        for name, t in got.items():
+            ref = want[name]
+            if int(t["nbytes"]) != ref.nbytes or t["dtype"] != ref.dtype \
+                    or tuple(t["shape"]) != ref.shape:
+                raise CheckpointError(
+                    f"{meta_path}: tensor {name} differs from the checkpoint's; re-pack it."
+                )
+            specs.append(TensorSpec(name, binary, base + int(t["off"]), ref.nbytes,
+                                    DTYPES[ref.dtype], ref.shape))
+        out[L] = specs
+    if len(out) != n_layers:
+        raise CheckpointError(f"{meta_path} lists {len(out)} of {n_layers} layers; re-pack it.")
+    return out
+
+
+def plain_copy(checkpoint_dir: str | Path, dest: str | Path) -> dict[str, Any]:
+    """The baseline: copy the same bytes the way `cp` would (buffered, fsync at the end)."""
+    index, names, n = _open_checkpoint(Path(checkpoint_dir))
+    runs = layer_runs(index, names, n)
+    drop_cache(index.files())
+    t0 = time.perf_counter()
+    moved = 0
+    with open(dest, "wb") as out:
+        for r in runs:
+            with open(r.shard, "rb", buffering=0) as f:
+                f.seek(r.start)
+                left = r.own
+                while left:
+                    data = f.read(min(CHUNK, left))
+                    if not data:
+                        raise ReadError(f"short read of {r.shard}; the file is truncated.")
+                    out.write(data)
+                    left -= len(data)
+                    moved += len(data)
+        out.flush()
+        os.fsync(out.fileno())
+    secs = time.perf_counter() - t0
+    drop_cache([Path(dest), *index.files()])
+    return {"bytes": moved, "seconds": secs, "mb_per_s": moved / 1e6 / secs}
+
+
+def drop_cache(files: list[Path]) -> None:
+    """Ask the kernel to forget these files' clean cached pages (fair timing, no growth)."""
+    for f in files:
+        try:
+            fd = os.open(f, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+# ---- python -m engine pack ----------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="checkpoint folder (safetensors shards + config)")
+    parser.add_argument("out", help="folder for trunk.bin + trunk.json (resumes if present)")
+    parser.add_argument("--json", action="store_true", help="print a JSON summary at the end")
+
+
+def main(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    last = [0.0]
+
+    def show(done: int, total: int, layer: int) -> None:
+        now = time.perf_counter()
+        if now - last[0] < 0.5 and done < total:
+            return
+        last[0] = now
+        rate = done / 1e6 / max(now - t0, 1e-9)
+        print(f"\rpacking layer {layer}: {done / 1e9:.2f} / {total / 1e9:.2f} GB "
+              f"({100 * done / max(total, 1):.0f}%), {rate:.0f} MB/s", end="",
+              file=sys.stderr, flush=True)
+
+    try:
+        summary = pack(args.checkpoint, args.out, progress=show)
+    except EngineError as exc:
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return 1
+    print(file=sys.stderr)
+    if args.json:
+        print(json.dumps(summary))
+    elif summary["already_packed"]:
+        print(f"{args.out} already holds this checkpoint's trunk; nothing to do.")
+    else:
+        print(f"packed {summary['total_bytes'] / 1e9:.3f} GB of trunk into {args.out} "
+              f"({summary['mb_per_s']:.0f} MB/s).")
+    return 0

@@ -1,0 +1,162 @@
+"""The memory planner: trunk first, ring sizing, refusals with numbers, presets, auto."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from engine.errors import PlanError
+from engine.planner import (
+    GB, Geometry, MemoryFacts, add_memory_arguments, make_plan, read_memory_facts,
+    wants_streaming,
+)
+
+MB = 1_000_000
+BIG = MemoryFacts(mem_total=64 * 2**30, mem_available=60 * 2**30, cgroup_limit=None,
+                  cgroup_usage=None)
+
+
+def geom(**kw) -> Geometry:
+    base = dict(
+        n_layers=13,
+        layer_bytes=(111 * MB,) + (76 * MB,) * 12,
+        expert_slot_bytes=int(1.68 * MB),
+        expert_bytes=int(1.67 * MB),
+        n_experts=256,
+        top_k=16,
+        moe_layers=12,
+        model_bytes=268 * MB,
+        checkpoint_bytes=int(6.38 * GB),
+        kv_bytes_per_token=4 * 320 * 4,
+        state_bytes=10 * MB,
+        scratch_bytes=50 * MB,
+    )
+    base.update(kw)
+    return Geometry(**base)
+
+
+def test_stream_plan_floor_streams_everything_through_two_slots():
+    g = geom()
+    floor = max(g.layer_bytes) + 17 * g.expert_slot_bytes
+    p = make_plan(g, budget_gb=(2 * 111 * MB + 17 * g.expert_slot_bytes) / GB, facts=BIG)
+    assert p.pinned == () and p.ring_slots == 2 and p.ring_slot_bytes == 111 * MB
+    assert p.expert_slots >= 17
+    assert p.budget_bytes <= 2 * 111 * MB + 17 * g.expert_slot_bytes
+    # Between one and two slots' worth: one slot, no read-ahead.
+    p1 = make_plan(g, budget_gb=(floor + 10 * MB) / GB, facts=BIG)
+    assert p1.ring_slots == 1 and p1.pinned == ()
+    assert "no read-ahead" in p1.describe()
+
+
+def test_stream_plan_trunk_first_and_leftover_to_experts():
+    g = geom()
+    p = make_plan(g, budget_gb=0.53, facts=BIG)
+    # Pinning layer 0 (the largest) shrinks the ring slot to 76 MB.
+    assert p.pinned[:1] == (0,) and p.ring_slot_bytes == 76 * MB and p.ring_slots == 2
+    assert p.pinned_bytes + p.ring_bytes + 17 * g.expert_slot_bytes <= 0.53 * GB
+    # Not one more layer fits, and what is left over went to expert slots.
+    assert p.pinned_bytes + 76 * MB + p.ring_bytes + 17 * g.expert_slot_bytes > 0.53 * GB
+    assert p.budget_bytes <= 0.53 * GB and p.budget_bytes > 0.53 * GB - g.expert_slot_bytes
+    assert p.streamed_trunk_bytes == sum(g.layer_bytes) - p.pinned_bytes
+    more = make_plan(g, budget_gb=1.06, facts=BIG)
+    assert len(more.pinned) > len(p.pinned)
+
+
+def test_stream_plan_budget_above_the_trunk_pins_all_then_caches():
+    g = geom()
+    p = make_plan(g, budget_gb=2.1, facts=BIG)
+    assert p.pinned == tuple(range(13)) and p.ring_slots == 0
+    assert p.expert_slots == int((2.1 * GB - g.trunk_bytes) // g.expert_slot_bytes)
+    huge = make_plan(g, budget_gb=100, facts=BIG, check_memory=False)
+    assert huge.expert_slots == 256 * 12  # never more slots than experts
+
+
+def test_stream_plan_refuses_below_minimum_with_numbers():
+    g = geom()
+    with pytest.raises(PlanError) as e:
+        make_plan(g, budget_gb=0.1, facts=BIG)
+    msg = str(e.value)
+    assert "0.1 GB" in msg and "minimum" in msg and "17 expert slots" in msg
+    assert "--budget-gb 0.1396" in msg  # 111 MB + 17 x 1.68 MB, rounded up
+    with pytest.raises(PlanError, match="top-16 needs 17"):
+        make_plan(g, trunk_gb=0.5, cache_gb=0.02, facts=BIG)
+    with pytest.raises(PlanError, match="largest layer"):
+        make_plan(g, trunk_gb=0.05, cache_gb=0.1, facts=BIG)
+
+
+def test_stream_plan_refuses_above_available_memory():
+    g = geom()
+    small = MemoryFacts(mem_total=2 * 2**30, mem_available=int(1.0 * GB), cgroup_limit=None,
+                        cgroup_usage=None)
+    with pytest.raises(PlanError) as e:
+        make_plan(g, budget_gb=0.9, facts=small)
+    assert "available" in str(e.value) and "95%" in str(e.value)
+    # A cgroup limit tighter than MemAvailable is what counts.
+    capped = MemoryFacts(mem_total=64 * 2**30, mem_available=60 * 2**30,
+                         cgroup_limit=int(1.2 * GB), cgroup_usage=int(0.2 * GB))
+    assert capped.available == int(1.0 * GB)
+    with pytest.raises(PlanError):
+        make_plan(g, budget_gb=0.9, facts=capped)
+    # KV for a long context above 90% of what is available.
+    with pytest.raises(PlanError, match="KV cache for 1000000 tokens"):
+        make_plan(geom(kv_bytes_per_token=100_000), budget_gb=0.5, facts=BIG, context=1_000_000)
+
+
+def test_stream_plan_presets_and_overrides():
+    g = geom()
+    p = make_plan(g, preset="laptop", facts=BIG)  # 3 GB trunk: the whole 0.98 GB trunk
+    assert p.pinned == tuple(range(13))
+    p2 = make_plan(g, preset="laptop", cache_gb=0.05, trunk_gb=0.5, facts=BIG)
+    assert p2.expert_slots == int(0.05 * GB // g.expert_slot_bytes)
+    with pytest.raises(PlanError, match="unknown preset"):
+        make_plan(g, preset="huge", facts=BIG)
+
+
+def test_stream_plan_auto_uses_available_memory():
+    g = geom()
+    p = make_plan(g, preset="auto", facts=BIG)
+    assert p.pinned == tuple(range(13)) and p.expert_slots == 256 * 12
+    tight = MemoryFacts(mem_total=4 * 2**30, mem_available=int(3.0 * GB), cgroup_limit=None,
+                        cgroup_usage=None)
+    p2 = make_plan(g, preset="auto", facts=tight)
+    assert 0 < len(p2.pinned) < 13  # leaves the reserve free
+    with pytest.raises(PlanError, match="must stay free"):
+        make_plan(g, preset="auto", facts=MemoryFacts(2**30, int(1.5 * GB), None, None))
+
+
+def test_stream_memory_facts_from_proc_and_cgroups(tmp_path):
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text("MemTotal:       24000000 kB\nMemFree: 1000 kB\n"
+                                  "MemAvailable:   20000000 kB\n")
+    (proc / "self" / "cgroup").write_text("0::/user.slice/k3\n")
+    cg = tmp_path / "cg"
+    (cg / "user.slice" / "k3").mkdir(parents=True)
+    (cg / "user.slice" / "k3" / "memory.max").write_text("8589934592\n")
+    (cg / "user.slice" / "k3" / "memory.current").write_text("1073741824\n")
+    f = read_memory_facts(proc, cg)
+    assert f.mem_available == 20_000_000 * 1024
+    assert f.available == 8589934592 - 1073741824
+    (cg / "user.slice" / "k3" / "memory.max").write_text("max\n")
+    assert read_memory_facts(proc, cg).cgroup_limit is None
+    # cgroup v1 with "no limit" spelled as a huge number
+    (proc / "self" / "cgroup").write_text("4:memory:/job\n")
+    (cg / "memory" / "job").mkdir(parents=True)
+    (cg / "memory" / "job" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    assert read_memory_facts(proc, cg).cgroup_limit is None
+    (cg / "memory" / "job" / "memory.limit_in_bytes").write_text("4294967296\n")
+    (cg / "memory" / "job" / "memory.usage_in_bytes").write_text("0\n")
+    assert read_memory_facts(proc, cg).available == 4294967296
+
+
+def test_stream_memory_arguments():
+    p = argparse.ArgumentParser()
+    add_memory_arguments(p)
+    assert not wants_streaming(p.parse_args([]))
+    assert not wants_streaming(p.parse_args(["--threads", "4"]))
+    a = p.parse_args(["--budget-gb", "0.5", "--trunk", "/t", "--threads", "6"])
+    assert wants_streaming(a) and a.budget_gb == 0.5 and a.trunk == "/t" and a.threads == 6
+    assert wants_streaming(p.parse_args(["--preset", "auto"]))
+    with pytest.raises(SystemExit):
+        p.parse_args(["--preset", "nope"])
