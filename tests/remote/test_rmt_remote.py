@@ -83,6 +83,28 @@ def test_rmt_llama_server_wrong_model_is_a_warning_not_a_failure(llama):
     assert check.ok and any("kimi-k3" in w for w in check.warnings)
 
 
+async def test_rmt_llama_server_killed_in_the_middle_of_an_answer(tmp_path):
+    from k3tui.backends.openai_stream import stream_chat
+
+    ls = _ls_helpers()
+    model = tmp_path / "tiny.gguf"
+    ls.write_tiny_gguf(model)
+    with ls.raw_server(model, "--api-key", KEY) as (base, proc):
+        events = []
+        stream = stream_chat(base, [{"role": "user", "content": "hello"}], api_key=KEY,
+                             max_tokens=4000, extra={"chat_template_kwargs":
+                                                     {"enable_thinking": False}})
+        async for event in stream:
+            events.append(event)
+            if sum(isinstance(e, ContentDelta) for e in events) == 2 and proc.poll() is None:
+                proc.kill()  # the remote server dies; the client must say so, not hang
+        await stream.aclose()
+        proc.wait()
+    assert sum(isinstance(e, ContentDelta) for e in events) >= 2
+    assert isinstance(events[-1], BackendError), events[-1]
+    assert not any(isinstance(e, Finished) for e in events)
+
+
 # --- a dead endpoint --------------------------------------------------------------------------
 
 def test_rmt_dead_endpoint_at_startup():
