@@ -147,7 +147,8 @@ def probe_storage(env: ProbeEnv, target: str | Path, mounts: list[Mount] | None 
     real = str(existing.resolve())
     info = StorageInfo(path=str(target), probed_path=real)
     mounts = read_mounts(env) if mounts is None else mounts
-    m = mount_for(real, mounts)
+    # the mount the target will live on (its missing tail is created on that filesystem)
+    m = mount_for(str(target.resolve()), mounts)
     if m is not None:
         info.mount_point, info.fstype, info.source = m.mount_point, m.fstype, m.source
         info.fs_class = fs_class(m.fstype)

@@ -1,0 +1,112 @@
+"""Config: strict TOML with file:line errors, comments kept on save, 0600 credentials."""
+
+from __future__ import annotations
+
+import stat
+
+import pytest
+
+from k3tui.config import (Config, config_exists, load_config, load_credentials, save_config,
+                          save_credential, set_value)
+from k3tui.errors import K3Error
+from k3tui.paths import get_paths
+
+
+def test_defaults_when_absent_and_roundtrip():
+    assert not config_exists()
+    cfg = load_config()
+    assert cfg == Config()
+    assert (cfg.model.repo, cfg.backend.host, cfg.llama_server.ctx_size) == \
+        ("moonshotai/Kimi-K3", "127.0.0.1", 8192)
+    cfg.backend.kind = "llama-server"
+    cfg.llama_server.extra_args = ["--no-warmup"]
+    cfg.engine.trunk_gb = 12.5
+    path = save_config(cfg)
+    assert path == get_paths().config_file and config_exists()
+    again = load_config()
+    assert again == cfg
+
+
+def test_every_documented_key_exists():
+    d = Config().to_dict()
+    documented = {
+        "model": {"kind", "repo", "revision", "dir", "trunk_dir", "include"},
+        "backend": {"kind", "host", "port"},
+        "engine": {"preset", "trunk_gb", "cache_gb", "threads"},
+        "llama_server": {"binary", "ctx_size", "reasoning_budget", "memory_limit_gb",
+                         "n_gpu_layers", "extra_args"},
+        "remote": {"url", "model", "api_key_env", "verify_tls"},
+        "chat": {"thinking", "thinking_effort", "max_tokens", "temperature", "system_prompt"},
+    }
+    assert {k: set(v) for k, v in d.items()} == documented
+
+
+@pytest.mark.parametrize("text, line, words", [
+    ("[model]\nkind = \"gguf\"\n\n[backend]\nprot = 1\n", 5, "unknown key `prot`"),
+    ("[model]\nkind = \"gguf\"\n[engines]\npreset = \"laptop\"\n", 3, "unknown section [engines]"),
+    ("[backend]\nkind = \"bundled\"\nport = \"8080\"\n", 3, "port must be an integer"),
+    ("[chat]\nthinking = 1\n", 2, "must be true or false"),
+    ("[engine]\npreset = \"huge\"\n", 2, "not one of"),
+    ("[llama_server]\nextra_args = [1, 2]\n", 2, "a list of strings"),
+    ("[engine]\ntrunk_gb = -3\n", 2, "must not be negative"),
+])
+def test_bad_input_names_file_and_line(text, line, words):
+    path = get_paths().config_file
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    with pytest.raises(K3Error) as exc:
+        load_config()
+    assert f"{path}, line {line}" in exc.value.message
+    assert words in exc.value.message
+    assert exc.value.exit_code == 2
+
+
+def test_toml_syntax_error_reports_line():
+    path = get_paths().config_file
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("[model]\nkind = \n")
+    with pytest.raises(K3Error) as exc:
+        load_config()
+    assert "line 2" in exc.value.message and str(path) in exc.value.message
+
+
+def test_ints_accepted_for_floats():
+    path = get_paths().config_file
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("[engine]\ntrunk_gb = 16\n")
+    assert load_config().engine.trunk_gb == 16.0
+
+
+def test_save_keeps_user_comments_and_order():
+    path = get_paths().config_file
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("# my notes about this box\n[backend]\n# fixed port for the firewall\n"
+                    "port = 8080  # keep\nkind = \"bundled\"\n")
+    cfg = load_config()
+    cfg.engine.preset = "server"
+    save_config(cfg)
+    text = path.read_text()
+    assert "# my notes about this box" in text
+    assert "# fixed port for the firewall" in text
+    assert "port = 8080  # keep" in text
+    assert text.index("port = 8080") < text.index('kind = "bundled"')
+    assert load_config().engine.preset == "server"
+
+
+def test_set_value_validates():
+    cfg = set_value(Config(), "backend.port", "8080")
+    assert cfg.backend.port == 8080
+    cfg = set_value(cfg, "model.dir", "/srv/models")  # unquoted string accepted
+    assert cfg.model.dir == "/srv/models"
+    with pytest.raises(K3Error):
+        set_value(cfg, "backend.nope", "1")
+    with pytest.raises(K3Error):
+        set_value(cfg, "backend.port", "abc")
+
+
+def test_credentials_are_0600_and_merge():
+    save_credential("hf_token", "hf_abc")
+    save_credential("remote_api_key", "sk-1")
+    path = get_paths().credentials_file
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert load_credentials() == {"hf_token": "hf_abc", "remote_api_key": "sk-1"}
