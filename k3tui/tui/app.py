@@ -93,6 +93,7 @@ class ChatScreen(Screen):
         self.k3: dict[str, Any] = {}
         self.last_sample: Sample | None = None
         self._shown_version = -1
+        self._shown_at = 0.0
         self._gen: Worker | None = None
         self.current: AssistantMessage | None = None
         self.current_id: int | None = None
@@ -390,8 +391,12 @@ class ChatScreen(Screen):
         self.query_one(IOPane).show(self.last_sample, self.k3, self.k3app.backend.budget_gb)
 
     def refresh_panes(self, force: bool = False) -> None:
-        """At most 4 Hz (the timer), and only when the numbers moved."""
+        """At most 4 Hz (the timer, never per token), and only when the numbers moved."""
+        now = time.monotonic()
+        if not force and now - self._shown_at < 0.2:
+            return  # a late timer tick followed by a punctual one
         if force or self.stats.version != self._shown_version:
+            self._shown_at = now
             self._shown_version = self.stats.version
             self.query_one(LatencyPane).show(self.stats.snapshot())
         if force:
@@ -458,9 +463,19 @@ class ChatApp(App):
             if then is not None:
                 self.call_later(then)
 
+        since = time.time()
+
+        def log_path() -> str | None:
+            """The backend's log: known once it runs, else the newest log written since."""
+            if self.backend.log_path:
+                return self.backend.log_path
+            from k3tui.paths import get_paths
+
+            logs = [p for p in get_paths().logs_dir.glob("*.log") if p.stat().st_mtime >= since]
+            return str(max(logs, key=lambda p: p.stat().st_mtime)) if logs else None
+
         title = f"starting the {self.backend.kind} backend: {self.backend.model}"
-        self.push_screen(StartupScreen(title, self.starter, lambda: self.backend.log_path),
-                         started)
+        self.push_screen(StartupScreen(title, self.starter, log_path), started)
 
     def copy(self, text: str) -> list[str]:
         """OSC 52 through our own driver (tmux-wrapped), plus a local clipboard tool."""

@@ -92,3 +92,20 @@ class ScriptedStream:
             yield Finished("stop", usage={"prompt_tokens": 12, "completion_tokens": len(pieces)})
         finally:
             self.closed += 1
+
+
+class FixedMonitor:
+    """A Monitor stand-in that returns a scripted series of samples (snapshots, screenshots)."""
+
+    def __init__(self, samples: list[Any]) -> None:
+        self.samples = samples
+        self.i = 0
+        self.pid: int | None = None
+
+    def set_pid(self, pid: int | None) -> None:
+        self.pid = pid
+
+    def sample(self) -> Any:
+        s = self.samples[min(self.i, len(self.samples) - 1)]
+        self.i += 1
+        return s
