@@ -17,10 +17,11 @@ from numba import njit, prange
 from engine.kernels import E2M1, MX_GROUP, MX_SCALE
 
 ROWS_PER_TASK = 16
-_FLAGS = dict(parallel=True, fastmath=True, cache=True, nogil=True, error_model="numpy")
+# Waking the thread pool costs ~0.1-5 ms on a busy 2-core machine: small products run serial.
+PARALLEL_MIN_WEIGHTS = 1 << 20
+_FLAGS = dict(fastmath=True, cache=True, nogil=True, error_model="numpy")
 
 
-@njit(**_FLAGS)
 def _bf16_matmul(w, x, out):  # w uint16 [R, C], x f32 [T, C], out f32 [T, R]
     rows, cols = w.shape
     tokens = x.shape[0]
@@ -38,7 +39,6 @@ def _bf16_matmul(w, x, out):  # w uint16 [R, C], x f32 [T, C], out f32 [T, R]
                 out[t, r] = acc
 
 
-@njit(**_FLAGS)
 def _f32_matmul(w, x, out):  # w f32 [R, C]
     rows, cols = w.shape
     tokens = x.shape[0]
@@ -50,7 +50,6 @@ def _f32_matmul(w, x, out):  # w f32 [R, C]
             out[t, r] = acc
 
 
-@njit(**_FLAGS)
 def _mxfp4_matmul(packed, scale, x, out, lut, scales):
     rows, half = packed.shape
     cols = half * 2
@@ -73,12 +72,22 @@ def _mxfp4_matmul(packed, scale, x, out, lut, scales):
                 out[t, r] = acc
 
 
+# The same source compiled twice: `prange` is a plain range in the serial build, so both
+# builds compute every output element with the same instruction sequence.
+_KERNELS = {
+    (fn.__name__, parallel): njit(parallel=parallel, **_FLAGS)(fn)
+    for fn in (_bf16_matmul, _f32_matmul, _mxfp4_matmul)
+    for parallel in (False, True)
+}
+
+
 def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
+    par = w.size >= PARALLEL_MIN_WEIGHTS  # by matrix only: a step and a prefill agree
     if w.dtype == np.uint16:
-        _bf16_matmul(w, x, out)
+        _KERNELS[("_bf16_matmul", par)](w, x, out)
     else:
-        _f32_matmul(w, x, out)
+        _KERNELS[("_f32_matmul", par)](w, x, out)
     return out
 
 
@@ -86,7 +95,8 @@ def mxfp4_linear(x: np.ndarray, packed: np.ndarray, scale: np.ndarray) -> np.nda
     if packed.shape[1] * 2 % MX_GROUP or scale.shape[1] * MX_GROUP != packed.shape[1] * 2:
         raise ValueError(f"MXFP4 shapes disagree: packed {packed.shape}, scale {scale.shape}")
     out = np.empty((x.shape[0], packed.shape[0]), np.float32)
-    _mxfp4_matmul(packed, scale, x, out, E2M1, MX_SCALE)
+    par = packed.size * 2 >= PARALLEL_MIN_WEIGHTS
+    _KERNELS[("_mxfp4_matmul", par)](packed, scale, x, out, E2M1, MX_SCALE)
     return out
 
 

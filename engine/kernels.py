@@ -67,8 +67,11 @@ def mxfp4_encode(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         exp = np.where(amax > 0, np.floor(np.log2(np.maximum(amax, 1e-38))) - 2, -127)
     sbyte = np.clip(exp + 127, 0, 254).astype(np.uint8)
     q = g / MX_SCALE[sbyte][:, :, None]
-    mags = E2M1[:8]
-    code = np.abs(np.abs(q)[..., None] - mags).argmin(axis=-1).astype(np.uint8)
+    mids = (E2M1[:7] + E2M1[1:8]) / 2  # nearest magnitude; a tie goes to the smaller one
+    a = np.abs(q)
+    code = np.zeros(a.shape, np.uint8)
+    for m in mids:
+        code += a > m
     code = np.where((q < 0) & (code > 0), code | 8, code).reshape(rows, cols)
     packed = (code[:, 0::2] | (code[:, 1::2] << 4)).astype(np.uint8)
     return packed, sbyte
