@@ -28,6 +28,8 @@ class Launchable:
     kind: str
     summary: str
     run: Callable[[ProgressCallback | None], RunningBackend] = field(repr=False)
+    command: list[str] = field(default_factory=list)  # full argv incl. any limit wrapper
+    prepared: Any = None  # llama_server.Prepared for llama-server launches
 
     def describe(self) -> str:
         return self.summary
@@ -115,7 +117,8 @@ def _prepare_llama(cfg: Any, model: Path, host: str, port: int, force: bool, rep
     def run(on_progress: ProgressCallback | None) -> RunningBackend:
         return llama_server.start(prepared, on_progress=on_progress)
 
-    return Launchable("llama-server", summary, run)
+    return Launchable("llama-server", summary, run,
+                      prepared.limit.wrap(prepared.command.argv), prepared)
 
 
 def _prepare_bundled(cfg: Any, checkpoint: Path, host: str, port: int) -> Launchable:
