@@ -88,6 +88,14 @@ def _file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        if not isinstance(sys.exc_info()[1], OSError):   # a client hanging up is normal here
+            super().handle_error(request, client_address)
+
+
 class FakeHub:
     def __init__(self, root: Path | str, repo_id: str, *, cdn: bool = False,
                  gated_token: str | None = None, noaccess_tokens: tuple[str, ...] = (),
@@ -102,13 +110,11 @@ class FakeHub:
         self.files: dict[str, dict] = {}
         self.rescan()
         handler = self._handler_class()
-        self.httpd = ThreadingHTTPServer((host, port), handler)
-        self.httpd.daemon_threads = True
+        self.httpd = _Server((host, port), handler)
         self.endpoint = f"http://{host}:{self.httpd.server_address[1]}"
         self.servers = [self.httpd]
         if cdn:   # another origin: a second listener on its own port
-            self.cdn_httpd = ThreadingHTTPServer((host, 0), handler)
-            self.cdn_httpd.daemon_threads = True
+            self.cdn_httpd = _Server((host, 0), handler)
             self.cdn_base = f"http://{host}:{self.cdn_httpd.server_address[1]}"
             self.servers.append(self.cdn_httpd)
         for srv in self.servers:

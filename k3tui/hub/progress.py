@@ -113,6 +113,7 @@ class Ticker:
 
     def __init__(self, progress: Progress, emit, max_hz: float = 10.0):
         self.progress, self.emit, self.period = progress, emit, 1.0 / max_hz
+        self._last = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="progress", daemon=True)
 
@@ -123,8 +124,13 @@ class Ticker:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+        time.sleep(max(0.0, self._last + self.period - time.monotonic()))
+        self._emit()
+
+    def _emit(self) -> None:
+        self._last = time.monotonic()
         self.emit(self.progress.snapshot())
 
     def _run(self) -> None:
         while not self._stop.wait(self.period):
-            self.emit(self.progress.snapshot())
+            self._emit()

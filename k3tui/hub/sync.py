@@ -23,7 +23,7 @@ GB = 1e9
 
 
 def gb(n: float) -> str:
-    return f"{n / GB:,.2f} GB" if n >= 0.01 * GB else f"{n / 1e6:,.1f} MB"
+    return f"{n / GB:,.2f} GB" if n >= GB else f"{n / 1e6:,.1f} MB"
 
 
 def free_bytes(path: Path) -> int:
