@@ -786,10 +786,13 @@ def wait_ready(backend: RunningBackend, *, total_bytes: int | None = None,
                               f"last log lines ({backend.log_path}):\n{failed.log_tail}",
                               "read the log above; fix the cause and start again")
             ready = ready_line is None or ready_line in backend.log_tail(200)
+            message = ""
             if ready:
-                with contextlib.suppress(httpx.HTTPError):
-                    if http.get(backend.base_url + "/health").status_code == 200:
+                with contextlib.suppress(httpx.HTTPError, ValueError):
+                    resp = http.get(backend.base_url + "/health")
+                    if resp.status_code == 200:
                         return
+                    message = _load_phase(resp.json())
             elapsed = time.monotonic() - t0
             if elapsed > timeout_s:
                 raise K3Error(f"{backend.kind} did not become ready in {timeout_s:.0f} s.",
@@ -802,8 +805,19 @@ def wait_ready(backend: RunningBackend, *, total_bytes: int | None = None,
                         read = ps.io_counters().read_bytes
                     with contextlib.suppress(psutil.Error):
                         rss = ps.memory_info().rss
-                on_progress(LoadProgress(elapsed, read, rss, total_bytes))
+                on_progress(LoadProgress(elapsed, read, rss, total_bytes, message))
             time.sleep(interval_s)
+
+
+def _load_phase(body: object) -> str:
+    """The engine's /health 503 carries `progress` (phase, layers bound); llama-server not."""
+    prog = body.get("progress") if isinstance(body, dict) else None
+    if not isinstance(prog, dict):
+        return ""
+    text = str(prog.get("phase") or "")
+    if prog.get("n_layers"):
+        text += f" (layers {prog.get('layers_bound') or 0}/{prog['n_layers']})"
+    return text
 
 
 def exit_story(backend: RunningBackend) -> str:

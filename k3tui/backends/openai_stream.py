@@ -218,9 +218,9 @@ def finish_note(turn: _Turn) -> str:
     if turn.content_chars == 0 and turn.reasoning_chars > 0:
         return (f"The model spent the whole budget ({budget}) reasoning and never reached "
                 "an answer: max_tokens counts reasoning tokens too. Raise `max_tokens` in "
-                "[chat] of the config (e.g. to 8192), or set a reasoning budget smaller than "
-                "max_tokens (`reasoning_budget` in [llama_server], or lower the thinking "
-                "effort), so thinking stops in time to answer.")
+                "[chat] of the config (e.g. to 8192) or lower `thinking_effort` there; with "
+                "llama-server, also keep `reasoning_budget` in [llama_server] well below "
+                "max_tokens so thinking stops in time to answer.")
     if turn.content_chars == 0:
         return (f"The answer hit {budget} before any text was produced; raise `max_tokens` "
                 "in [chat] of the config.")
