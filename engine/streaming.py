@@ -149,6 +149,7 @@ class StreamingSource:
     def __init__(self, cmap: CheckpointMap, plan: Plan,
                  policy: str | EvictionPolicy = "lru"):
         self.map = cmap
+        self.index = cmap.index  # load_model checks the tensors against it
         self.plan = plan
         self.config = cmap.config
         self.names = cmap.names
