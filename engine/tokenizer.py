@@ -297,9 +297,10 @@ def _pieces(text: str, pattern: str = SPLIT_PATTERN) -> list[str]:
     return [p for p, _ in split.pre_tokenize_str(text)]
 
 
-def _training_counts() -> dict[bytes, int]:
+def _training_counts(extended: bool) -> dict[bytes, int]:
     """Pre-token counts: the text (weighted so its merges come first) plus fillers (word
-    variants, numbers, letter trigrams) so that larger vocabularies still have merges."""
+    variants, numbers; letter trigrams when `extended`) so larger vocabularies still have
+    merges to learn."""
     counts: dict[bytes, int] = {}
     pieces = _pieces(TRAINING_TEXT)
     for piece in pieces:
@@ -314,18 +315,41 @@ def _training_counts() -> dict[bytes, int]:
     letters = "abcdefghijklmnopqrstuvwxyz"
     for a in letters:
         for b in letters:
+            for form in (f" {a}{b}", f"{a}{b}", f" {a.upper()}{b}"):
+                counts.setdefault(form.encode(), 2)
+    for a in letters if extended else "":
+        for b in letters:
             for c in letters:
-                counts.setdefault(f" {a}{b}{c}".encode(), 1)
+                for form in (f" {a}{b}{c}", f"{a}{b}{c}", f" {a.upper()}{b}{c}"):
+                    counts.setdefault(form.encode(), 1)
     return counts
 
 
 def learn_ranks(n_ranks: int) -> dict[bytes, int]:
     """256 single bytes then `n_ranks - 256` merges, by BPE training (deterministic:
-    the most frequent pair wins, ties go to the smaller byte string pair)."""
+    the most frequent pair wins, ties go to the smaller byte string pair). The letter
+    trigram fillers (slow to train on) are used only when the vocabulary needs them."""
+    try:
+        return _learn(n_ranks, extended=False)
+    except _Exhausted:
+        pass
+    try:
+        return _learn(n_ranks, extended=True)
+    except _Exhausted as exc:
+        raise ValueError(
+            f"the embedded training text supports only {exc.args[0]} ranks, not {n_ranks}"
+        ) from None
+
+
+class _Exhausted(Exception):
+    pass
+
+
+def _learn(n_ranks: int, extended: bool) -> dict[bytes, int]:
     if n_ranks < 256:
         raise ValueError("a byte-level vocabulary needs at least 256 ranks")
     ranks = {bytes([b]): b for b in range(256)}
-    words = [([bytes([b]) for b in w], c) for w, c in sorted(_training_counts().items())]
+    words = [([bytes([b]) for b in w], c) for w, c in sorted(_training_counts(extended).items())]
     pair_count: dict[tuple[bytes, bytes], int] = {}
     where: dict[tuple[bytes, bytes], set[int]] = {}
 
@@ -337,18 +361,19 @@ def learn_ranks(n_ranks: int) -> dict[bytes, int]:
                 where.setdefault(pair, set()).add(wi)
                 heapq.heappush(heap, (-pair_count[pair], pair))
 
-    heap: list[tuple[int, tuple[bytes, bytes]]] = []
-    for wi in range(len(words)):
-        add_pairs(wi, +1)
+    for wi, (syms, c) in enumerate(words):
+        for pair in zip(syms, syms[1:]):
+            pair_count[pair] = pair_count.get(pair, 0) + c
+            where.setdefault(pair, set()).add(wi)
+    heap = [(-c, pair) for pair, c in pair_count.items()]
+    heapq.heapify(heap)
     while len(ranks) < n_ranks:
         while heap:
             neg, pair = heapq.heappop(heap)
             if pair_count.get(pair, 0) == -neg and -neg > 0 and pair[0] + pair[1] not in ranks:
                 break
         else:
-            raise ValueError(
-                f"the embedded training text supports only {len(ranks)} ranks, not {n_ranks}"
-            )
+            raise _Exhausted(len(ranks))
         merged = pair[0] + pair[1]
         ranks[merged] = len(ranks)
         for wi in sorted(where.pop(pair, ())):
