@@ -216,29 +216,30 @@ WHY_LATENCY = (
 def render_text(s: Sizing) -> str:
     lines = [
         f"Sizing Kimi-K3 for {s.users} users × {_num(s.requests_per_user_day)} requests/day × "
-        f"{_num(s.tokens_per_answer)} tokens per answer (reasoning included)",
+        f"{_num(s.tokens_per_answer)} tokens (reasoning included)",
         f"throughput of one machine: {s.tok_per_s:.4g} tok/s ({s.tok_per_s_source})",
         f"model: {s.hours_per_day:g}-hour working day, {s.target_utilisation:.0%} target "
         "utilisation, one request per machine at a time",
         "",
         f"machines needed     {s.machines}",
-        f"  demand {_num(s.demand_machine_s_per_day)} machine-seconds/day ÷ "
-        f"{_num(s.capacity_s_per_machine)} s per machine = {s.exact_machines:.2f}, rounded up; "
-        f"{s.utilisation_at_machines:.0%} busy at {s.machines}",
-        f"latency per answer  {_duration(s.latency_s)}  ({_num(s.tokens_per_answer)} tokens ÷ "
-        f"{s.tok_per_s:.4g} tok/s) — the same with 1 machine or {s.machines}",
+        f"  demand {_num(s.demand_machine_s_per_day)} machine-s/day ÷ "
+        f"{_num(s.capacity_s_per_machine)} s/machine = {s.exact_machines:.2f} → "
+        f"{s.machines} ({s.utilisation_at_machines:.1%} busy)",
+        f"latency per answer  {_duration(s.latency_s)} ({_num(s.tokens_per_answer)} tokens ÷ "
+        f"{s.tok_per_s:.4g} tok/s), with 1 machine or {s.machines}",
         f"  one machine answers {s.answers_per_machine_day:.1f} requests per working day",
-        f"power               {s.peak_kw:.1f} kW at most ({s.machines} × {s.watts_per_machine:g} W; "
-        f"assumption: {s.watts_per_machine:g} W per machine, a DGX Spark's PSU rating),",
-        f"                    ≤ {s.kwh_per_day_max:.1f} kWh per working day, "
-        f"≤ {s.wh_per_answer:.1f} Wh per answer",
-        f"storage             {s.storage_tb:.1f} TB ({s.machines} × "
-        f"{s.checkpoint_gb_per_machine:g} GB: every machine holds the whole checkpoint;"
-        f" the GGUF is {GGUF_GB:.0f} GB)",
+        f"power               ≤ {s.peak_kw:.1f} kW: {s.machines} × {s.watts_per_machine:g} W "
+        "(assumed: a DGX Spark's PSU rating)",
+        f"  ≤ {s.kwh_per_day_max:.1f} kWh per working day, ≤ {s.wh_per_answer:.1f} Wh per answer",
+        f"storage             {s.storage_tb:.1f} TB: {s.machines} × "
+        f"{s.checkpoint_gb_per_machine:g} GB, a whole checkpoint on every machine",
+        f"  (with the {GGUF_GB:.0f} GB GGUF instead: {s.machines * GGUF_GB / 1000:.1f} TB)",
         "",
         WHY_LATENCY,
         "",
-        f"formula: {FORMULA}",
+        "formula: machines = ceil(users × requests × tokens / tok_per_s",
+        "                         / (hours × 3600 × utilisation))",
+        "         latency  = tokens / tok_per_s",
     ]
     return "\n".join(lines)
 
@@ -248,8 +249,7 @@ def render_routes() -> str:
 
     lines = ["Routes beyond one machine (k3tui connects to them as a remote backend):"]
     lines += [f"  {route:<7} {summary(route)}" for route in ROUTES]
-    lines.append("  `k3tui plan --recipe rpc|sglang|vllm` prints one: what fits, the launch "
-                 "commands, why each flag")
+    lines.append("  `k3tui plan --recipe ROUTE`: what fits, the launch commands, why each flag")
     return "\n".join(lines)
 
 

@@ -60,7 +60,7 @@ def test_rmt_cli_text_states_numbers_assumptions_and_why():
     text = out.stdout
     assert "machines needed     68" in text
     assert "22 min 31 s" in text                       # 500 / 0.37 s
-    assert "240 W" in text and "assumption" in text    # the power assumption is stated
+    assert "68 × 240 W (assumed" in text              # the power assumption is stated
     assert "106.1 TB" in text                          # 68 × 1.56 TB
     assert "do not make an answer faster" in text
     assert "rpc" in text and "sglang" in text and "vllm" in text  # the routes section
