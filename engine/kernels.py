@@ -79,7 +79,8 @@ def mxfp4_encode(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 # ---- elementwise ---------------------------------------------------------------------------
 def sigmoid(x: np.ndarray) -> np.ndarray:
-    return (1.0 / (1.0 + np.exp(-x))).astype(np.float32)
+    with np.errstate(over="ignore"):  # exp(−x) → inf for very negative x gives the right 0
+        return (1.0 / (1.0 + np.exp(-x))).astype(np.float32)
 
 
 def silu(x: np.ndarray) -> np.ndarray:
