@@ -45,7 +45,7 @@ def api_base(base_url: str) -> str:
 def server_root(base_url: str) -> str:
     """The URL without `/v1`, where llama-server serves `/health`, `/slots`, `/metrics`."""
     url = base_url.rstrip("/")
-    return url[: -len("/v1")] if url.endswith("/v1") else url
+    return url.removesuffix("/v1")
 
 
 def _headers(api_key: str | None) -> dict[str, str]:
@@ -99,8 +99,7 @@ class SSEParser:
         if line.startswith(":"):
             return None  # comment ping
         field, _, value = line.partition(":")
-        if value.startswith(" "):
-            value = value[1:]
+        value = value.removeprefix(" ")
         if field == "data":
             self._data.append(value)
         return None  # event:, id:, retry: carry nothing a chat client needs

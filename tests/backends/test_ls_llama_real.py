@@ -15,13 +15,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from ls_helpers import free_port, real_binary, write_tiny_gguf
 
 from k3tui.backends import llama_server as ls
-from k3tui.backends.events import (BackendError, ContentDelta, Finished, ReasoningDelta,
-                                   TokenStats)
+from k3tui.backends.events import BackendError, ContentDelta, Finished, ReasoningDelta, TokenStats
 from k3tui.backends.openai_stream import stream_chat
 from k3tui.errors import K3Error
-from ls_helpers import free_port, real_binary, write_tiny_gguf
 
 REPO = Path(__file__).resolve().parents[2]
 

