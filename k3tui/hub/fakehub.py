@@ -106,6 +106,7 @@ class FakeHub:
         self.faults: dict[str, list[Fault]] = {}
         self.throttle_bps: float | None = None      # per response; lets a test kill mid-file
         self.log: list[dict] = []
+        self.held: list[threading.Event] = []      # released by stop()
         self.lock = threading.RLock()
         self.files: dict[str, dict] = {}
         self.rescan()
@@ -144,6 +145,8 @@ class FakeHub:
             self.files, self.commit = files, digest
 
     def stop(self) -> None:
+        for event in self.held:
+            event.set()
         for srv in self.servers:
             srv.shutdown()
             srv.server_close()
@@ -289,6 +292,8 @@ class FakeHub:
             with self.lock:
                 plan = self.faults.get(f["path"])
                 fault = plan.pop(0) if plan else None
+                if fault is not None and fault.event is not None:
+                    self.held.append(fault.event)
         if fault and fault.kind == "status":
             extra = {"Retry-After": "0"} if fault.status == 429 else {}
             h.close_connection = True

@@ -66,8 +66,12 @@ def hash_file(path: Path, hasher, length: int | None = None, stop=None) -> int:
 
 def atomic_write_json(path: Path, data: dict) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)   # e.g. ENOSPC: leave the previous version intact
+        raise
 
 
 def read_json(path: Path) -> dict | None:

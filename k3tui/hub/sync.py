@@ -17,7 +17,8 @@ from k3tui.errors import K3Error
 from k3tui.hub.progress import Progress, ProgressEvent, Ticker
 from k3tui.hub.remote import RemoteFile, RepoSnapshot
 from k3tui.hub.store import LocalStore, expected_digest, hash_file, new_hasher
-from k3tui.hub.transfer import Cancelled, DiskFull, FileFailed, FileFetch, HubRefused, Options
+from k3tui.hub.transfer import (Cancelled, DiskFull, FileFailed, FileFetch, HubRefused, Options,
+                                is_disk_full)
 
 GB = 1e9
 
@@ -202,16 +203,20 @@ def download(snapshot: RepoSnapshot, target: Path, *, workers: int = 4,
                     plan.partial.get(rf.name, 0))
             except Cancelled:
                 progress.status(rf.name, "pending")
-            except DiskFull:
-                left = sum(f.size for f in snapshot.files) - progress.snapshot().done_bytes
-                fail(rf.name, f"{rf.name}: disk full", disk_full_error(target, left), halt=True)
-            except HubRefused as exc:
-                fail(rf.name, f"{rf.name}: {exc.error.message}", exc.error, halt=True)
-            except FileFailed as exc:
-                fail(rf.name, str(exc))
-            except Exception as exc:  # noqa: BLE001 - a bug must not kill the other files
-                log(traceback.format_exc())
-                fail(rf.name, f"{rf.name}: unexpected {type(exc).__name__}: {exc}")
+            except Exception as exc:  # noqa: BLE001 - sorted below; a bug must not kill the rest
+                if isinstance(exc, DiskFull) or is_disk_full(exc):
+                    left = sum(f.size for f in snapshot.files) - progress.snapshot().done_bytes
+                    fail(rf.name, f"{rf.name}: disk full", disk_full_error(target, left),
+                         halt=True)
+                elif isinstance(exc, HubRefused):
+                    fail(rf.name, f"{rf.name}: {exc.error.message}", exc.error, halt=True)
+                elif isinstance(exc, FileFailed):
+                    fail(rf.name, str(exc))
+                elif isinstance(exc, OSError):
+                    fail(rf.name, f"{rf.name}: {exc}")
+                else:
+                    log(traceback.format_exc())
+                    fail(rf.name, f"{rf.name}: unexpected {type(exc).__name__}: {exc}")
 
     emit = on_progress or (lambda event: None)
     try:

@@ -63,6 +63,10 @@ class DiskFull(Exception):
     """ENOSPC/EDQUOT while writing: stop everything, keep the partials."""
 
 
+def is_disk_full(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
 class Cancelled(Exception):
     pass
 
@@ -184,6 +188,10 @@ class FileFetch:
             except (DiskFull, Cancelled, HubRefused, FileFailed):
                 raise
             except Exception as exc:  # noqa: BLE001 - classified below
+                if is_disk_full(exc):
+                    raise DiskFull(str(exc)) from None
+                if isinstance(exc, OSError) and not is_transient(exc):
+                    raise                               # a local I/O problem, not the Hub's
                 if not (is_transient(exc) or isinstance(exc, _BadResponse)):
                     raise HubRefused(explain(exc, self.snap.repo, self.snap.revision,
                                              bool(self.opts.token))) from None

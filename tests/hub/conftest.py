@@ -31,8 +31,4 @@ def hub(repo_dir, monkeypatch):
     monkeypatch.setenv("K3TUI_DL_BACKOFF_S", "0.05")
     monkeypatch.setenv("K3TUI_DL_TIMEOUT_S", "3")
     yield h
-    for plan in h.faults.values():      # release any held response so threads can end
-        for f in plan:
-            if f.event is not None:
-                f.event.set()
     h.stop()
