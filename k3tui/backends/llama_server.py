@@ -318,6 +318,10 @@ def check_shards(model: Path) -> list[Path]:
     """Refuse a split GGUF with a missing or short shard *before* launching anything."""
     shards = model_shards(model)
     missing = [p for p in shards if not p.is_file()]
+    if missing and len(shards) == 1:
+        raise K3Error(f"The GGUF model {shards[0]} does not exist.",
+                      "set `dir` in [model] (or --model) to the .gguf file, or run "
+                      "`k3tui download`")
     if missing:
         names = ", ".join(p.name for p in missing[:5]) + (" …" if len(missing) > 5 else "")
         raise K3Error(f"{len(missing)} of {len(shards)} GGUF shards are missing in "
@@ -784,7 +788,7 @@ def wait_ready(backend: RunningBackend, *, total_bytes: int | None = None,
                                     memory_limit_bytes=backend.memory_limit_bytes)
                 raise K3Error(f"{backend.kind} {why} while loading.\n"
                               f"last log lines ({backend.log_path}):\n{failed.log_tail}",
-                              "read the log above; fix the cause and start again")
+                              hint_from_log(failed.log_tail))
             ready = ready_line is None or ready_line in backend.log_tail(200)
             message = ""
             if ready:
@@ -807,6 +811,20 @@ def wait_ready(backend: RunningBackend, *, total_bytes: int | None = None,
                         rss = ps.memory_info().rss
                 on_progress(LoadProgress(elapsed, read, rss, total_bytes, message))
             time.sleep(interval_s)
+
+
+def hint_from_log(tail: str) -> str:
+    """The next step for the failures a log shows most often."""
+    low = tail.lower()
+    if "bind" in low and ("socket" in low or "address already in use" in low):
+        return "the port is taken: pass another --port (or 0 for a free one)"
+    if "invalid argument" in low or "unknown argument" in low:
+        return "a flag is not accepted by this llama-server: check `extra_args` in [llama_server]"
+    if "failed to load model" in low or "error loading model" in low:
+        return "the model file could not be loaded: `k3tui doctor` checks it; re-download if needed"
+    if "out of memory" in low or "cannot allocate" in low or "failed to allocate" in low:
+        return "not enough memory: lower `ctx_size` in [llama_server] or stop other programs"
+    return "read the log above; fix the cause and start again"
 
 
 def _load_phase(body: object) -> str:

