@@ -42,7 +42,7 @@ class ScriptedStream:
                  gaps_ms: Iterable[float] | None = None, ttft_ms: float = 250.0,
                  k3: dict[str, Any] | None = None, hang_after: int | None = None,
                  error: BackendError | None = None, real_delay_s: float = 0.0,
-                 backend_timings: bool = False) -> None:
+                 backend_timings: bool = False, prompt_tokens: int = 12) -> None:
         self.content = content
         self.reasoning = reasoning
         self.clock = clock or FakeClock()
@@ -53,6 +53,7 @@ class ScriptedStream:
         self.error = error
         self.real_delay_s = real_delay_s
         self.backend_timings = backend_timings
+        self.prompt_tokens = prompt_tokens
         self.requests: list[list[dict[str, Any]]] = []
         self.closed = 0
 
@@ -79,7 +80,7 @@ class ScriptedStream:
                 yield kind(text)
                 backend_ms = gap if (self.backend_timings and gap is not None) else None
                 yield TokenStats(arrival_s=self.clock(), tokens=1, backend_ms=backend_ms,
-                                 prompt_tokens=12 if i == 0 else None,
+                                 prompt_tokens=self.prompt_tokens if i == 0 else None,
                                  prompt_ms=self.ttft_ms if i == 0 else None,
                                  k3=dict(self.k3))
                 if kind is ContentDelta:
@@ -89,7 +90,7 @@ class ScriptedStream:
             if self.error is not None:
                 yield self.error
                 return
-            yield Finished("stop", usage={"prompt_tokens": 12, "completion_tokens": len(pieces)})
+            yield Finished("stop", usage={"prompt_tokens": self.prompt_tokens, "completion_tokens": len(pieces)})
         finally:
             self.closed += 1
 

@@ -134,12 +134,14 @@ class JobsScreen(Screen):
             status = f.get("status", "")
             if status in counts:
                 counts[status] += 1
-            if status in ("running", "active", "downloading"):
+            elif status == "pending":
+                counts["queued"] += 1
+            if status in ("downloading", "verifying", "retrying"):
                 size = f.get("size") or 0
                 done = f.get("done") or 0
                 pct = 100 * done / size if size else 0
-                table.add_row(f.get("name", "?"), f"{done / GB:.1f}/{size / GB:.1f}",
-                              f"{pct:.0f}")
+                name = f.get("name", "?") + ("" if status == "downloading" else f" ({status})")
+                table.add_row(name, f"{done / GB:.1f}/{size / GB:.1f}", f"{pct:.0f}")
         table.caption = (f"{counts['done']} done · {counts['queued']} queued · "
                          f"{counts['failed']} failed · {job.get('message') or ''}")
         return table

@@ -32,12 +32,12 @@ class LatencyPane(Vertical):
 
     def show(self, snap: LatencySnapshot) -> None:
         self.query_one("#lat-spark", Sparkline).set_values(snap.series)
+        self.border_title = f"latency ({snap.source} timing)" if snap.tokens else "latency"
         rate = format_rate(snap.gen_ms_per_token)
         lines = [
-            f"TTFT {format_ms(snap.ttft_ms):>8}  gen {rate}",
-            f"p50 {format_ms(snap.p50_ms):>7}  p95 {format_ms(snap.p95_ms)}",
-            f"prefill {_num(snap.prefill_tok_s, '.0f', ' tok/s')}  "
-            f"tokens {snap.tokens} ({snap.source})",
+            f"TTFT {format_ms(snap.ttft_ms):<9} gen {rate}",
+            f"p50  {format_ms(snap.p50_ms):<9} p95 {format_ms(snap.p95_ms)}",
+            f"prefill {_num(snap.prefill_tok_s, '.0f', ' tok/s'):<10} {snap.tokens} tokens",
         ]
         self.query_one("#lat-text", Static).update(Text("\n".join(lines), no_wrap=True,
                                                         overflow="ellipsis"))
