@@ -9,8 +9,9 @@ listening, a model still loading — never a traceback.
 The API key comes from the environment variable the config names (`[remote]
 api_key_env`) or from credentials.toml (0600). It is sent only in the Authorization
 header, never logged, and shown only masked (`…wxyz`). TLS certificates are verified
-unless the caller explicitly passes `verify_tls=False`; a path to a CA file trusts a
-private CA instead of turning verification off.
+unless the caller explicitly passes `verify_tls=False`; a private CA is trusted through
+`SSL_CERT_FILE` (httpx reads it, so the chat does too) or a CA file path passed here,
+instead of turning verification off.
 """
 
 from __future__ import annotations
@@ -120,15 +121,25 @@ def _ssl_error(exc: BaseException) -> ssl.SSLError | None:
     return None
 
 
-def _transport_failure(exc: Exception, where: str, verify: bool | str) -> EndpointCheck:
+def describe_transport_error(exc: BaseException, where: str) -> tuple[str, str]:
+    """(sentence, next step) for a connection that failed: certificate, TLS, DNS, refused.
+
+    For other clients of a remote endpoint (the chat's stream) so an untrusted
+    certificate is not reported as a vague "could not connect".
+    """
+    failed = _transport_failure(exc, where)
+    return failed.message, failed.next_step
+
+
+def _transport_failure(exc: BaseException, where: str) -> EndpointCheck:
     tls = _ssl_error(exc)
     if isinstance(tls, ssl.SSLCertVerificationError):
         reason = tls.verify_message or "certificate verification failed"
         return _fail(f"The TLS certificate of {where} is not trusted ({reason}), so k3tui "
                      "did not send the key.",
-                     "install the server's CA certificate in the system store, or point "
-                     "the check at it (a CA file path); turning verification off "
-                     "(verify_tls = false) lets anyone in between read your key")
+                     "if the server uses a private CA, trust it: export SSL_CERT_FILE="
+                     "/path/to/ca.pem (the check and the chat both read it); turning "
+                     "verification off lets anyone in between read your key")
     if tls is not None:
         return _fail(f"The TLS handshake with {where} failed ({tls.reason or tls}).",
                      "check the scheme: https:// for a TLS server, http:// for a plain one")
@@ -179,7 +190,7 @@ def check_endpoint(url: str, api_key: str | None, verify_tls: bool | str = True,
                           follow_redirects=False) as http:
             return _run_checks(http, root, v1, where, api_key, model, warnings)
     except (httpx.TransportError, ssl.SSLError) as exc:
-        failed = _transport_failure(exc, where, verify_tls)
+        failed = _transport_failure(exc, where)
         return EndpointCheck(ok=False, message=failed.message, next_step=failed.next_step,
                              warnings=warnings)
 
