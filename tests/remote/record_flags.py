@@ -35,6 +35,10 @@ PARSERS = {
              "--tool-call-parser": "vllm/tool_parsers/__init__.py"},
 }
 ARCH = "KimiK3ForConditionalGeneration"
+# The `serve` subcommand, and SGLang's own environment variables (class attributes).
+SERVE = {"sglang": ("sglang/cli/main.py", '"serve"'),
+         "vllm": ("vllm/entrypoints/cli/serve.py", 'name = "serve"')}
+ENVIRON = {"sglang": "sglang/srt/environ.py"}
 
 
 def _flags_from_source(text: str, dataclass_fields: bool) -> set[str]:
@@ -76,6 +80,12 @@ def record(wheel: Path) -> Path:
                 flags |= _flags_from_source(text, fields)
         for flag, name in PARSERS[project].items():
             flags |= {f"{flag}={n}" for n in _names(zf.read(name).decode("utf-8"))}
+        path, needle = SERVE[project]
+        if needle in zf.read(path).decode("utf-8"):
+            flags.add("subcommand=serve")
+        if project in ENVIRON:
+            text = zf.read(ENVIRON[project]).decode("utf-8")
+            flags |= {f"env={m}" for m in re.findall(r"^\s+(SGLANG_[A-Z0-9_]+)\s*=", text, re.M)}
         if any(ARCH in zf.read(n).decode("utf-8", "replace") for n in zf.namelist()
                if n.endswith(".py") and "models" in n):
             flags.add(f"architecture={ARCH}")

@@ -95,8 +95,13 @@ def test_rmt_recipe_flags_exist_in_the_named_version(route, recorded, program):
     r = recipes.recipe(route)
     assert version in r.checked_against
     assert "architecture=KimiK3ForConditionalGeneration" in known
+    assert "subcommand=serve" in known
     for step in r.steps:
         assert step.argv[:2] == program
+        for assignment in step.env:  # the project's own variables must exist in it
+            name = assignment.split("=", 1)[0]
+            if name.startswith("SGLANG_"):
+                assert f"env={name}" in known, f"{route} {version} has no {name}"
         for flag, value in _flags(step.argv[2:]):
             assert flag in known, f"{route} {version} has no {flag}"
             if flag in ("--reasoning-parser", "--tool-call-parser"):
