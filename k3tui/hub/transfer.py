@@ -35,7 +35,32 @@ CHUNK_BYTES = 1 << 20             # unit of writing, hence the most a kill can m
 DROP_CACHE_EVERY = 64 << 20       # start writeback / drop cache of written ranges this often
 SIDECAR_EVERY_S = 2.0
 
-pwrite = os.pwrite                # the write seam (tests inject ENOSPC here)
+MAX_PIECES = 512                  # well under IOV_MAX (1024)
+
+pwritev = os.pwritev              # the write seam (tests inject ENOSPC here)
+
+
+def _head(pieces: list[bytes], k: int) -> list[bytes]:
+    """The first k bytes of a list of pieces."""
+    out = []
+    for p in pieces:
+        if k <= 0:
+            break
+        out.append(p[:k])
+        k -= len(p)
+    return out
+
+
+def _tail(pieces: list[bytes], k: int) -> list[bytes]:
+    """Everything after the first k bytes."""
+    out = []
+    for p in pieces:
+        if k >= len(p):
+            k -= len(p)
+            continue
+        out.append(p[k:] if k else p)
+        k = 0
+    return out
 
 
 @dataclass
@@ -93,11 +118,12 @@ class _HashThread:
         self._t.start()
 
     def _run(self) -> None:
-        while (chunk := self._q.get()) is not None:
-            self.hasher.update(chunk)
+        while (pieces := self._q.get()) is not None:
+            for piece in pieces:
+                self.hasher.update(piece)
 
-    def feed(self, chunk) -> None:
-        self._q.put(chunk)
+    def feed(self, pieces: list[bytes]) -> None:
+        self._q.put(pieces)
 
     def hexdigest(self) -> str:
         self._q.put(None)
@@ -245,51 +271,47 @@ class FileFetch:
             self._receive(r, skip)
 
     def _receive(self, r: httpx.Response, skip: int) -> None:
-        buf, n = bytearray(CHUNK_BYTES), 0
-        mv = memoryview(buf)
+        """Collect received pieces until a chunk is full, then write them with one pwritev
+        (no copy into a buffer); whatever arrived is written even when the stream breaks."""
+        pieces: list[bytes] = []
+        n = 0
         try:
             for piece in r.iter_raw():
                 if self.stop.is_set():
                     raise Cancelled()
-                pv = memoryview(piece)
                 if skip:
-                    if len(pv) <= skip:
-                        skip -= len(pv)
+                    if len(piece) <= skip:
+                        skip -= len(piece)
                         continue
-                    pv, skip = pv[skip:], 0
-                room = self.rf.size - self.have - n
-                if len(pv) > room:
+                    piece, skip = piece[skip:], 0
+                if len(piece) > self.rf.size - self.have - n:
                     raise _BadResponse("server sent more bytes than the file has")
-                while len(pv):
-                    k = min(CHUNK_BYTES - n, len(pv))
-                    mv[n:n + k] = pv[:k]
-                    n += k
-                    pv = pv[k:]
-                    if n == CHUNK_BYTES:
-                        self._write(buf, n)
-                        buf, n = bytearray(CHUNK_BYTES), 0
-                        mv = memoryview(buf)
+                pieces.append(piece)
+                n += len(piece)
+                if n >= CHUNK_BYTES or len(pieces) >= MAX_PIECES:
+                    self._write(pieces, n)
+                    pieces, n = [], 0
         finally:
             if n:                               # keep every byte that arrived
-                self._write(buf, n)
+                self._write(pieces, n)
 
-    def _write(self, buf: bytearray, n: int) -> None:
-        """Write buf[:n] at `have`, hash it, count it. ENOSPC keeps what fit."""
-        view, written = memoryview(buf)[:n], 0
+    def _write(self, pieces: list[bytes], n: int) -> None:
+        """Write the pieces at `have`, hash them, count them. ENOSPC keeps what fit."""
+        written = 0
         try:
             while written < n:
-                written += pwrite(self.fd, view[written:], self.have + written)
+                written += pwritev(self.fd, _tail(pieces, written), self.have + written)
         except OSError as exc:
             if written:
-                self._accept(bytes(view[:written]), written)
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                self._accept(_head(pieces, written), written)
+            if is_disk_full(exc):
                 self.store.write_sidecar(self.rf, self.snap.commit, self.have, self.etag)
                 raise DiskFull(str(exc)) from None
             raise
-        self._accept(buf if n == len(buf) else bytes(view), n)
+        self._accept(pieces, n)
 
-    def _accept(self, data, n: int) -> None:
-        self.hasher.feed(data)
+    def _accept(self, pieces: list[bytes], n: int) -> None:
+        self.hasher.feed(pieces)
         self.have += n
         self.progress.add(self.rf.name, n)
         if self.have - self._dropped_at >= DROP_CACHE_EVERY:

@@ -156,16 +156,16 @@ def test_dl_hub_down_is_one_sentence(monkeypatch):
 def test_dl_enospc_keeps_partial_then_resumes(hub, repo_dir, tmp_path, monkeypatch):
     """Disk full at the write seam: a clear message, the partial and sidecar stay, and
     the rerun continues from exactly the bytes that reached the disk."""
-    real, budget = os.pwrite, [2 * CHUNK_BYTES + 1000]
+    real, budget = os.pwritev, [2 * CHUNK_BYTES + 1000]
 
-    def tight_pwrite(fd, data, offset):
+    def tight_pwritev(fd, pieces, offset):       # a short write, then ENOSPC, like Linux
         if budget[0] <= 0:
             raise OSError(errno.ENOSPC, "No space left on device")
-        n = real(fd, bytes(data[:budget[0]]), offset)
+        n = real(fd, [b"".join(pieces)[:budget[0]]], offset)
         budget[0] -= n
         return n
 
-    monkeypatch.setattr(transfer, "pwrite", tight_pwrite)
+    monkeypatch.setattr(transfer, "pwritev", tight_pwritev)
     out = tmp_path / "out"
     _, res = fetch(hub, out, workers=1)
     assert not res.ok and "is full" in res.error.message
@@ -175,7 +175,7 @@ def test_dl_enospc_keeps_partial_then_resumes(hub, repo_dir, tmp_path, monkeypat
     finals = sum(p.stat().st_size for p in out.rglob("*") if p.is_file()
                  and ".k3tui" not in p.parts)
     assert sum(parts.values()) + finals == 2 * CHUNK_BYTES + 1000   # all that fit is kept
-    monkeypatch.setattr(transfer, "pwrite", real)
+    monkeypatch.setattr(transfer, "pwritev", real)
     name = next(iter(parts))[:-len(".part")]
     assert store.sidecar(name).exists()
     before = len(hub.log)
