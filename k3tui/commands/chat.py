@@ -69,7 +69,7 @@ class Session:
         """Called once a started backend answers: point the stream and header at it."""
         self.running = running
         self.info.kind = running.kind
-        self.info.model = running.model or self.info.model
+        self.info.model = self.info.model or running.model
         self.info.url = running.base_url
         self.info.pid = running.pid
         self.info.log_path = str(running.log_path or "")
