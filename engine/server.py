@@ -42,7 +42,7 @@ from starlette.routing import Route
 
 from engine.chat_template import EFFORTS, ChatTemplate, TemplateError
 from engine.errors import EngineError
-from engine.steer import DEMO_NOTICE, DemoSteer, Forced, think_to_response
+from engine.steer import DEMO_NOTICE, NEG, DemoSteer, Forced, think_to_response
 from engine.tokenizer import Tokenizer
 
 MAX_WAITING = 8
@@ -188,6 +188,7 @@ class ChatRequest:
     thinking: bool
     effort: str
     reasoning_budget: int  # -1 = unlimited
+    ignore_eos: bool = False
 
 
 def _number(body: dict, key: str, kind: type, default: Any, lo: float | None = None,
@@ -267,6 +268,7 @@ def parse_chat_request(body: Any, default_budget: int) -> ChatRequest:
         thinking=thinking,
         effort=effort,
         reasoning_budget=budget,
+        ignore_eos=bool(body.get("ignore_eos", False)),
     )
 
 
@@ -349,11 +351,15 @@ def run_job(job: Job, loaded: Loaded, template: ChatTemplate, metrics: Metrics, 
     forced = Forced()
     steer = DemoSteer(tok, parser, forced, seed=req.seed) if steer_demo else None
     budget = req.reasoning_budget
+    end_ids = list(template.end_ids())
 
     def hook(generated, logits):
         f = forced.take(logits)
         if f is not None:
             return f
+        if req.ignore_eos:  # llama-server's knob: keep generating to max_tokens
+            logits = logits.copy()
+            logits[end_ids] = NEG
         if budget >= 0 and parser.in_reasoning and not parser.in_tag and parser.reasoning_tokens >= budget:
             forced.push(think_to_response(tok))
             return forced.take(logits)
@@ -362,7 +368,7 @@ def run_job(job: Job, loaded: Loaded, template: ChatTemplate, metrics: Metrics, 
     scanners = {"reasoning": StopScanner(req.stop), "content": StopScanner(req.stop)}
     params = loaded.make_params(
         max_tokens=job.max_new, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
-        seed=req.seed, stop_ids=tuple(template.end_ids()),
+        seed=req.seed, stop_ids=tuple(end_ids),
     )
     finish = "length"
     metrics.set("requests_processing", 1)
