@@ -46,7 +46,7 @@ class Step:
         out, line = [], "  "
         for word in words:
             # Placeholders and "$VARS" are for the reader to replace, so they stay unquoted.
-            quoted = word if "<" in word or word.startswith('"$') else shlex.quote(word)
+            quoted = word if "<" in word or '"$' in word else shlex.quote(word)
             if len(line) + len(quoted) > 88 and line.strip():
                 out.append(line + " \\")
                 line = "    "
@@ -178,7 +178,10 @@ def _sglang() -> Recipe:
                          "--reasoning-parser/--tool-call-parser kimi_k3: thinking arrives "
                          "as reasoning_content, which k3tui's reasoning pane shows",
                          "NCCL_*/GLOO_* variables: pin the cross-node NIC, as the cookbook "
-                         "says for H200")),),
+                         "says for H200",
+                         "--api-key: the key clients must send (SGLang takes it only as a "
+                         "flag, so it shows in the node's process list: keep the nodes "
+                         "dedicated)")),),
         notes=("The cookbook marks this cell 'final verification in progress'; B200/B300/"
                "GB200 recipes differ (PP2 × TP8, DCP) — take them from the same page.",
                "Throughput shapes (DP attention, EP32 over 4 nodes) raise the users per "
@@ -196,8 +199,7 @@ def _vllm() -> Recipe:
             "--master-addr", "<node0-ip>", "--master-port", "29501",
             "--gpu-memory-utilization", "0.85",
             "--reasoning-parser", "kimi_k3", "--tool-call-parser", "kimi_k3",
-            "--enable-auto-tool-choice",
-            "--host", "0.0.0.0", "--port", "8000", "--api-key", '"$KIMI_API_KEY"')
+            "--enable-auto-tool-choice", "--host", "0.0.0.0", "--port", "8000")
     worker = ("vllm", "serve", "moonshotai/Kimi-K3", *common, "--node-rank", "<1, 2 or 3>",
               "--master-addr", "<node0-ip>", "--master-port", "29501",
               "--gpu-memory-utilization", "0.85", "--headless")
@@ -217,7 +219,10 @@ def _vllm() -> Recipe:
              "256 sequences",),
         steps=(
             Step(where="on node0 (serves the API)", argv=head,
-                 why=("--tensor-parallel-size 8: one node's 8 GPUs split each layer "
+                 env=('VLLM_API_KEY="$KIMI_API_KEY"',),
+                 why=("VLLM_API_KEY: the key clients must send; from the environment, so it "
+                      "does not show in the process list",
+                      "--tensor-parallel-size 8: one node's 8 GPUs split each layer "
                       "(NVLink inside the node)",
                       "--pipeline-parallel-size 4: the 93 layers in 4 stages, one per node "
                       "(only activations cross the network)",

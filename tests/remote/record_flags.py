@@ -35,10 +35,10 @@ PARSERS = {
              "--tool-call-parser": "vllm/tool_parsers/__init__.py"},
 }
 ARCH = "KimiK3ForConditionalGeneration"
-# The `serve` subcommand, and SGLang's own environment variables (class attributes).
+# The `serve` subcommand, and each project's own environment variables.
 SERVE = {"sglang": ("sglang/cli/main.py", '"serve"'),
          "vllm": ("vllm/entrypoints/cli/serve.py", 'name = "serve"')}
-ENVIRON = {"sglang": "sglang/srt/environ.py"}
+ENVIRON = {"sglang": ("sglang/srt/environ.py", "SGLANG_"), "vllm": ("vllm/envs.py", "VLLM_")}
 
 
 def _flags_from_source(text: str, dataclass_fields: bool) -> set[str]:
@@ -83,9 +83,10 @@ def record(wheel: Path) -> Path:
         path, needle = SERVE[project]
         if needle in zf.read(path).decode("utf-8"):
             flags.add("subcommand=serve")
-        if project in ENVIRON:
-            text = zf.read(ENVIRON[project]).decode("utf-8")
-            flags |= {f"env={m}" for m in re.findall(r"^\s+(SGLANG_[A-Z0-9_]+)\s*=", text, re.M)}
+        path, prefix = ENVIRON[project]
+        text = zf.read(path).decode("utf-8")
+        flags |= {f"env={m}" for m in
+                  re.findall(rf'^\s+"?({prefix}[A-Z0-9_]+)"?\s*[:=]', text, re.M)}
         if any(ARCH in zf.read(n).decode("utf-8", "replace") for n in zf.namelist()
                if n.endswith(".py") and "models" in n):
             flags.add(f"architecture={ARCH}")

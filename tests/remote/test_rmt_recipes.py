@@ -100,7 +100,7 @@ def test_rmt_recipe_flags_exist_in_the_named_version(route, recorded, program):
         assert step.argv[:2] == program
         for assignment in step.env:  # the project's own variables must exist in it
             name = assignment.split("=", 1)[0]
-            if name.startswith("SGLANG_"):
+            if name.startswith(("SGLANG_", "VLLM_")):
                 assert f"env={name}" in known, f"{route} {version} has no {name}"
         for flag, value in _flags(step.argv[2:]):
             assert flag in known, f"{route} {version} has no {flag}"
