@@ -18,7 +18,7 @@ import argparse
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from engine.errors import PlanError
 
@@ -204,7 +204,7 @@ class Plan:
             f"{f(self.overhead_bytes)} = peak RSS forecast "
             f"{f(self.budget_bytes + self.overhead_bytes)}",
             f"  trunk: {len(self.pinned)} of {g.n_layers} layers pinned "
-            f"({f(self.pinned_bytes)}){ring}; streams {f(self.streamed_trunk_bytes)} of trunk "
+            f"({f(self.pinned_bytes)}{_layer_list(self.pinned, g.n_layers)}){ring}; streams {f(self.streamed_trunk_bytes)} of trunk "
             "per token",
             f"  experts: {self.expert_slots} slots x {f(g.expert_slot_bytes)} = "
             f"{f(self.cache_bytes)} (top-{g.top_k} needs {g.min_expert_slots}; all "
@@ -231,30 +231,53 @@ class Plan:
         }
 
 
-def _split_trunk(g: Geometry, trunk_budget: int) -> tuple[tuple[int, ...], int, int, int]:
-    """Pin a prefix and size the ring for `trunk_budget`; → (pinned, R, slot, leftover).
+def pin_set(sizes: Sequence[int], k: int) -> tuple[int, ...]:
+    """Which `k` layers to keep in RAM.
 
-    The ring slot must hold the largest *unpinned* layer, so pinning a big layer can
-    shrink the slot. Two slots (read-ahead) whenever two fit, as the peer does, then the
-    longest prefix that still fits beside them.
+    Oversized layers first (layer 0's dense FFN): each one pinned shrinks the ring slot.
+    The rest are spread evenly through the layer order rather than taken as a prefix: while
+    a pinned layer computes no ring slot is in use, so the reader runs one more layer ahead
+    there; a prefix would leave the disk idle for its whole length once the ring is full.
+    Any fixed set gives the same bytes per token (every unpinned layer is read once).
+    """
+    n = len(sizes)
+    typical = sorted(sizes)[n // 2]
+    chosen = sorted((i for i in range(n) if sizes[i] > typical), key=lambda i: -sizes[i])[:k]
+    rest = [i for i in range(n) if i not in chosen]
+    m = k - len(chosen)
+    if m > 0:
+        chosen += [rest[int((j + 0.5) * len(rest) / m)] for j in range(m)]
+    return tuple(sorted(chosen))
+
+
+def _layer_list(pinned: Sequence[int], n: int) -> str:
+    if not pinned or len(pinned) == n:
+        return ""
+    shown = ",".join(str(i) for i in pinned[:12])
+    return f": layers {shown}{',...' if len(pinned) > 12 else ''}"
+
+
+def _split_trunk(g: Geometry, trunk_budget: int) -> tuple[tuple[int, ...], int, int, int]:
+    """Pin layers and size the ring for `trunk_budget`; → (pinned, R, slot, leftover).
+
+    The ring slot must hold the largest *unpinned* layer. Two slots (read-ahead) whenever
+    two fit, as the peer does, then as many pinned layers as still fit beside them.
     """
     sizes = g.layer_bytes
     n = g.n_layers
     if trunk_budget >= g.trunk_bytes:
         return tuple(range(n)), 0, 0, trunk_budget - g.trunk_bytes
-    prefix = [0]
-    for b in sizes:
-        prefix.append(prefix[-1] + b)
-    suffix_max = [0] * (n + 1)
-    for i in range(n - 1, -1, -1):
-        suffix_max[i] = max(sizes[i], suffix_max[i + 1])
-    ring = 2 if 2 * suffix_max[0] <= trunk_budget else 1
-    npin = 0
-    for k in range(n):  # k pinned, layers k.. streamed
-        if prefix[k] + ring * suffix_max[k] <= trunk_budget:
-            npin = k
-    used = prefix[npin] + ring * suffix_max[npin]
-    return tuple(range(npin)), ring, suffix_max[npin], trunk_budget - used
+    options = []
+    for k in range(n):
+        pinned = pin_set(sizes, k)
+        slot = max(sizes[i] for i in range(n) if i not in pinned)
+        options.append((pinned, slot, sum(sizes[i] for i in pinned)))
+    for ring in (2, 1):
+        fits = [(p, slot, used) for p, slot, used in options if used + ring * slot <= trunk_budget]
+        if fits:
+            pinned, slot, used = max(fits, key=lambda o: len(o[0]))
+            return pinned, ring, slot, trunk_budget - used - ring * slot
+    return (), 1, max(sizes), trunk_budget - max(sizes)  # refused by the caller
 
 
 def make_plan(

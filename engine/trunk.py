@@ -19,8 +19,11 @@ import argparse
 import hashlib
 import json
 import os
+import queue
 import sys
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -29,16 +32,15 @@ import numpy as np
 
 from engine.config import ModelConfig
 from engine.errors import CheckpointError, EngineError, ReadError
-from engine.io import ALIGN, FileTable, Read, ReadPool, TensorSpec, align_down, align_up, \
-    aligned_buffer
+from engine.io import ALIGN, FileTable, TensorSpec, align_down, align_up, aligned_buffer
 from engine.safetensors import DTYPES, SafetensorsIndex, TensorInfo
 from engine.weights import TensorNames
 
 TRUNK_BIN = "trunk.bin"
 TRUNK_JSON = "trunk.json"
 PROGRESS = "trunk.progress.json"
-CHUNK = 32 << 20
-IN_FLIGHT = 3  # chunks read ahead of the writer
+CHUNK = 16 << 20
+WORKERS = 4  # chunks copied concurrently: the disk's queue depth for reads and writes
 Progress = Callable[[int, int, int], None]  # (done_bytes, total_bytes, layer)
 
 
@@ -153,48 +155,64 @@ def _open_out(path: Path) -> tuple[int, bool]:
 
 
 class _Copier:
-    """Copies byte ranges into trunk.bin at aligned offsets, reads and writes overlapped."""
+    """Copies layer runs into trunk.bin: `WORKERS` threads each read a chunk (O_DIRECT) and
+    write it (O_DIRECT) at its aligned place, so reads and writes overlap at queue depth."""
 
     def __init__(self, out_fd: int, direct: bool):
         self.fd, self.direct = out_fd, direct
         self.files = FileTable()
-        self.pool = ReadPool(IN_FLIGHT)
-        self.wbuf = aligned_buffer(CHUNK)
-        self.rbufs = [aligned_buffer(CHUNK + 2 * ALIGN) for _ in range(IN_FLIGHT)]
+        self.buffers: queue.Queue = queue.Queue()
+        for _ in range(WORKERS):
+            self.buffers.put((aligned_buffer(CHUNK + 2 * ALIGN), aligned_buffer(CHUNK)))
 
-    def copy_run(self, run: LayerRun, on_bytes: Callable[[int], None]) -> None:
-        total = run.nbytes
-        pieces = [(k, min(CHUNK, total - k)) for k in range(0, total, CHUNK)]
-        pending: list[tuple[Any, np.ndarray, int, int, int]] = []
-        src = self.files.get(run.shard)
+    def copy(self, runs: list[LayerRun], on_bytes: Callable[[int, int], None],
+             on_layer: Callable[[LayerRun], None]) -> None:
+        """Copy `runs`; `on_layer(run)` once its bytes are durable (in layer order)."""
+        chunks = [(r, k, min(CHUNK, r.nbytes - k)) for r in runs for k in range(0, r.nbytes, CHUNK)]
+        todo = iter(chunks)
+        window: deque = deque()
+        with ThreadPoolExecutor(WORKERS, thread_name_prefix="k3-pack") as ex:
+            def submit() -> None:
+                c = next(todo, None)
+                if c is not None:
+                    window.append((c, ex.submit(self._chunk, *c)))
 
-        def submit(i: int) -> None:
-            k, n = pieces[i]
+            for _ in range(2 * WORKERS):
+                submit()
+            try:
+                while window:
+                    (run, k, n), fut = window.popleft()
+                    fut.result()
+                    on_bytes(run.layer, n)
+                    if k + n >= run.nbytes:
+                        os.fdatasync(self.fd)
+                        if not self.direct:
+                            os.posix_fadvise(self.fd, run.file_off, run.nbytes,
+                                             os.POSIX_FADV_DONTNEED)
+                        on_layer(run)
+                    submit()
+            finally:
+                for _, fut in window:
+                    fut.cancel()
+
+    def _chunk(self, run: LayerRun, k: int, n: int) -> None:
+        rbuf, wbuf = self.buffers.get()
+        try:
             lo = run.start + k
             hi = run.start + min(k + n, run.own)  # payload; the tail of the last is padding
             win = align_down(lo)
-            buf = self.rbufs[i % IN_FLIGHT][: align_up(max(hi, lo + 1)) - win]
-            batch = self.pool.submit([Read(src, win, buf, max(hi - win, 0))])
-            pending.append((batch, buf, lo - win, hi - lo, n))
-
-        for i in range(min(IN_FLIGHT, len(pieces))):
-            submit(i)
-        for i, (k, n) in enumerate(pieces):
-            batch, buf, delta, payload, size = pending.pop(0)
-            batch.wait()
-            if delta == 0 and payload == size:
-                out = buf[:size]
+            buf = rbuf[: align_up(hi) - win]
+            self.files.get(run.shard).read_into(buf, win, hi - win)
+            delta, payload = lo - win, hi - lo
+            if delta == 0 and payload == n:
+                out = buf[:n]
             else:  # shift to an aligned address and zero the padding
-                out = self.wbuf[:size]
+                out = wbuf[:n]
                 out[:payload] = buf[delta:delta + payload]
                 out[payload:] = 0
             self._write(out, run.file_off + k)
-            if i + IN_FLIGHT < len(pieces):
-                submit(i + IN_FLIGHT)
-            on_bytes(size)
-        os.fdatasync(self.fd)
-        if not self.direct:
-            os.posix_fadvise(self.fd, run.file_off, total, os.POSIX_FADV_DONTNEED)
+        finally:
+            self.buffers.put((rbuf, wbuf))
 
     def _write(self, buf: np.ndarray, offset: int) -> None:
         done = 0
@@ -209,7 +227,6 @@ class _Copier:
             done += n
 
     def close(self) -> None:
-        self.pool.close()
         self.files.close()
 
 
@@ -246,23 +263,23 @@ def pack(checkpoint_dir: str | Path, out_dir: str | Path,
     copied = sum(r.nbytes for r in runs if r.layer in done)
     moved = n_copied = 0
     t0 = time.perf_counter()
+
+    def on_bytes(layer: int, k: int) -> None:
+        nonlocal copied, moved
+        copied += k
+        moved += k
+        if progress:
+            progress(copied, total, layer)
+
+    def on_layer(run: LayerRun) -> None:
+        nonlocal n_copied
+        n_copied += 1
+        done.add(run.layer)
+        _write_json(state_file, {"fingerprint": fp, "done": sorted(done)})
+
     try:
         os.ftruncate(fd, total)
-        for r in runs:
-            if r.layer in done:
-                continue
-
-            def on_bytes(k: int, layer: int = r.layer) -> None:
-                nonlocal copied, moved
-                copied += k
-                moved += k
-                if progress:
-                    progress(copied, total, layer)
-
-            copier.copy_run(r, on_bytes)
-            n_copied += 1
-            done.add(r.layer)
-            _write_json(state_file, {"fingerprint": fp, "done": sorted(done)})
+        copier.copy([r for r in runs if r.layer not in done], on_bytes, on_layer)
     except ReadError as exc:
         raise EngineError(f"{exc} Rerun pack to resume.") from None
     finally:

@@ -160,3 +160,14 @@ def test_stream_memory_arguments():
     assert wants_streaming(p.parse_args(["--preset", "auto"]))
     with pytest.raises(SystemExit):
         p.parse_args(["--preset", "nope"])
+
+
+def test_stream_plan_spreads_pinned_layers():
+    g = geom()
+    p = make_plan(g, budget_gb=0.75, facts=BIG)
+    k = len(p.pinned)
+    assert k >= 3 and p.pinned[0] == 0  # the oversized layer first
+    assert p.pinned != tuple(range(k))  # spread out: the reader runs ahead during each
+    gaps = [b - a for a, b in zip(p.pinned[1:], p.pinned[2:])]
+    assert max(gaps) - min(gaps) <= 1
+    assert "layers 0," in p.describe()
