@@ -224,6 +224,11 @@ def _run_checks(http: httpx.Client, root: str, v1: str, where: str, api_key: str
     resp = http.get(v1 + "/models")
     if resp.status_code in (401, 403):
         return _key_refused(resp, where, api_key, health_ok, warnings)
+    if resp.is_redirect:
+        location = resp.headers.get("location", "?")
+        return _fail(f"{where} redirects /v1/models to {location}.",
+                     "use the address it redirects to (often https://…) as the URL",
+                     health_ok=health_ok, warnings=warnings)
     if resp.status_code == 404:
         return _fail(f"{where} has no {urlsplit(v1).path}/models: not an OpenAI-compatible "
                      "server at this path.",

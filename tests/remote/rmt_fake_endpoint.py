@@ -21,7 +21,7 @@ import time
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, RedirectResponse, StreamingResponse
 from starlette.routing import Route
 
 MODEL = "fake-k3"
@@ -75,8 +75,13 @@ def build_app(api_key: str, chunks: int, interval: float) -> Starlette:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    async def moved(request: Request) -> RedirectResponse:  # a server that moved (/old/v1)
+        log(request)
+        return RedirectResponse("/v1/models", status_code=301)
+
     return Starlette(routes=[Route("/health", health), Route("/v1/models", models),
-                             Route("/v1/chat/completions", chat, methods=["POST"])])
+                             Route("/v1/chat/completions", chat, methods=["POST"]),
+                             Route("/old/v1/models", moved)])
 
 
 class _Server(uvicorn.Server):

@@ -295,6 +295,13 @@ async def test_rmt_tls_endpoint_streams_a_whole_answer_with_the_key(tls):
     assert isinstance(events[-1], Finished) and events[-1].finish_reason == "stop"
 
 
+def test_rmt_redirect_is_explained_not_followed(tls):
+    url, certfile, log = tls
+    check = remote.check_endpoint(url.replace("/v1", "/old/v1"), KEY, verify_tls=str(certfile))
+    assert not check.ok and "redirects /v1/models to /v1/models" in check.message
+    assert check.health_ok is None  # /old/health does not exist: not a failure by itself
+
+
 def test_rmt_private_ca_through_ssl_cert_file(tls, monkeypatch):
     url, certfile, log = tls
     monkeypatch.setenv("SSL_CERT_FILE", str(certfile))  # what the refusal tells the user
