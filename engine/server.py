@@ -746,12 +746,17 @@ class Service:
 
     async def _collect(self, job: Job, queue: asyncio.Queue, ids: "ChunkIds", request: Request) -> Response:
         reasoning, content, last_k3 = [], [], None
+        checked = time.monotonic()
         while True:
             try:
-                item = await asyncio.wait_for(queue.get(), timeout=0.5)
+                item = await asyncio.wait_for(queue.get(), timeout=0.25)
             except asyncio.TimeoutError:
+                item = None
+            if time.monotonic() - checked >= 0.25:  # nobody waits for the answer: stop
+                checked = time.monotonic()
                 if await request.is_disconnected():
                     job.cancel.set()
+            if item is None:
                 continue
             if item[0] == "token":
                 last_k3 = item[1] or last_k3
@@ -960,6 +965,10 @@ def main(args: argparse.Namespace) -> int:
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets=sockets)
             print(f"listening on http://{url_host}:{port}", flush=True)
+
+        async def shutdown(self, sockets=None) -> None:
+            service.cancel_running()  # end a running stream now, not after the grace period
+            await super().shutdown(sockets=sockets)
 
     config = uvicorn.Config(service.app(), log_level="warning", access_log=False, lifespan="off",
                             timeout_graceful_shutdown=3, http="h11")

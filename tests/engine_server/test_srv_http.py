@@ -315,3 +315,18 @@ async def test_srv_too_many_waiting_is_503(inproc, monkeypatch):
         assert r.status_code == 503 and r.json()["error"]["type"] == "unavailable_error"
         assert "busy" in r.json()["error"]["message"]
         assert (await running).status_code == 200 and (await waiting).status_code == 200
+
+
+def test_srv_non_streamed_client_timeout_cancels(inproc):
+    counter: list[int] = []
+    srv = inproc(delay=0.05, counter=counter)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(srv.url + CHAT, json={"messages": HI, "max_tokens": 2000}, timeout=0.4)
+    deadline = time.monotonic() + 5
+    while metric(srv.url, "requests_cancelled_total") < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(srv.url, "requests_cancelled_total") == 1
+    assert metric(srv.url, "requests_processing") == 0
+    steps = len(counter)
+    time.sleep(0.3)
+    assert len(counter) == steps < 100
