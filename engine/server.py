@@ -218,6 +218,10 @@ def parse_chat_request(body: Any, default_budget: int) -> ChatRequest:
                 raise BadRequest(f"'{key}' must be at least 1 (or -1 for no limit)")
             max_tokens = None if max_tokens == -1 else max_tokens
             break
+    if body.get("n") not in (None, 1):
+        raise BadRequest("'n' must be 1: the engine generates one choice per request")
+    if body.get("tools"):
+        raise BadRequest("tool calling is not supported by the bundled engine; send no 'tools'")
     stop = body.get("stop") or []
     if isinstance(stop, str):
         stop = [stop]
@@ -366,14 +370,14 @@ def run_job(job: Job, loaded: Loaded, template: ChatTemplate, metrics: Metrics, 
         return steer(generated, logits) if steer else logits
 
     scanners = {"reasoning": StopScanner(req.stop), "content": StopScanner(req.stop)}
-    params = loaded.make_params(
-        max_tokens=job.max_new, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
-        seed=req.seed, stop_ids=tuple(end_ids),
-    )
     finish = "length"
     metrics.set("requests_processing", 1)
     gen = None
     try:
+        params = loaded.make_params(
+            max_tokens=job.max_new, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+            seed=req.seed, stop_ids=tuple(end_ids),
+        )
         gen = loaded.generate(job.prompt_ids, params, cancel=job.cancel, logits_hook=hook)
         for t in gen:
             if job.cancel.is_set():

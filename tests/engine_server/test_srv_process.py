@@ -266,3 +266,19 @@ def test_srv_proc_load_failures_are_one_sentence(small_ckpt, tmp_path):
     assert out.returncode == 1, out.stderr
     assert out.stdout.startswith("listening on http://127.0.0.1:")
     assert "the model failed to load" in out.stderr.splitlines()[-1]
+
+
+def test_srv_proc_sigterm_ends_a_running_stream(small_ckpt):
+    srv = ServeProcess(str(small_ckpt), "--port", "0")
+    body = {"messages": HI, "stream": True, "max_tokens": 6000, "ignore_eos": True}
+    with httpx.stream("POST", srv.url + CHAT, json=body, timeout=60) as r:
+        lines = []
+        for line in r.iter_lines():
+            lines.append(line)
+            if len(lines) == 6:
+                srv.proc.send_signal(signal.SIGTERM)
+                t0 = time.monotonic()
+        # the stream ends without [DONE] (cut, not finished) well before 6000 tokens
+        assert "data: [DONE]" not in lines
+        assert time.monotonic() - t0 < 5
+    assert srv.proc.wait(timeout=10) in (0, -signal.SIGTERM)
