@@ -204,13 +204,16 @@ class StreamingSource:
 
     def _pinned_views(self, index: int) -> dict[str, np.ndarray]:
         p = self._pinned[index]
+        lay = self.map.layers[index]
         if not p.counted:
             t0 = time.perf_counter()
             try:
                 p.batch.wait()
+            except ReadError:  # read it again next time rather than fail for ever
+                p.batch = self.pool.submit(lay.reads(self.files, p.buf), (TRUNK_PRIORITY, -1))
+                raise
             finally:
                 self._c["wait_trunk_s"] += time.perf_counter() - t0
-            lay = self.map.layers[index]
             p.views = lay.views(p.buf, self.names.layer_prefix(index))
             p.counted = True
             self._c["trunk_bytes"] += lay.payload
