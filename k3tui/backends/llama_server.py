@@ -31,8 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from k3tui.backends.running import LoadProgress, ProgressCallback, RunningBackend, describe_exit
 from k3tui.errors import K3Error
 from k3tui.paths import get_paths
@@ -786,6 +784,7 @@ def wait_ready(backend: RunningBackend, *, total_bytes: int | None = None,
                interval_s: float = 0.25, ready_line: str | None = None) -> None:
     """Poll /health until 200, reporting elapsed time, read bytes and RSS; a process that
     exits first becomes a K3Error carrying the last log lines."""
+    import httpx  # here, so `k3tui serve --dry-run` and the doctor stay quick
     import psutil
 
     t0 = time.monotonic()
