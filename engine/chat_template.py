@@ -9,8 +9,9 @@ token, and the thinking-effort sentence stays one segment as the official encode
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence, Union
+from typing import Any, Union
 
 from engine.tokenizer import StreamDecoder, Tokenizer
 
@@ -149,7 +150,7 @@ class ChatTemplate:
             ids += [self.control_ids[s.name]] if isinstance(s, Control) else next(encoded)
         return ids
 
-    def parser(self, *, thinking: bool = True) -> "OutputParser":
+    def parser(self, *, thinking: bool = True) -> OutputParser:
         return OutputParser(self.tok, thinking=thinking)
 
     def end_ids(self) -> tuple[int, ...]:

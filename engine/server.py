@@ -28,9 +28,10 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import Any
 
 import anyio
 import psutil
@@ -574,7 +575,6 @@ class Service:
 
     async def props(self, request: Request) -> Response:
         loaded = self.loaded
-        tok = loaded.tok
         body = {
             "model_alias": self.model_name,
             "model_path": loaded.info.get("checkpoint"),
@@ -713,14 +713,14 @@ class Service:
             k3["demo"] = DEMO_NOTICE
         return k3
 
-    async def _sse(self, job: Job, queue: asyncio.Queue, ids: "ChunkIds", request: Request) -> AsyncIterator[str]:
+    async def _sse(self, job: Job, queue: asyncio.Queue, ids: ChunkIds, request: Request) -> AsyncIterator[str]:
         req = job.req
         yield ids.sse({"role": "assistant", "content": None})
         last_k3 = None
         while True:
             try:
                 item = await asyncio.wait_for(queue.get(), timeout=PING_SECONDS)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 yield ":\n\n"  # keep-alive comment while a long prefill runs
                 continue
             if item[0] == "token":
@@ -748,13 +748,13 @@ class Service:
             else:  # cancelled: the client is gone
                 return
 
-    async def _collect(self, job: Job, queue: asyncio.Queue, ids: "ChunkIds", request: Request) -> Response:
+    async def _collect(self, job: Job, queue: asyncio.Queue, ids: ChunkIds, request: Request) -> Response:
         reasoning, content, last_k3 = [], [], None
         checked = time.monotonic()
         while True:
             try:
                 item = await asyncio.wait_for(queue.get(), timeout=0.25)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 item = None
             if time.monotonic() - checked >= 0.25:  # nobody waits for the answer: stop
                 checked = time.monotonic()

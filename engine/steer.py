@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from collections import deque
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 

@@ -22,7 +22,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 from engine.errors import CheckpointError
 
@@ -187,7 +188,7 @@ class StreamDecoder:
 
     Invalid byte sequences become U+FFFD (only once they can no longer complete)."""
 
-    def __init__(self, tokenizer: "Tokenizer") -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self._tok = tokenizer
         self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
@@ -209,7 +210,7 @@ class Tokenizer:
     pad_id: int | None
 
     @classmethod
-    def from_dir(cls, directory: str | Path) -> "Tokenizer":
+    def from_dir(cls, directory: str | Path) -> Tokenizer:
         d = Path(directory)
         model_path, config_path = d / "tiktoken.model", d / "tokenizer_config.json"
         for p in (model_path, config_path):

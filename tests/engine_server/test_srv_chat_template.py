@@ -110,7 +110,7 @@ def test_srv_assistant_history_channels():
     off = segments_to_text(render_segments(msgs, thinking=False))
     assert "think" not in off and "R" not in off.replace("role", "")
     assert "<|open|>response<|sep|>A<|close|>response<|sep|>" in off
-    assert not render_segments(msgs, add_generation_prompt=False, thinking=False)[-1] != Control("<|end_of_msg|>")
+    assert render_segments(msgs, add_generation_prompt=False, thinking=False)[-1] == Control("<|end_of_msg|>")
 
 
 def test_srv_user_text_cannot_inject_controls(tpl, tok):

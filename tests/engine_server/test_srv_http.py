@@ -215,8 +215,9 @@ def test_srv_api_key(inproc):
 
 
 def test_srv_loading_is_503_everywhere_but_health_with_progress(inproc, test_tok):
-    from engine.server import Loaded
     from conftest import FakeParams, fake_generate
+
+    from engine.server import Loaded
 
     srv = inproc(loaded=False)
     r = httpx.get(srv.url + "/health")
@@ -304,7 +305,7 @@ async def test_srv_concurrent_request_waits_its_turn(inproc):
 
 
 async def test_srv_too_many_waiting_is_503(inproc, monkeypatch):
-    import engine.server as server
+    from engine import server
 
     monkeypatch.setattr(server, "MAX_WAITING", 1)
     srv = inproc(delay=0.05)
