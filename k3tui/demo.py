@@ -83,7 +83,6 @@ def demo_session(session_cls: type) -> Any:
     s = session_cls()
     s.info.kind = "bundled"
     s.info.model = "demo"
-    s.info.preset = "demo"
     folder = model_dir()
     if (folder / COMPLETE).is_file():
         s.info.budget_gb = budget_gb(folder)

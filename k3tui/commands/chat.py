@@ -211,7 +211,7 @@ def smoke(session: Session, args: argparse.Namespace) -> int:
                 result["sent"] = time.monotonic()
                 chat.query_one(Prompt).post_message(Prompt.Submitted(args.prompt))
                 return
-            if chat.generating or chat.current is None:
+            if chat.turns_finished < 1:
                 return
             snap = chat.stats.snapshot()
             result.update(tokens=snap.tokens, ttft_ms=snap.ttft_ms, status=chat.current.status,

@@ -28,7 +28,7 @@ from k3tui.backends.events import (BackendError, ContentDelta, Finished, Reasoni
                                    StreamEvent, TokenStats)
 from k3tui.history import History
 from k3tui.monitor import Monitor, Sample
-from k3tui.tui.stats import LatencyStats
+from k3tui.tui.stats import LatencyStats, format_gb
 from k3tui.tui.widgets.messages import AssistantMessage, UserMessage, code_blocks
 from k3tui.tui.widgets.panes import IOPane, LatencyPane
 from k3tui.tui.widgets.prompt import Prompt
@@ -53,19 +53,18 @@ class BackendInfo:
     label: str = ""                 # e.g. the demo's "random weights" warning
 
     def header(self) -> Text:
-        parts = [("k3tui", "bold"), (self.kind, ""), (self.model or "model ?", "bold")]
+        """The label (the demo's warning) first, so 80 columns never cut it off."""
+        parts = [(self.label, "bold reverse")] if self.label else []
+        parts += [(self.kind, ""), (self.model or "model ?", "bold")]
         if self.preset:
             parts.append((f"preset {self.preset}", ""))
         if self.budget_gb:
-            parts.append((f"budget {self.budget_gb:.1f} GB", ""))
+            parts.append((f"budget {format_gb(self.budget_gb)}", ""))
         text = Text(" ", no_wrap=True, overflow="ellipsis")
         for i, (part, style) in enumerate(parts):
             if i:
                 text.append(" │ ", style="dim")
             text.append(part, style=style)
-        if self.label:
-            text.append(" │ ", style="dim")
-            text.append(self.label, style="bold reverse")
         return text
 
 
@@ -97,6 +96,7 @@ class ChatScreen(Screen):
         self._gen: Worker | None = None
         self.current: AssistantMessage | None = None
         self.current_id: int | None = None
+        self.turns_finished = 0
 
     @property
     def k3app(self) -> ChatApp:
@@ -243,6 +243,7 @@ class ChatScreen(Screen):
                                    meta=self._turn_meta(clock))
             await widget.finish(status, note)
             self.refresh_panes(force=True)
+            self.turns_finished += 1
 
     def _turn_meta(self, clock: Callable[[], float]) -> dict[str, Any]:
         snap = self.stats.snapshot()

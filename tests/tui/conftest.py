@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,8 @@ from k3tui.history import History
 from k3tui.monitor import Sample
 from k3tui.tui.app import BackendInfo, ChatApp
 from k3tui.tui.scripted import FakeClock, FixedMonitor, ScriptedStream
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 SAMPLES = [Sample(t=float(i), disk_read_mb_s=v, proc_read_mb_s=v * 0.9, proc_rss_gb=6.2,
                   psi_some_avg10=1.5, psi_full_avg10=0.2, cgroup_current_gb=7.1,

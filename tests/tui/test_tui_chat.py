@@ -45,7 +45,7 @@ async def test_tui_chat_streams_answer_and_collapses_reasoning(app_factory):
         assert "print('hi')" in text and "Done." in text
         # Latency pane: fake clock → exact figures.
         assert "TTFT 250 ms    gen 25.0 tok/s" in text and "(client timing)" in text
-        assert "GB/token 2.41" in text and "hit 62%" in text
+        assert "read/token 2.4 GB" in text and "hit 62%" in text
 
 
 async def test_tui_chat_reasoning_expanded_while_thinking(app_factory):

@@ -10,7 +10,7 @@ from textual.containers import Vertical
 from textual.widgets import Static
 
 from k3tui.monitor import Sample
-from k3tui.tui.stats import LatencySnapshot, format_ms, format_rate
+from k3tui.tui.stats import LatencySnapshot, format_gb, format_ms, format_rate
 from k3tui.tui.widgets.sparkline import Sparkline
 
 
@@ -53,7 +53,8 @@ class IOPane(Vertical):
         self.disk_series: list[float] = []
 
     def compose(self) -> ComposeResult:
-        yield Sparkline(ascii=self._ascii, id="io-spark")
+        # A floor keeps a few MB/s of noise from looking like a wall of reads.
+        yield Sparkline(ascii=self._ascii, floor=50.0, id="io-spark")
         yield Static("", id="io-text")
 
     def show(self, sample: Sample | None, k3: dict[str, Any] | None,
@@ -65,19 +66,24 @@ class IOPane(Vertical):
         s = sample or Sample(t=0.0)
         budget = k3.get("budget_gb") or budget_gb
         rss = s.proc_rss_gb if s.proc_rss_gb is not None else k3.get("rss_gb")
-        rss_text = _num(rss, ".1f", " GB")
+        rss_text = format_gb(rss)
         if budget:
-            rss_text += f" / {budget:.1f}"
-        cg = _num(s.cgroup_current_gb, ".1f")
+            rss_text += f" / {format_gb(budget)}"
+        cg = format_gb(s.cgroup_current_gb)
         if s.cgroup_current_gb is not None:
-            cg += f"/{s.cgroup_max_gb:.1f} GB" if s.cgroup_max_gb else " GB/no max"
+            cg += f" / {format_gb(s.cgroup_max_gb)}" if s.cgroup_max_gb else " (no max)"
         hit = k3.get("true_hit_rate")
+        # The engine counts its own reads (page-cache hits included); the kernel's
+        # per-process counter only sees storage, so prefer the engine's when it reports.
+        if k3.get("mb_per_s") is not None:
+            proc = f"engine {_num(k3['mb_per_s'], '.0f', ' MB/s')}"
+        else:
+            proc = f"backend {_num(s.proc_read_mb_s, '.0f', ' MB/s')}"
         lines = [
-            f"disk {_num(s.disk_read_mb_s, '.0f', ' MB/s')}  "
-            f"backend {_num(s.proc_read_mb_s, '.0f', ' MB/s')}",
-            f"GB/token {_num(k3.get('gb_read'), '.2f')}  "
+            f"disk {_num(s.disk_read_mb_s, '.0f', ' MB/s')}  {proc}",
+            f"read/token {format_gb(k3.get('gb_read'))}  "
             f"hit {_num(None if hit is None else hit * 100, '.0f', '%')}",
-            f"RSS {rss_text}  cache {_num(s.page_cache_gb, '.1f', ' GB')}",
+            f"RSS {rss_text}  cache {format_gb(s.page_cache_gb)}",
             f"PSI {_num(s.psi_some_avg10, '.1f')}/{_num(s.psi_full_avg10, '.1f')}  cg {cg}",
         ]
         self.query_one("#io-text", Static).update(Text("\n".join(lines), no_wrap=True,

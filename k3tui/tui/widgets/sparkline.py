@@ -56,9 +56,11 @@ class Sparkline(Static):
 
     DEFAULT_CSS = "Sparkline { height: 1; }"
 
-    def __init__(self, *, ascii: bool = False, style: str = "", **kwargs) -> None:
+    def __init__(self, *, ascii: bool = False, style: str = "", floor: float = 0.0,
+                 **kwargs) -> None:
         super().__init__("", **kwargs)
         self.ascii = ascii
+        self.floor = floor
         self.values: list[float] = []
         self._line_style = style
 
@@ -67,5 +69,6 @@ class Sparkline(Static):
         self.refresh()
 
     def render(self) -> Text:
-        return Text(render_sparkline(self.values, self.size.width, ascii=self.ascii),
+        return Text(render_sparkline(self.values, self.size.width, ascii=self.ascii,
+                                      floor=self.floor),
                     style=self._line_style, no_wrap=True, overflow="crop")

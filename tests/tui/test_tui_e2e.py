@@ -1,0 +1,136 @@
+"""End to end: the real `k3tui chat` in tmux against a real `python -m engine serve`.
+
+The engine serves a synthesised demo-size checkpoint (random weights steered to words).
+Type a prompt, see tokens stream, Esc stops, quit, restart: the conversation is still there.
+Also the demo's smoke mode, which CI runs from a fresh clone.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO_ROOT
+
+pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+
+
+@pytest.fixture(scope="module")
+def demo_checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "model"
+    subprocess.run([sys.executable, "-m", "engine", "synth", str(out), "--size", "demo"],
+                   check=True, capture_output=True, cwd=REPO_ROOT, timeout=300)
+    return out
+
+
+@pytest.fixture
+def engine_server(demo_checkpoint, tmp_path):
+    log = open(tmp_path / "engine.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", str(demo_checkpoint),
+                             "--port", "0", "--steer-demo"], stdout=subprocess.PIPE,
+                            stderr=log, text=True, cwd=REPO_ROOT)
+    url = None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith("listening on "):
+            url = line.split()[-1]
+            break
+    if url is None:
+        proc.kill()
+        log.seek(0)
+        pytest.fail(f"engine serve did not start: {log.read()[-2000:]}")
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+class Tmux:
+    def __init__(self, name: str, env: dict[str, str]):
+        self.name = name
+        self.env = env
+
+    def start(self, command: str) -> None:
+        exports = " ".join(f"{k}={v}" for k, v in self.env.items())
+        subprocess.run(["tmux", "new-session", "-d", "-s", self.name, "-x", "80", "-y", "24",
+                        f"cd {REPO_ROOT} && env {exports} {command}; sleep 60"], check=True)
+
+    def keys(self, *keys: str, literal: bool = False) -> None:
+        subprocess.run(["tmux", "send-keys", "-t", self.name, *(["-l"] if literal else []),
+                        *keys], check=True)
+
+    def screen(self) -> str:
+        return subprocess.run(["tmux", "capture-pane", "-p", "-t", self.name], check=True,
+                              capture_output=True, text=True).stdout
+
+    def wait_for(self, predicate, timeout: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self.screen()
+            if predicate(text):
+                return text
+            time.sleep(0.2)
+        raise AssertionError(f"screen never matched:\n{self.screen()}")
+
+    def kill(self) -> None:
+        subprocess.run(["tmux", "kill-session", "-t", self.name], capture_output=True)
+
+
+def test_tui_e2e_chat_against_engine_server(engine_server, tmp_path):
+    env = {"K3TUI_HOME": str(tmp_path / "home"), "TERM": "xterm-256color",
+           "PYTHONPATH": str(REPO_ROOT)}
+    name = f"k3tui-e2e-{os.getpid()}"
+    command = f"{sys.executable} -m k3tui chat --url {engine_server}/v1"
+    tmux = Tmux(name, env)
+    try:
+        tmux.start(command)
+        tmux.wait_for(lambda s: "Stop" in s and "bundled" not in s)  # footer drawn
+        tmux.keys("Tell me about the sea", literal=True)
+        tmux.keys("Enter")
+        # Tokens stream: the latency pane counts them while the answer grows.
+        first = tmux.wait_for(lambda s: "tokens" in s and "TTFT –" not in s)
+        time.sleep(1.5)
+        tmux.keys("Escape")
+        stopped = tmux.wait_for(lambda s: "stopped (Esc)" in s, timeout=30)
+        assert "Tell me about the sea" in stopped or "reasoning" in stopped
+        assert first != stopped
+        tmux.keys("C-q")
+        tmux.wait_for(lambda s: "Stop" not in s, timeout=15)
+        tmux.kill()
+        # Restart: the conversation, with the stopped answer, is still there.
+        tmux.start(command)
+        again = tmux.wait_for(lambda s: "Stop" in s)
+        again = tmux.wait_for(lambda s: "stopped (Esc)" in s, timeout=15)
+        assert "stopped (Esc)" in again
+        tmux.keys("C-o")
+        chats = tmux.wait_for(lambda s: "conversations" in s, timeout=15)
+        assert "Tell me about the sea" in chats
+        tmux.keys("Escape")
+        tmux.keys("C-q")
+    finally:
+        tmux.kill()
+
+
+def test_tui_e2e_demo_smoke(tmp_path):
+    """`k3tui chat --demo --smoke`, as CI runs it: synthesise, start the engine, one turn."""
+    env = dict(os.environ, K3TUI_HOME=str(tmp_path / "home"))
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "k3tui", "chat", "--demo", "--smoke"],
+                         capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=300,
+                         stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "tokens streamed, status done" in out.stdout
+    assert "answer: " in out.stdout and "reasoning: " in out.stdout
+    assert time.monotonic() - t0 < 120
+    # The model is cached: a second run does not synthesise again.
+    assert (tmp_path / "home" / "demo" / "model" / ".k3tui-demo-complete").is_file()
