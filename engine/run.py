@@ -46,6 +46,19 @@ def _parse_ids(text: str, what: str) -> list[int]:
         raise EngineError(f"{what} must be comma-separated integers like 3,7,11, got {text!r}.") from None
 
 
+def default_stop_ids(eos_token_id: int | None, checkpoint: Path) -> list[int]:
+    """config.json's eos_token_id plus the tokenizer's [EOS] and <|end_of_msg|>: the two
+    config files of the release disagree (163586 vs 163585) and the model ends turns with
+    either, so stop on both."""
+    ids = {eos_token_id} if eos_token_id is not None else set()
+    try:
+        added = json.loads((checkpoint / "tokenizer_config.json").read_text())["added_tokens_decoder"]
+        ids |= {int(i) for i, tok in added.items() if tok.get("content") in ("[EOS]", "<|end_of_msg|>")}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return sorted(ids)
+
+
 def open_source(checkpoint: str, args: argparse.Namespace):
     """STR's planned source when memory flags were given; the resident one otherwise."""
     try:
@@ -70,8 +83,8 @@ def main(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         model = load_model(args.checkpoint, open_source(args.checkpoint, args))
         load_s = time.perf_counter() - t0
-        stops = _parse_ids(args.stop, "--stop") if args.stop else (
-            [model.config.eos_token_id] if model.config.eos_token_id is not None else [])
+        stops = _parse_ids(args.stop, "--stop") if args.stop else default_stop_ids(
+            model.config.eos_token_id, Path(args.checkpoint))
         params = GenParams(max_tokens=args.gen, temperature=args.temperature, top_k=args.top_k,
                            top_p=args.top_p, seed=args.seed, stop_ids=tuple(stops),
                            full_recompute=args.full)

@@ -241,3 +241,14 @@ def test_logits_hook_steers_and_timing_is_reported(small_model):
     for key in ("compute_s", "wait_trunk_s", "wait_experts_s", "gb_read_trunk", "gb_read_experts",
                 "mb_per_s", "true_hit_rate", "evictions", "rss_gb"):
         assert key in toks[1].stats
+
+
+def test_run_stops_on_both_end_ids(tmp_path):
+    """The release's config says eos 163586, its tokenizer [EOS] 163585: stop on both."""
+    from engine.run import default_stop_ids
+
+    ckpt = synthesize(tmp_path / "m", "small", seed=2)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    base = cfg["text_config"]["vocab_size"] - 256
+    assert cfg["eos_token_id"] == base + 2  # <|end_of_msg|> in Kimi's order
+    assert default_stop_ids(cfg["eos_token_id"], ckpt) == [base + 1, base + 2]
