@@ -63,9 +63,9 @@ def start_engine(checkpoint: Path | str, *, args: Sequence[str] = (), host: str 
     with open(log_path, "ab") as log:
         log.write(("# k3tui: " + " ".join(shown) + "\n").encode())
         log.flush()
-        try:
+        try:  # same process group: a closed terminal stops the engine too (no orphans)
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+                                    stdin=subprocess.DEVNULL, env=env)
         except OSError as exc:
             raise K3Error(f"Could not start the engine: {exc}.",
                           "check the Python environment (`python -m engine --help`)") from None

@@ -748,10 +748,11 @@ def start(prepared: Prepared, *, on_progress: ProgressCallback | None = None,
     with open(log_path, "ab") as log:
         log.write(f"# k3tui: {prepared.limit.describe()}\n# {cmd.shown()}\n".encode())
         log.flush()
+        # Same process group as k3tui: a closed terminal (SSH drop) hangs the server up too,
+        # instead of leaving an orphan holding tens of GB.
         try:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, env=binary_env(prepared.info.path),
-                                    start_new_session=True)
+                                    stdin=subprocess.DEVNULL, env=binary_env(prepared.info.path))
         except OSError as exc:
             prepared.limit.cleanup()
             raise K3Error(f"Could not start llama-server: {exc}.", install_hint()) from None

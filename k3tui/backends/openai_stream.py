@@ -216,14 +216,15 @@ def finish_note(turn: _Turn) -> str:
     budget = f"max_tokens={turn.max_tokens}" if turn.max_tokens else "the token limit"
     if turn.content_chars == 0 and turn.reasoning_chars > 0:
         return (f"The model spent the whole budget ({budget}) reasoning and never reached "
-                "an answer: max_tokens counts reasoning tokens too. Raise `max_tokens` in "
-                "[chat] of the config (e.g. to 8192) or lower `thinking_effort` there; with "
-                "llama-server, also keep `reasoning_budget` in [llama_server] well below "
-                "max_tokens so thinking stops in time to answer.")
+                "an answer: max_tokens counts reasoning tokens too. Raise chat.max_tokens "
+                "(`k3tui config set chat.max_tokens 8192`) or lower chat.thinking_effort; with "
+                "llama-server, also keep llama_server.reasoning_budget well below max_tokens "
+                "so thinking stops in time to answer.")
     if turn.content_chars == 0:
-        return (f"The answer hit {budget} before any text was produced; raise `max_tokens` "
-                "in [chat] of the config.")
-    return f"The answer was cut at {budget}; raise `max_tokens` in [chat] for longer answers."
+        return (f"The answer hit {budget} before any text was produced; raise chat.max_tokens "
+                "(`k3tui config set chat.max_tokens 8192`).")
+    return (f"The answer was cut at {budget}; raise chat.max_tokens for longer answers "
+            "(`k3tui config set chat.max_tokens 8192`).")
 
 
 def error_event(err: Any, status: int | None = None) -> BackendError:
@@ -236,7 +237,7 @@ def error_event(err: Any, status: int | None = None) -> BackendError:
         message, kind, code = str(err), "", status
     message = message.strip().rstrip(".") + "."
     if kind == "exceed_context_size_error":
-        step = "start a new chat, or raise `ctx_size` in [llama_server] of the config"
+        step = "start a new chat, or raise llama_server.ctx_size in the config"
     elif code == 401 or kind == "authentication_error":
         step = "check the API key (for a remote endpoint: the variable named by `api_key_env`)"
     elif code == 503 or kind == "unavailable_error":
