@@ -73,6 +73,7 @@ async def test_ls_split_model_starts_streams_reasoning_then_content_and_stops(mo
     assert argv[argv.index("-m") + 1] == str(models["split"][0])
     assert "--reasoning-budget" in argv and argv[argv.index("--host") + 1] == "127.0.0.1"
     assert "--api-key" not in argv  # loopback needs none
+    assert os.getpgid(backend.pid) == os.getpgid(0)  # a closed terminal hangs it up too
     assert httpx.get(backend.base_url + "/health").status_code == 200
     events = await collect(backend.chat([{"role": "user", "content": "hello"}], max_tokens=40))
     reasoning, content = text(events, ReasoningDelta), text(events, ContentDelta)
