@@ -22,6 +22,7 @@ import asyncio
 import hmac
 import ipaddress
 import json
+import os
 import secrets
 import socket
 import sys
@@ -905,8 +906,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="folder with tiktoken.model + tokenizer_config.json (default: the checkpoint)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8080, help="port (0 = any free port; default 8080)")
-    parser.add_argument("--api-key", default=None, metavar="KEY",
-                        help="require this key (comma-separated for several); needed off loopback")
+    parser.add_argument("--api-key", default=os.environ.get("K3_API_KEY"), metavar="KEY",
+                        help="require this key (comma-separated for several; default $K3_API_KEY, "
+                        "which keeps it out of `ps`); needed off loopback")
     parser.add_argument("--model-name", default=None, metavar="NAME", help="model id in responses")
     parser.add_argument("--ctx-size", type=int, default=DEFAULT_CTX, metavar="N",
                         help=f"context tokens per conversation (default {DEFAULT_CTX})")

@@ -90,7 +90,6 @@ class DemoSteer:
         self._sentence_words = 0
         self._sentence_len = self._new_length()
         self._recent: deque[int] = deque(maxlen=6)
-        self._finished_channels = 0
 
     def _new_length(self) -> int:
         return int(self.rng.integers(5, 13))

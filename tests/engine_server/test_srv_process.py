@@ -244,12 +244,15 @@ def test_srv_proc_refuses_non_loopback_without_key(small_ckpt):
     assert "Traceback" not in out.stderr
 
 
-def test_srv_proc_non_loopback_with_key_binds(small_ckpt):
-    srv = ServeProcess(str(small_ckpt), "--host", "0.0.0.0", "--port", "0", "--api-key", KEY, wait_ready=False)
+def test_srv_proc_non_loopback_with_key_binds(small_ckpt, monkeypatch):
+    monkeypatch.setenv("K3_API_KEY", KEY)  # the key from the environment, not argv
+    srv = ServeProcess(str(small_ckpt), "--host", "0.0.0.0", "--port", "0", wait_ready=False)
     try:
         assert srv.url.startswith("http://0.0.0.0:")
         port = srv.url.rsplit(":", 1)[1]
-        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code in (401, 503)
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 401
+        r = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers=AUTH)
+        assert r.status_code in (200, 503)
     finally:
         assert srv.stop() in (0, -signal.SIGTERM)
 
