@@ -818,12 +818,26 @@ def wait_ready(backend: RunningBackend, *, total_bytes: int | None = None,
                 last_report = elapsed
                 read = rss = None
                 if ps is not None:
-                    with contextlib.suppress(psutil.Error, AttributeError):
-                        read = ps.io_counters().read_bytes
-                    with contextlib.suppress(psutil.Error):
-                        rss = ps.memory_info().rss
+                    read, rss = _tree_io(ps)
                 on_progress(LoadProgress(elapsed, read, rss, total_bytes, message))
             time.sleep(interval_s)
+
+
+def _tree_io(ps: Any) -> tuple[int | None, int | None]:
+    """Read bytes and RSS of the server and anything a wrapper forked for it."""
+    import psutil
+
+    read = rss = None
+    try:
+        procs = [ps, *ps.children(recursive=True)]
+    except psutil.Error:
+        return None, None
+    for p in procs:
+        with contextlib.suppress(psutil.Error, AttributeError):
+            read = (read or 0) + p.io_counters().read_bytes
+        with contextlib.suppress(psutil.Error):
+            rss = (rss or 0) + p.memory_info().rss
+    return read, rss
 
 
 def hint_from_log(tail: str) -> str:

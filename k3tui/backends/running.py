@@ -8,6 +8,7 @@ Shared by the llama-server supervisor, the bundled-engine launcher and remote en
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import subprocess
 import time
@@ -119,15 +120,29 @@ class RunningBackend:
             return None
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        """SIGTERM, then SIGKILL after `grace_s`; idempotent."""
+        """SIGTERM, then SIGKILL after `grace_s`; idempotent. Descendants too, in case a
+        wrapper (systemd-run, sh) forked instead of exec'ing the server."""
+        import psutil
+
         proc = self.process
         if proc is not None and proc.poll() is None:
+            try:
+                children = psutil.Process(proc.pid).children(recursive=True)
+            except psutil.Error:
+                children = []
             proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(grace_s)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+            for child in children:
+                with contextlib.suppress(psutil.Error):
+                    child.terminate()
+            _, alive = psutil.wait_procs(children, timeout=grace_s)
+            for child in alive:
+                with contextlib.suppress(psutil.Error):
+                    child.kill()
         while self.on_stop:
             self.on_stop.pop()()
 

@@ -221,3 +221,18 @@ def test_ls_install_pinned_runs_pip_and_finds_the_binary():
     with pytest.raises(K3Error) as exc:
         ls.install_pinned(runner=broken)
     assert "No matching distribution" in exc.value.message
+
+
+def test_ls_stop_also_ends_what_a_forking_wrapper_started():
+    import psutil
+
+    from k3tui.backends.running import RunningBackend
+
+    proc = subprocess.Popen(["sh", "-c", "sleep 60 & echo $!; wait"], stdout=subprocess.PIPE,
+                            text=True)
+    grandchild = int(proc.stdout.readline())
+    backend = RunningBackend("llama-server", "http://127.0.0.1:1", None, "m", pid=proc.pid,
+                             process=proc)
+    backend.stop(grace_s=2)
+    assert not psutil.pid_exists(grandchild) or \
+        psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE
