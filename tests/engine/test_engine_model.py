@@ -156,6 +156,36 @@ def test_prefill_equals_single_steps(synth_model):
             assert np.abs(sa.latent[: sa.length] - sb.latent[: sb.length]).max() <= 1e-5
 
 
+def test_chunked_kda_prefill_equals_per_token_steps(tmp_path):
+    """A long prompt takes the chunked KDA form; steps take the per-token form."""
+    from engine.kda import CHUNKED_MIN_TOKENS, recurrence, recurrence_chunked
+
+    rng = np.random.default_rng(0)
+    T, H, D = 40, 3, 16
+    q, k = (rng.standard_normal((T, H, D)).astype(np.float32) for _ in range(2))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((T, H, D)).astype(np.float32)
+    alpha = np.exp(-5 * rng.random((T, H, D))).astype(np.float32)  # down to e^-5 per step
+    alpha[:, :, 0] = 1.0
+    beta = rng.random((T, H)).astype(np.float32)
+    S0 = rng.standard_normal((H, D, D)).astype(np.float32)
+    S1, S2 = S0.copy(), S0.copy()
+    o1 = recurrence(q, k, v, alpha, beta, S1, D**-0.5)
+    o2 = recurrence_chunked(q, k, v, alpha, beta, S2, D**-0.5, chunk=16)
+    assert np.abs(o1 - o2).max() <= 1e-5 and np.abs(S1 - S2).max() <= 1e-5 * np.abs(S1).max()
+
+    model = load_model(synthesize(tmp_path / "m", "tiny", seed=4))
+    prompt = [int(i) for i in rng.integers(0, 256, CHUNKED_MIN_TOKENS + 6)]
+    a, b = model.new_state(), model.new_state()
+    la = model.prefill(prompt, a)
+    for t in prompt:
+        lb = model.step(t, b)
+    assert np.abs(la - lb).max() <= 1e-5
+    inc = [t.id for t in generate(model, prompt, GenParams(max_tokens=4))]
+    full = [t.id for t in generate(model, prompt, GenParams(max_tokens=4, full_recompute=True))]
+    assert inc == full
+
+
 def test_synth_init_exercises_bias_and_caps(tmp_path):
     """Routing bias changes some selections and SiTU caps saturate on real activations."""
     from engine.kernels import linear, rmsnorm, situ_glu, to_f32
