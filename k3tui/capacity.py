@@ -66,7 +66,7 @@ class Sizing:
     formula: str = FORMULA
 
 
-def _exact(x: float | int | Fraction) -> Fraction:
+def _exact(x: float | Fraction) -> Fraction:
     """The decimal the user typed (repr of a float is its shortest round-trip form)."""
     return x if isinstance(x, Fraction) else Fraction(repr(x)) if isinstance(x, float) else Fraction(x)
 
@@ -215,24 +215,24 @@ WHY_LATENCY = (
 
 def render_text(s: Sizing) -> str:
     lines = [
-        f"Sizing Kimi-K3 for {s.users} users × {_num(s.requests_per_user_day)} requests/day × "
-        f"{_num(s.tokens_per_answer)} tokens (reasoning included)",
+        (f"Sizing Kimi-K3 for {s.users} users × {_num(s.requests_per_user_day)} requests/day × "
+        f"{_num(s.tokens_per_answer)} tokens (reasoning included)"),
         f"throughput of one machine: {s.tok_per_s:.4g} tok/s ({s.tok_per_s_source})",
-        f"model: {s.hours_per_day:g}-hour working day, {s.target_utilisation:.0%} target "
-        "utilisation, one request per machine at a time",
+        (f"model: {s.hours_per_day:g}-hour working day, {s.target_utilisation:.0%} target "
+        "utilisation, one request per machine at a time"),
         "",
         f"machines needed     {s.machines}",
-        f"  demand {_num(s.demand_machine_s_per_day)} machine-s/day ÷ "
+        (f"  demand {_num(s.demand_machine_s_per_day)} machine-s/day ÷ "
         f"{_num(s.capacity_s_per_machine)} s/machine = {s.exact_machines:.2f} → "
-        f"{s.machines} ({s.utilisation_at_machines:.1%} busy)",
-        f"latency per answer  {_duration(s.latency_s)} ({_num(s.tokens_per_answer)} tokens ÷ "
-        f"{s.tok_per_s:.4g} tok/s), with 1 machine or {s.machines}",
+        f"{s.machines} ({s.utilisation_at_machines:.1%} busy)"),
+        (f"latency per answer  {_duration(s.latency_s)} ({_num(s.tokens_per_answer)} tokens ÷ "
+        f"{s.tok_per_s:.4g} tok/s), with 1 machine or {s.machines}"),
         f"  one machine answers {s.answers_per_machine_day:.1f} requests per working day",
-        f"power               ≤ {s.peak_kw:.1f} kW: {s.machines} × {s.watts_per_machine:g} W "
-        "(assumed: a DGX Spark's PSU rating)",
+        (f"power               ≤ {s.peak_kw:.1f} kW: {s.machines} × {s.watts_per_machine:g} W "
+        "(assumed: a DGX Spark's PSU rating)"),
         f"  ≤ {s.kwh_per_day_max:.1f} kWh per working day, ≤ {s.wh_per_answer:.1f} Wh per answer",
-        f"storage             {s.storage_tb:.1f} TB: {s.machines} × "
-        f"{s.checkpoint_gb_per_machine:g} GB, a whole checkpoint on every machine",
+        (f"storage             {s.storage_tb:.1f} TB: {s.machines} × "
+        f"{s.checkpoint_gb_per_machine:g} GB, a whole checkpoint on every machine"),
         f"  (with the {GGUF_GB:.0f} GB GGUF instead: {s.machines * GGUF_GB / 1000:.1f} TB)",
         "",
         WHY_LATENCY,

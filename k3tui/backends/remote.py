@@ -83,7 +83,7 @@ def http_client(verify_tls: bool | str = True, **kwargs: Any) -> httpx.AsyncClie
 
 def _roots(url: str) -> tuple[str, str]:
     base = url.strip().rstrip("/")
-    root = base[: -len("/v1")] if base.endswith("/v1") else base
+    root = base.removesuffix("/v1")
     return root, root + "/v1"
 
 

@@ -86,7 +86,7 @@ def record(wheel: Path) -> Path:
         path, prefix = ENVIRON[project]
         text = zf.read(path).decode("utf-8")
         flags |= {f"env={m}" for m in
-                  re.findall(rf'^\s+"?({prefix}[A-Z0-9_]+)"?\s*[:=]', text, re.M)}
+                  re.findall(rf'^\s+"?({prefix}[A-Z0-9_]+)"?\s*[:=]', text, re.MULTILINE)}
         if any(ARCH in zf.read(n).decode("utf-8", "replace") for n in zf.namelist()
                if n.endswith(".py") and "models" in n):
             flags.add(f"architecture={ARCH}")

@@ -54,7 +54,7 @@ def llama(tmp_path_factory):
     ls = _ls_helpers()
     model = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
     ls.write_tiny_gguf(model)
-    with ls.raw_server(model, "--api-key", KEY) as (base, proc):
+    with ls.raw_server(model, "--api-key", KEY) as (base, _proc):
         yield base
 
 
@@ -89,10 +89,12 @@ async def test_rmt_llama_server_killed_in_the_middle_of_an_answer(tmp_path):
     ls = _ls_helpers()
     model = tmp_path / "tiny.gguf"
     ls.write_tiny_gguf(model)
-    with ls.raw_server(model, "--api-key", KEY) as (base, proc):
+    # A long answer (30000 tokens, several seconds even for the tiny model) so that the
+    # kill lands mid-answer even when this shared machine is slow to schedule the client.
+    with ls.raw_server(model, "--api-key", KEY, "-c", "32768") as (base, proc):
         events = []
         stream = stream_chat(base, [{"role": "user", "content": "hello"}], api_key=KEY,
-                             max_tokens=4000, extra={"chat_template_kwargs":
+                             max_tokens=30000, extra={"chat_template_kwargs":
                                                      {"enable_thinking": False}})
         async for event in stream:
             events.append(event)
@@ -153,7 +155,7 @@ def _write_cert(folder: Path, hostname: str = "127.0.0.1") -> tuple[Path, Path]:
         alt = x509.IPAddress(ipaddress.ip_address(hostname))
     except ValueError:
         alt = x509.DNSName(hostname)
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5))
@@ -202,12 +204,12 @@ def fake_endpoint(tmp: Path, *, certfile: Path | None = None, keyfile: Path | No
 def tls(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tls")
     certfile, keyfile = _write_cert(folder)
-    with fake_endpoint(folder, certfile=certfile, keyfile=keyfile) as (url, proc, log):
+    with fake_endpoint(folder, certfile=certfile, keyfile=keyfile) as (url, _proc, log):
         yield url, certfile, log
 
 
 def test_rmt_tls_self_signed_certificate_is_refused_and_no_key_is_sent(tls):
-    url, certfile, log = tls
+    url, _certfile, log = tls
     before = log.read_text()
     check = remote.check_endpoint(url, KEY)  # verification on by default
     assert not check.ok and not check.test_ok
@@ -220,7 +222,7 @@ def test_rmt_tls_self_signed_certificate_is_refused_and_no_key_is_sent(tls):
 def test_rmt_transport_errors_are_described_for_other_clients(tls):
     import httpx
 
-    url, certfile, log = tls
+    url, _certfile, _log = tls
     with pytest.raises(httpx.ConnectError) as info:
         httpx.get(url + "/models")
     message, step = remote.describe_transport_error(info.value, "the cluster")
@@ -240,21 +242,21 @@ def test_rmt_tls_trusted_with_the_ca_file(tls):
 
 
 def test_rmt_tls_verification_off_only_when_asked_and_warned(tls):
-    url, certfile, log = tls
+    url, _certfile, _log = tls
     check = remote.check_endpoint(url, KEY, verify_tls=False)
     assert check.ok and any("verification is off" in w for w in check.warnings)
 
 
 def test_rmt_tls_hostname_mismatch_is_refused(tmp_path):
     certfile, keyfile = _write_cert(tmp_path, "cluster.example")
-    with fake_endpoint(tmp_path, certfile=certfile, keyfile=keyfile) as (url, proc, log):
+    with fake_endpoint(tmp_path, certfile=certfile, keyfile=keyfile) as (url, _proc, _log):
         check = remote.check_endpoint(url, KEY, verify_tls=str(certfile))
     assert not check.ok and "not trusted" in check.message
     assert "mismatch" in check.message or "match" in check.message
 
 
 def test_rmt_https_to_a_plain_http_server_is_explained(tmp_path):
-    with fake_endpoint(tmp_path) as (url, proc, log):
+    with fake_endpoint(tmp_path) as (url, _proc, _log):
         check = remote.check_endpoint(url.replace("http://", "https://"), KEY)
     assert not check.ok and "TLS handshake" in check.message and "http://" in check.next_step
 
@@ -264,7 +266,7 @@ async def test_rmt_endpoint_dies_in_the_middle_of_an_answer(tmp_path):
 
     certfile, keyfile = _write_cert(tmp_path)
     with fake_endpoint(tmp_path, certfile=certfile, keyfile=keyfile, chunks=1000,
-                       interval=0.05) as (url, proc, log):
+                       interval=0.05) as (url, proc, _log):
         events = []
         async with remote.http_client(str(certfile), timeout=30) as client:
             stream = stream_chat(url, [{"role": "user", "content": "hi"}], api_key=KEY,
@@ -286,7 +288,7 @@ async def test_rmt_endpoint_dies_in_the_middle_of_an_answer(tmp_path):
 async def test_rmt_tls_endpoint_streams_a_whole_answer_with_the_key(tls):
     from k3tui.backends.openai_stream import stream_chat
 
-    url, certfile, log = tls
+    url, certfile, _log = tls
     async with remote.http_client(str(certfile), timeout=30) as client:
         events = [e async for e in stream_chat(url, [{"role": "user", "content": "hi"}],
                                                api_key=KEY, client=client)]
@@ -296,14 +298,14 @@ async def test_rmt_tls_endpoint_streams_a_whole_answer_with_the_key(tls):
 
 
 def test_rmt_redirect_is_explained_not_followed(tls):
-    url, certfile, log = tls
+    url, certfile, _log = tls
     check = remote.check_endpoint(url.replace("/v1", "/old/v1"), KEY, verify_tls=str(certfile))
     assert not check.ok and "redirects /v1/models to /v1/models" in check.message
     assert check.health_ok is None  # /old/health does not exist: not a failure by itself
 
 
 def test_rmt_private_ca_through_ssl_cert_file(tls, monkeypatch):
-    url, certfile, log = tls
+    url, certfile, _log = tls
     monkeypatch.setenv("SSL_CERT_FILE", str(certfile))  # what the refusal tells the user
     check = remote.check_endpoint(url, KEY)
     assert check.ok, check.describe()
@@ -322,12 +324,12 @@ def _remote_config(url: str, api_key_env: str = "", verify_tls: bool = True) -> 
 
 def _chat_smoke(**env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "k3tui", "chat", "--smoke"],
-                          capture_output=True, text=True, timeout=120,
+                          capture_output=True, text=True, timeout=120, check=False,
                           env={**os.environ, **env})
 
 
 def test_rmt_config_to_chat_over_tls_with_env_key(tls):
-    url, certfile, log = tls
+    url, certfile, _log = tls
     _remote_config(url, api_key_env="RMT_E2E_KEY")
     out = _chat_smoke(RMT_E2E_KEY=KEY, SSL_CERT_FILE=str(certfile))
     assert out.returncode == 0, out.stdout + out.stderr
@@ -336,7 +338,7 @@ def test_rmt_config_to_chat_over_tls_with_env_key(tls):
 
 
 def test_rmt_config_to_chat_refuses_the_untrusted_certificate(tls):
-    url, certfile, log = tls
+    url, _certfile, _log = tls
     _remote_config(url, api_key_env="RMT_E2E_KEY")
     out = _chat_smoke(RMT_E2E_KEY=KEY)
     assert out.returncode != 0 and "word0" not in out.stdout
@@ -349,7 +351,7 @@ def test_rmt_config_to_chat_refuses_the_untrusted_certificate(tls):
 def test_rmt_config_to_chat_with_the_wizard_stored_key(tls):
     from k3tui.config import save_credential
 
-    url, certfile, log = tls
+    url, certfile, _log = tls
     _remote_config(url)
     save_credential(remote.CREDENTIAL_KEY, KEY)
     out = _chat_smoke(SSL_CERT_FILE=str(certfile))
