@@ -55,14 +55,22 @@ def hub_token() -> str | None:
     return get_token()
 
 
+def http():
+    """The HTTP client module huggingface_hub itself uses (httpx2 in 2.x). Plain `httpx`
+    would also import rich (its CLI), which core modules must not pull in."""
+    try:
+        from huggingface_hub.utils import httpx as mod
+    except ImportError:   # huggingface_hub < 1.31
+        import httpx as mod
+    return mod
+
+
 def is_transient(exc: BaseException) -> bool:
     """Errors worth retrying: transport failures, timeouts, 408/429/5xx."""
-    import httpx
     from huggingface_hub.errors import HfHubHTTPError
-    from huggingface_hub.utils import httpx as hf_httpx
 
-    if isinstance(exc, (httpx.TransportError, hf_httpx.TransportError, TimeoutError,
-                        ConnectionError)):
+    httpx = http()
+    if isinstance(exc, (httpx.TransportError, TimeoutError, ConnectionError)):
         return True
     status = _status(exc)
     if isinstance(exc, (HfHubHTTPError, httpx.HTTPStatusError)) and status is not None:

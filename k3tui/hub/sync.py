@@ -11,11 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import httpx
-
 from k3tui.errors import K3Error
 from k3tui.hub.progress import Progress, ProgressEvent, Ticker
-from k3tui.hub.remote import RemoteFile, RepoSnapshot
+from k3tui.hub.remote import RemoteFile, RepoSnapshot, http
 from k3tui.hub.store import LocalStore, expected_digest, hash_file, new_hasher
 from k3tui.hub.transfer import (Cancelled, DiskFull, FileFailed, FileFetch, HubRefused, Options,
                                 is_disk_full)
@@ -150,6 +148,7 @@ def download(snapshot: RepoSnapshot, target: Path, *, workers: int = 4,
         todo.put(by_name[name])
     result = DownloadResult(ok=False)
     lock = threading.Lock()
+    httpx = http()
     client = httpx.Client(timeout=httpx.Timeout(opts.timeout_s, connect=min(10.0, opts.timeout_s)),
                           follow_redirects=True,
                           limits=httpx.Limits(max_connections=2 * max(1, workers)))

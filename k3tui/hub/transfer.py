@@ -25,10 +25,8 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-import httpx
-
 from k3tui.hub.progress import Progress
-from k3tui.hub.remote import RemoteFile, RepoSnapshot, explain, is_transient
+from k3tui.hub.remote import RemoteFile, RepoSnapshot, explain, http, is_transient
 from k3tui.hub.store import LocalStore, drop_page_cache, expected_digest, hash_file, new_hasher
 
 CHUNK_BYTES = 1 << 20             # unit of writing, hence the most a kill can make us re-fetch
@@ -148,7 +146,7 @@ class FileFetch:
     """Everything about fetching one file; `run()` returns when it is verified in place."""
 
     def __init__(self, rf: RemoteFile, snap: RepoSnapshot, store: LocalStore,
-                 progress: Progress, client: httpx.Client, opts: Options,
+                 progress: Progress, client, opts: Options,
                  stop: threading.Event, log=print):
         self.rf, self.snap, self.store, self.progress = rf, snap, store, progress
         self.client, self.opts, self.stop, self.log = client, opts, stop, log
@@ -270,7 +268,7 @@ class FileFetch:
                     raise _BadResponse(f"Content-Range {cr!r} does not start at {self.have}")
             self._receive(r, skip)
 
-    def _receive(self, r: httpx.Response, skip: int) -> None:
+    def _receive(self, r, skip: int) -> None:
         """Collect received pieces until a chunk is full, then write them with one pwritev
         (no copy into a buffer); whatever arrived is written even when the stream breaks."""
         pieces: list[bytes] = []

@@ -32,9 +32,10 @@ def start_held(hub, out, at: int, *extra: str) -> tuple[dict, threading.Event]:
     """Start a detached download whose BIG file stalls (held) after `at` bytes."""
     release = threading.Event()
     hub.faults[BIG] = [Fault.hold(at, release)]
-    k3("download", REPO_ID, "--dir", str(out), "--detach", *extra)
+    # a long timeout: the hold must not end in a read timeout + retry on a loaded machine
+    k3("download", REPO_ID, "--dir", str(out), "--detach", "--timeout", "120", *extra)
     job = newest_job()
-    wait_for(lambda: file_done(jobs.read_state(job["id"]), BIG) >= at - at % CHUNK_BYTES,
+    wait_for(lambda: file_done(jobs.read_state(job["id"]), BIG) > at - CHUNK_BYTES,
              what="the held file to reach the disk")
     return jobs.read_state(job["id"]), release
 
@@ -49,7 +50,8 @@ def test_dl_sigkill_then_rerun_resends_at_most_one_chunk(hub, repo_dir, tmp_path
     dead = jobs.read_state(state["id"])
     assert dead["status"] == "failed" and "rerun" in dead["message"]
     part = out / ".k3tui" / "partial" / f"{BIG}.part"
-    assert part.stat().st_size == 5 * CHUNK_BYTES
+    kept = part.stat().st_size
+    assert at - CHUNK_BYTES < kept <= at
 
     k3("download", REPO_ID, "--dir", str(out), "--detach")
     job2 = newest_job()
@@ -60,9 +62,10 @@ def test_dl_sigkill_then_rerun_resends_at_most_one_chunk(hub, repo_dir, tmp_path
         if f.is_file():
             assert (out / f.relative_to(repo_dir)).read_bytes() == f.read_bytes()
     ranges = [e["range"] for e in hub.requests(method="GET") if e["range"]]
-    assert ranges == [f"bytes={5 * CHUNK_BYTES}-"]
-    resent = at - 5 * CHUNK_BYTES                  # sent before the kill, asked for again
-    assert 0 < resent <= CHUNK_BYTES
+    assert ranges == [f"bytes={kept}-"]
+    resent = at - kept                  # sent before the kill, and asked for again
+    assert 0 <= resent < CHUNK_BYTES
+    print(f"bytes re-sent after SIGKILL: {resent:,} (chunk {CHUNK_BYTES:,})")
     final = jobs.read_state(job2["id"])
     assert final["status"] == "done" and final["done_bytes"] == final["total_bytes"]
     assert {f["status"] for f in final["files"]} == {"done"}
@@ -71,7 +74,7 @@ def test_dl_sigkill_then_rerun_resends_at_most_one_chunk(hub, repo_dir, tmp_path
 
 def test_dl_one_job_per_folder_and_cancel_keeps_partial(hub, repo_dir, tmp_path):
     out = tmp_path / "out"
-    state, release = start_held(hub, out, 2 * CHUNK_BYTES)
+    state, release = start_held(hub, out, 2 * CHUNK_BYTES + 300_000)
     busy = k3("download", REPO_ID, "--dir", str(out), "--detach", check=False)
     assert busy.returncode == 2 and f"Job {state['id']} is already working" in busy.stderr
     assert "Traceback" not in busy.stderr
@@ -82,7 +85,7 @@ def test_dl_one_job_per_folder_and_cancel_keeps_partial(hub, repo_dir, tmp_path)
     assert "cancelled" in p.stdout
     st = jobs.read_state(state["id"])
     assert st["status"] == "cancelled"
-    assert (out / ".k3tui" / "partial" / f"{BIG}.part").stat().st_size >= 2 * CHUNK_BYTES
+    assert (out / ".k3tui" / "partial" / f"{BIG}.part").stat().st_size > CHUNK_BYTES
     # the lock went with the process: the same folder can be downloaded again
     k3("download", REPO_ID, "--dir", str(out), "--detach")
     assert k3("jobs", "attach").returncode == 0          # newest running job
@@ -97,12 +100,12 @@ def test_dl_job_survives_the_terminal_closing(hub, repo_dir, tmp_path):
     release = threading.Event()
     hub.faults[BIG] = [Fault.hold(3 * CHUNK_BYTES, release)]
     sock = f"k3dl-{uuid.uuid4().hex[:8]}"
-    cmd = f"python -m k3tui download {REPO_ID} --dir {out}"
+    cmd = f"python -m k3tui download {REPO_ID} --dir {out} --timeout 120"
     subprocess.run(["tmux", "-L", sock, "new-session", "-d", "-x", "120", "-y", "30", cmd],
                    check=True, env=dict(os.environ))
     try:
         job = newest_job()
-        wait_for(lambda: file_done(jobs.read_state(job["id"]), BIG) >= 3 * CHUNK_BYTES,
+        wait_for(lambda: file_done(jobs.read_state(job["id"]), BIG) > 2 * CHUNK_BYTES,
                  what="progress")
         attach_pid = int(subprocess.run(["tmux", "-L", sock, "list-panes", "-F",
                                          "#{pane_pid}"], capture_output=True, text=True)
@@ -144,7 +147,7 @@ def small_fs(tmp_path):
 
 def test_dl_real_full_disk_leaves_resumable_partial(hub, repo_dir, small_fs):
     out = small_fs / "model"
-    state, release = start_held(hub, out, 2 * CHUNK_BYTES)
+    state, release = start_held(hub, out, 2 * CHUNK_BYTES + 300_000)
     filler = small_fs / "filler"
     with open(filler, "wb") as fh:                 # someone else fills the disk meanwhile
         try:
@@ -160,7 +163,7 @@ def test_dl_real_full_disk_leaves_resumable_partial(hub, repo_dir, small_fs):
     assert "resumes where it stopped" in st["message"]
     part = out / ".k3tui" / "partial" / f"{BIG}.part"
     kept = part.stat().st_size
-    assert kept >= 2 * CHUNK_BYTES
+    assert kept > CHUNK_BYTES
     side = json.loads((out / ".k3tui" / "partial" / f"{BIG}.part.json").read_text())
     assert side["size"] == (repo_dir / BIG).stat().st_size
 

@@ -17,7 +17,7 @@ from k3tui.hub.fakehub import Fault
 from k3tui.hub.remote import check_access
 from k3tui.hub.store import LocalStore
 
-FAST = dict(backoff_s=0.02, timeout_s=1.0)
+FAST = dict(backoff_s=0.02, timeout_s=10.0)   # generous: the box is shared and busy
 
 
 def same_tree(a, b) -> None:
@@ -56,7 +56,7 @@ def test_dl_faults_are_retried_to_a_verified_file(hub, repo_dir, tmp_path, fault
     # a cut first, so the next fault meets a Range request (matters for ignore_range)
     hub.faults[BIG] = [Fault.cut(1_200_000), fault, fault]
     out = tmp_path / "out"
-    _, res = fetch(hub, out)
+    _, res = fetch(hub, out, opts={"timeout_s": 1.0} if fault.kind == "stall" else {})
     assert res.ok, res
     assert (out / BIG).read_bytes() == (repo_dir / BIG).read_bytes()
     gets = [e for e in hub.requests(method="GET") if e["path"].startswith("/cdn/")
@@ -264,3 +264,16 @@ def test_dl_progress_events_throttled_and_resume_counts_initial_bytes(hub, repo_
     last = events[-1][1]
     assert last.done_bytes == last.total_bytes == snap.total_bytes
     assert all(f["status"] == "done" for f in last.files)
+
+
+def test_dl_stall_longer_than_timeout_is_cut_short(hub, repo_dir, tmp_path):
+    """A server that goes silent for 60 s mid-body costs one timeout (1 s), not 60 s."""
+    hub.faults[BIG] = [Fault.stall(2_000_000, 60.0)]
+    lines: list[str] = []
+    t0 = __import__("time").monotonic()
+    snap = fetch_snapshot(REPO_ID)
+    res = download(snap, tmp_path / "out", opts=Options(backoff_s=0.02, timeout_s=1.0),
+                   log=lines.append)
+    assert res.ok
+    assert __import__("time").monotonic() - t0 < 20
+    assert any("ReadTimeout" in line and "at byte 2,000,000" in line for line in lines), lines

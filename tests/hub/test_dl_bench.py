@@ -1,0 +1,39 @@
+"""`k3tui bench download --json` runs both clients and prints the agreed keys."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_dl_bench_download_json_keys():
+    p = subprocess.run([sys.executable, "-m", "k3tui", "bench", "download", "--json",
+                        "--size-mb", "24", "--files", "2", "--rounds", "1"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["bytes"] == 24_000_000 and out["files"] == 2
+    assert out["ratio_vs_hf"] > 0 and out["cpu_s_per_gb"] > 0
+    assert abs(out["ratio_vs_hf"] - out["hf_s"] / out["k3tui_s"]) < 0.01
+
+
+def test_dl_core_modules_import_no_ui(tmp_path):
+    """A whole download (metadata, HEAD, GET, jobs module) without rich/textual loaded."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "w.safetensors").write_bytes(b"x" * (2 << 20))
+    code = f"""
+import os, sys
+from k3tui.hub.fakehub import FakeHub
+hub = FakeHub({str(tmp_path / 'src')!r}, "acme/x", cdn=True)
+os.environ["HF_ENDPOINT"] = hub.endpoint
+import k3tui.jobs
+from k3tui.hub import download, fetch_snapshot
+res = download(fetch_snapshot("acme/x"), {str(tmp_path / 'out')!r}, log=lambda m: None)
+assert res.ok, res
+bad = [m for m in ("rich", "textual", "questionary", "prompt_toolkit") if m in sys.modules]
+print(bad)
+sys.exit(1 if bad else 0)
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
