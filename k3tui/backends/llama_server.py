@@ -662,7 +662,7 @@ def choose_memory_limit(limit_bytes: int | None, *, runner: Runner = _run,
         "GPU users stopped; k3tui will not restart it after an OOM kill."))
 
 
-def verify_limit(pid: int, limit: MemoryLimit, *, timeout_s: float = 5.0) -> bool:
+def verify_limit(pid: int, limit: MemoryLimit, *, timeout_s: float = 2.0) -> bool:
     """Read the limit back from the running server's own cgroup."""
     mount = cgroup2_mount()
     if limit.method == "none" or mount is None:
@@ -711,7 +711,8 @@ def prepare(model: Path, *, binary: str = "", plan_args: Sequence[str] = (),
             api_key: str | None = None, plan_reasons: dict[str, str] | None = None,
             report: Any = None, force: bool = False,
             help_text: str | None = None, version_text: str | None = None,
-            runner: Runner = _run, cgroup_dir: Path | None = None) -> Prepared:
+            runner: Runner = _run, cgroup_dir: Path | None = None,
+            limit: MemoryLimit | None = None) -> Prepared:
     """Find and inspect the binary, check the shards and the GPU, build the command, pick
     the memory limit. Raises K3Error before anything starts."""
     path = find_binary(binary)
@@ -732,8 +733,9 @@ def prepare(model: Path, *, binary: str = "", plan_args: Sequence[str] = (),
                         extra_args=extra_args, host=host, port=port, alias=alias,
                         api_key=api_key, plan_reasons=plan_reasons)
     tag = hashlib.sha1(str(shards[0]).encode()).hexdigest()[:8]
-    limit = choose_memory_limit(memory_limit_bytes, runner=runner, cgroup_dir=cgroup_dir,
-                                name=f"k3tui-llama-server-{os.getpid()}-{tag}")
+    if limit is None:
+        limit = choose_memory_limit(memory_limit_bytes, runner=runner, cgroup_dir=cgroup_dir,
+                                    name=f"k3tui-llama-server-{os.getpid()}-{tag}")
     return Prepared(info, cmd, limit, notes)
 
 

@@ -246,3 +246,23 @@ def test_ls_serve_cli_end_to_end(models, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_ls_cgroup_wrapper_execs_the_real_server_with_its_arguments(models, started, tmp_path):
+    child = tmp_path / "k3tui-cg"
+    child.mkdir()
+    for name in ("memory.max", "memory.swap.max", "cgroup.procs"):
+        (child / name).write_text("max\n")
+
+    def no_systemd(argv):
+        return subprocess.CompletedProcess(argv, 1, stdout="", stderr="no user bus")
+
+    limit = ls.choose_memory_limit(3 * 2**30, runner=no_systemd, cgroup_dir=tmp_path,
+                                   name="k3tui-cg")
+    prepared = ls.prepare(models["single"], ctx_size=2048, threads=1, limit=limit)
+    assert prepared.limit.method == "cgroup"
+    backend = ls.start(prepared)
+    started.append(backend)
+    assert int((child / "cgroup.procs").read_text()) == backend.pid  # exec kept the pid
+    assert httpx.get(backend.base_url + "/health").status_code == 200
+    assert any("could not be read back" in n for n in backend.notes)  # a fake cgroup
