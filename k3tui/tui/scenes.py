@@ -111,13 +111,28 @@ def write_jobs(jobs_dir: Path) -> None:
 class StartupScene:
     """A start-up that reports progress, then waits until `release` is set."""
 
-    def __init__(self, fail: bool = False) -> None:
+    def __init__(self, fail: bool = False, write_log: bool = True) -> None:
         self.release = threading.Event()
         self.fail = fail
+        self.write_log = write_log  # the log's path is a temp dir: not in snapshots
 
     def __call__(self, on_progress: Any) -> Any:
         from k3tui.backends.running import LoadProgress
         from k3tui.errors import K3Error
+        from k3tui.paths import get_paths
+
+        logs = get_paths().logs_dir
+        logs.mkdir(parents=True, exist_ok=True)
+        if self.write_log:
+            (logs / "engine-scene.log").write_text(
+                "# k3tui: python -m engine serve /data/kimi-k3 --host 127.0.0.1 --port 41877 "
+                "--preset laptop\n"
+                "memory plan (budget 8.0 GB): weights 4.0 GB + fixed 2.1 GB = peak RSS 6.1 GB\n"
+                "  trunk: 9 of 93 layers pinned (3.0 GB); streams 38.2 GB of trunk per token\n"
+                "  experts: 1024 slots x 0.98 MB = 1.0 GB\n"
+                "  reader threads: 8\n"
+                "listening on http://127.0.0.1:41877\n"
+                "loading: pinning trunk layers 0..8\n")
 
         on_progress(LoadProgress(0.0, message="bundled engine: python -m engine serve "
                                  "/data/kimi-k3 --preset laptop"))

@@ -65,7 +65,7 @@ def test_tui_snapshot_jobs(snap_compare, tmp_path, size, kind):
 
 def test_tui_snapshot_startup_error(snap_compare, tmp_path):
     app = scenes.chat_app(tmp_path)
-    app.starter = scenes.StartupScene(fail=True)
+    app.starter = scenes.StartupScene(fail=True, write_log=False)
 
     async def wait_start(pilot):
         await pilot.pause()
