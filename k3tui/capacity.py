@@ -256,25 +256,25 @@ def render_routes() -> str:
 def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags `main` reads; `commands/plan.py` may use this or declare its own."""
     g = parser.add_argument_group("cluster sizing (the DGX Spark study's model)")
-    g.add_argument("--users", type=int, help="people using the service")
-    g.add_argument("--requests-per-user-day", type=float, help="requests per person per day")
-    g.add_argument("--tokens-per-answer", type=float, help="tokens per answer, reasoning included")
+    g.add_argument("--users", type=int, metavar="N", help="people using the service")
+    g.add_argument("--requests-per-user-day", type=float, metavar="R", help="requests per person per day")
+    g.add_argument("--tokens-per-answer", type=float, metavar="T", help="tokens per answer, reasoning included")
     src = g.add_mutually_exclusive_group()
-    src.add_argument("--tok-per-s", type=float, help="measured tokens/s of one machine")
+    src.add_argument("--tok-per-s", type=float, metavar="X", help="measured tokens/s of one machine")
     src.add_argument("--from-bench", metavar="FILE",
                      help="JSON from `python -m engine bench stream` or llama-server timings")
-    g.add_argument("--hours", type=float, default=HOURS_PER_DAY, help="working hours per day")
-    g.add_argument("--utilisation", type=float, default=TARGET_UTILISATION,
+    g.add_argument("--hours", type=float, default=HOURS_PER_DAY, metavar="H", help="working hours per day")
+    g.add_argument("--utilisation", type=float, default=TARGET_UTILISATION, metavar="U",
                    help="target utilisation of each machine (0-1)")
-    g.add_argument("--watts", type=float, default=WATTS_PER_MACHINE,
+    g.add_argument("--watts", type=float, default=WATTS_PER_MACHINE, metavar="W",
                    help="power per machine (assumed: a DGX Spark's 240 W PSU rating)")
-    g.add_argument("--checkpoint-gb", type=float, default=CHECKPOINT_GB,
+    g.add_argument("--checkpoint-gb", type=float, default=CHECKPOINT_GB, metavar="GB",
                    help="checkpoint size each machine stores (GB)")
     g.add_argument("--recipe", choices=("rpc", "sglang", "vllm"),
                    help="print the launch recipe of one multi-machine route")
-    g.add_argument("--node-gib", type=float, default=121.0,
+    g.add_argument("--node-gib", type=float, default=121.0, metavar="GIB",
                    help="memory of each machine pooled by the rpc recipe (DGX Spark: 121)")
-    g.add_argument("--gguf-gib", type=float, default=539.0,
+    g.add_argument("--gguf-gib", type=float, default=539.0, metavar="GIB",
                    help="size of the GGUF the rpc recipe keeps resident")
 
 
