@@ -167,7 +167,7 @@ def config_from_dict(data: dict[str, Any], *, path: Path | None = None,
             raise K3Error(
                 f"{_where(where_path, text, section)}: unknown section [{section}] "
                 f"(known: {', '.join(SECTIONS)}).",
-                f"fix or remove it, then run `k3tui config show`", 2)
+                "fix or remove it, then run `k3tui config show`", 2)
         if not isinstance(values, dict):
             raise K3Error(f"{_where(where_path, text, section)}: `{section}` must be a "
                           f"[{section}] table.", "fix the file, or run `k3tui setup`", 2)
@@ -252,8 +252,8 @@ def set_value(cfg: Config, dotted: str, raw: str) -> Config:
     """`section.key` = raw (parsed as a TOML value, or taken as a string), validated."""
     section, _, key = dotted.partition(".")
     if not key:
-        raise K3Error(f"`{dotted}` is not section.key.", "e.g. `k3tui config set backend.port 8080`",
-                      2)
+        raise K3Error(f"`{dotted}` is not section.key.",
+                      "e.g. `k3tui config set backend.port 8080`", 2)
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:

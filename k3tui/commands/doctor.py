@@ -163,7 +163,8 @@ def _model_checks(cfg, model_dir: Path, have: int) -> list[Check]:
                              "update k3tui"))
         else:
             try:
-                out.append(Check("llama-server", "ok", f"binary {find_binary(cfg.llama_server.binary)}"))
+                binary = find_binary(cfg.llama_server.binary)
+                out.append(Check("llama-server", "ok", f"binary {binary}"))
             except K3Error as exc:
                 out.append(Check("llama-server", "fail", exc.message,
                                  exc.next_step or "k3tui setup"))

@@ -37,7 +37,8 @@ class ProbeEnv:
         except OSError:
             return None
 
-    def run(self, argv: list[str], timeout: float | None = None) -> subprocess.CompletedProcess | None:
+    def run(self, argv: list[str],
+            timeout: float | None = None) -> subprocess.CompletedProcess | None:
         """Run a helper command; None when it is absent, hangs, or cannot start."""
         try:
             return subprocess.run(argv, capture_output=True, text=True,

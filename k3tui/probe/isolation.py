@@ -28,7 +28,7 @@ class IsolationInfo:
 
 def check_systemd_scope(env: ProbeEnv) -> tuple[bool, str]:
     res = env.run([*env.systemd_run, "--user", "--scope", "--quiet",
-                   f"-p", f"MemoryMax={TEST_LIMIT}", "-p", "MemorySwapMax=0", "--",
+                   "-p", f"MemoryMax={TEST_LIMIT}", "-p", "MemorySwapMax=0", "--",
                    "sh", "-c", READ_BACK], timeout=min(env.timeout_s, 5.0))
     if res is None:
         return False, "systemd-run is not available"

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 GiB = 1024**3
 
@@ -22,8 +23,8 @@ def test_doctor_reports_this_machine_truthfully(tmp_path):
     data = json.loads(res.stdout)
     m = data["machine"]
     assert m["cpu"]["usable"] == len(os.sched_getaffinity(0))
-    meminfo = open("/proc/meminfo").read()
-    total_kb = int(next(l for l in meminfo.splitlines() if l.startswith("MemTotal")).split()[1])
+    meminfo = Path("/proc/meminfo").read_text()
+    total_kb = int(next(ln for ln in meminfo.splitlines() if ln.startswith("MemTotal")).split()[1])
     assert m["memory"]["total_bytes"] == total_kb * 1024
     st = os.statvfs(tmp_path)
     assert abs(m["storage"]["free_bytes"] - st.f_bavail * st.f_frsize) < 256 * 1024**2
@@ -83,3 +84,15 @@ def test_doctor_measure_reports_read_speed(tmp_path):
     s = json.loads(res.stdout)["machine"]["storage"]
     assert s["read_mb_s_qd1"] > 0 and s["read_mb_s_qd8"] > 0
     assert s["measure_note"]
+
+
+def test_doctor_json_feeds_plan_machine(tmp_path):
+    res = doctor("--json", "--dir", str(tmp_path))
+    report_file = tmp_path / "this-box.json"
+    report_file.write_text(res.stdout)
+    plan = subprocess.run([sys.executable, "-m", "k3tui", "plan", "--machine", str(report_file),
+                           "--model", "safetensors", "--json"], capture_output=True, text=True)
+    assert plan.returncode == 0, plan.stderr
+    data = json.loads(plan.stdout)
+    assert data["machine"]["cpu"]["usable"] == len(os.sched_getaffinity(0))
+    assert data["plan"]["backend"] == "bundled" and data["plan"]["preset"]

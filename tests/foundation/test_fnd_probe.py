@@ -211,7 +211,7 @@ def test_real_machine_probe_matches_the_kernel():
     r = probe_machine("/tmp")
     assert r.cpu.usable == len(os.sched_getaffinity(0))
     meminfo = Path("/proc/meminfo").read_text()
-    total_kb = int(next(l for l in meminfo.splitlines() if l.startswith("MemTotal")).split()[1])
+    total_kb = int(next(ln for ln in meminfo.splitlines() if ln.startswith("MemTotal")).split()[1])
     assert r.memory.total_bytes == total_kb * 1024
     has_smi = subprocess.run(["sh", "-c", "command -v nvidia-smi"],
                              capture_output=True).returncode == 0
