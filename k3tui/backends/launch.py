@@ -61,9 +61,15 @@ def _model_path(cfg: Any, model: str | Path | None) -> Path:
 
 def prepare_launch(cfg: Any, *, kind: str | None = None, model: str | Path | None = None,
                    port: int | None = None, force: bool = False, report: Any = None,
-                   **seams: Any) -> Launchable:
-    """Decide the launch for `cfg` (overridden by the arguments). Raises K3Error."""
+                   machine: str | None = None, **seams: Any) -> Launchable:
+    """Decide the launch for `cfg` (overridden by the arguments). `machine` names a machine
+    profile (e.g. "dgx-spark") to show what would run there. Raises K3Error."""
     kind = kind or cfg.backend.kind
+    if machine:
+        from k3tui.probe import load_report
+
+        report = load_report(machine)
+        seams["profile"] = True
     host = cfg.backend.host or "127.0.0.1"
     port = cfg.backend.port if port is None else port
     if kind == "remote":
@@ -102,6 +108,8 @@ def _prepare_llama(cfg: Any, model: Path, host: str, port: int, force: bool, rep
                                check_isolation=False)  # the launch checks isolation itself
     plan = make_plan(report, "gguf", ctx_size=ls.ctx_size, reasoning_budget=ls.reasoning_budget)
     limit = int(ls.memory_limit_gb * GIB) if ls.memory_limit_gb > 0 else plan.memory_limit_bytes
+    if seams.pop("profile", False):
+        seams["limit"] = llama_server.assumed_limit(report, limit)
     gpu_present = bool(getattr(getattr(report, "gpu", None), "present", False))
     prepared = llama_server.prepare(
         model, binary=ls.binary, plan_args=plan.llama_server_args, memory_limit_bytes=limit,

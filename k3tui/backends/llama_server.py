@@ -566,7 +566,8 @@ class MemoryLimit:
         gib = (self.limit_bytes or 0) / GIB
         how = "systemd-run --user scope" if self.method == "systemd-run" else \
             f"cgroup v2 subtree {self.cgroup_dir}"
-        return (f"memory limit {gib:.1f} GiB with swap 0 via {how} (read back: applies); "
+        checked = self.detail or "read back: applies"
+        return (f"memory limit {gib:.1f} GiB with swap 0 via {how} ({checked}); "
                 "no restart after an OOM kill")
 
     def wrap(self, argv: list[str]) -> list[str]:
@@ -581,6 +582,18 @@ class MemoryLimit:
 def systemd_prefix(limit_bytes: int) -> list[str]:
     return ["systemd-run", "--user", "--scope", "--quiet", "-p", f"MemoryMax={limit_bytes}",
             "-p", "MemorySwapMax=0", "--"]
+
+
+def assumed_limit(report: Any, limit_bytes: int | None) -> MemoryLimit:
+    """The limit a machine *profile* says it can apply (shown by `--machine`; the real
+    launch on that machine checks it by reading it back)."""
+    method = getattr(getattr(report, "isolation", None), "method", "none")
+    if limit_bytes and method == "systemd-run":
+        return MemoryLimit("systemd-run", limit_bytes, systemd_prefix(limit_bytes),
+                           detail="assumed from the machine profile; verified at launch there")
+    return MemoryLimit("none", limit_bytes, detail=(
+        "the machine profile has no way to apply a memory limit: k3tui would warn and watch "
+        "the server's memory" if limit_bytes else "no memory limit requested"))
 
 
 def cgroup2_mount(proc: Path = Path("/proc")) -> Path | None:

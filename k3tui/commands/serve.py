@@ -25,6 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "unified-memory machine (risks freezing it)")
     parser.add_argument("--dry-run", action="store_true",
                         help="show the command and the memory limit, start nothing")
+    parser.add_argument("--machine", metavar="NAME|FILE",
+                        help="with --dry-run: show what would run on a machine profile "
+                             "(dgx-spark, laptop-8g, workstation-128g, server-228g) or a "
+                             "`k3tui doctor --json` file")
 
 
 def _config():
@@ -42,7 +46,11 @@ def run(args: argparse.Namespace) -> int:
     if kind == "remote":
         raise K3Error("The configured backend is a remote endpoint; there is nothing to serve "
                       "here.", "use `k3tui chat`, or pass --backend bundled|llama-server", 2)
-    ready = prepare_launch(cfg, kind=kind, model=args.model, port=args.port, force=args.force)
+    if args.machine and not args.dry_run:
+        raise K3Error("--machine only describes another machine; it cannot start a server "
+                      "here.", "add --dry-run", 2)
+    ready = prepare_launch(cfg, kind=kind, model=args.model, port=args.port, force=args.force,
+                           machine=args.machine)
     print(ready.describe(), flush=True)
     if args.dry_run:
         return 0

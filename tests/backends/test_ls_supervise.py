@@ -236,3 +236,22 @@ def test_ls_stop_also_ends_what_a_forking_wrapper_started():
     backend.stop(grace_s=2)
     assert not psutil.pid_exists(grandchild) or \
         psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE
+
+
+def test_ls_serve_dry_run_for_the_dgx_spark_profile(split):
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-m", "k3tui", "serve", "--backend", "llama-server",
+                          "--model", str(split[0]), "--dry-run", "--machine", "dgx-spark"],
+                         cwd=repo, capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    first = next(line for line in out.stdout.splitlines() if line.startswith("command: "))
+    assert first.startswith("command: systemd-run --user --scope --quiet -p MemoryMax=")
+    assert "-p MemorySwapMax=0 -- " in first and "--cpu-moe --no-host" in first
+    assert "assumed from the machine profile" in out.stdout
+    refused = subprocess.run([sys.executable, "-m", "k3tui", "serve", "--backend",
+                              "llama-server", "--model", str(split[0]), "--machine",
+                              "dgx-spark"], cwd=repo, capture_output=True, text=True,
+                             timeout=60, check=False)
+    assert refused.returncode == 2 and "--dry-run" in refused.stderr
