@@ -56,8 +56,8 @@ def mxfp4_decode(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
 
 def mxfp4_encode(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """float32 [rows, in] → (packed, scale): exponent floor(log2 max|w|) − 2 per group,
-    nearest E2M1 value (no negative-zero codes). Used by synth; decode(encode(w)) is the
-    nearest representable matrix."""
+    nearest E2M1 value (no negative-zero codes), the encoder the tiny-a fixture was made
+    with; decode(encode(w)) is the nearest representable matrix and encodes to itself."""
     rows, cols = w.shape
     if cols % MX_GROUP:
         raise ValueError(f"MXFP4 needs a width divisible by {MX_GROUP}, got {cols}")

@@ -7,8 +7,8 @@ embedding, head and model-level vectors, and model.safetensors.index.json. Every
 tiny also gets a test tokenizer (engine.tokenizer) so the checkpoint can be served.
 
 Initialisation follows the peer's tiny oracle recipe, so the tricky paths are exercised:
-matrices N(0, 0.02); expert, shared and dense gate/up weights with std 1.2 so both SiTU
-caps saturate; routing bias linspace(−0.15, 0.15) so the bias changes which experts are
+matrices N(0, 0.02); shared and dense gate/up weights with std 1.2 and routed-expert
+gate/up codes scaled to RMS ~1.5, so both SiTU caps saturate; routing bias linspace(−0.15, 0.15) so the bias changes which experts are
 picked; A_log = linspace(−0.4, 1.2) per head, padded with zeros to head_dim values like
 the release; dt_bias N(0, 0.5); conv kernels N(0, 0.4); gains 1 + N(0, 0.1).
 Each tensor draws from its own generator seeded by (seed, name), so a tensor's values do
@@ -29,7 +29,6 @@ from typing import Any, Callable
 import numpy as np
 
 from engine.config import ModelConfig
-from engine.kernels import mxfp4_encode
 from engine.model import expected_tensors
 from engine.weights import EXPERT_PARTS, TensorNames
 
@@ -174,15 +173,23 @@ def trunk_value(short: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int
     return "BF16", to_bf16(rng.standard_normal(shape, dtype=np.float32) * np.float32(std))
 
 
+# E2M1 codes drawn uniformly have RMS 2.93 (magnitudes 0…6), so a scale of 2^(s−127) gives
+# RMS ≈ 2.93·2^(s−127): byte 126 → ~1.5 (gate/up: SiTU caps saturate), 120 → ~0.023 (down).
+_EXPERT_SCALE_BYTE = {"w1": 126, "w3": 126, "w2": 120}
+
+
 def expert_values(prefix: str, cfg: ModelConfig, seed: int) -> list[np.ndarray]:
-    """Six uint8 arrays (w1/w2/w3 packed+scale), on-disk order."""
+    """Six uint8 arrays (w1/w2/w3 packed+scale), on-disk order: random codes, scales
+    jittered ±1 around the byte that gives the recipe's standard deviation. Drawing codes
+    directly (rather than quantising normal draws) keeps the 6 GB bench size quick."""
     lat, m = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
     out = []
     for part in EXPERT_PARTS:
         rng = _rng(seed, prefix + part)
-        shape = (lat, m) if part == "w2" else (m, lat)
-        std = 0.02 if part == "w2" else 1.2
-        out.extend(mxfp4_encode(rng.standard_normal(shape, dtype=np.float32) * np.float32(std)))
+        rows, cols = (lat, m) if part == "w2" else (m, lat)
+        packed = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
+        scale = (_EXPERT_SCALE_BYTE[part] + rng.integers(-1, 2, (rows, cols // 32))).astype(np.uint8)
+        out.extend((packed, scale))
     return out
 
 
