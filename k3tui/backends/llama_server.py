@@ -519,14 +519,14 @@ def build_command(info: BinaryInfo, shards: list[Path], *, plan_args: Sequence[s
 # --- the busy-GPU guard ----------------------------------------------------------------------
 
 
-def gpu_guard(report: Any, *, force: bool = False, own_pids: Sequence[int] = ()) -> str | None:
+def gpu_guard(report: Any, *, force: bool = False) -> str | None:
     """Refuse to start on a unified-memory machine whose GPU memory other processes hold.
 
     Returns a warning when `force` overrides a refusal; raises K3Error otherwise."""
     gpu = getattr(report, "gpu", None)
     if gpu is None or not getattr(gpu, "unified_memory", False):
         return None
-    holders = [a for a in getattr(gpu, "apps", []) if a.pid not in own_pids]
+    holders = list(getattr(gpu, "apps", []))
     if not holders:
         return None
     listing = ", ".join(f"pid {a.pid} {a.name} "
@@ -536,8 +536,8 @@ def gpu_guard(report: Any, *, force: bool = False, own_pids: Sequence[int] = ())
                 "unified memory this can freeze the whole machine")
     raise K3Error(f"Other processes hold GPU memory on this unified-memory machine ({listing}); "
                   "with the model's page cache that can exhaust memory and freeze the machine.",
-                  "stop them first (e.g. `sudo systemctl stop ollama`, or `kill <pid>`), or pass "
-                  "--force to start anyway", exit_code=2)
+                  "stop them first (e.g. `sudo systemctl stop ollama`, or `kill <pid>`), or start "
+                  "anyway with `k3tui serve --force` (then `k3tui chat --url URL`)", exit_code=2)
 
 
 # --- the memory limit ------------------------------------------------------------------------
