@@ -37,8 +37,10 @@ WATTS_PER_MACHINE = 240.0
 CHECKPOINT_GB = 1560.0
 GGUF_GB = 539 * 1.073741824  # the 539 GiB GGUF llama-server runs, in GB
 
-FORMULA = ("machines = ceil(users × requests_per_user_day × tokens_per_answer / tok_per_s"
-           " / (hours × 3600 × utilisation)); latency_s = tokens_per_answer / tok_per_s")
+FORMULA = (
+    "machines = ceil(users × requests_per_user_day × tokens_per_answer / tok_per_s"
+    " / (hours × 3600 × utilisation)); latency_s = tokens_per_answer / tok_per_s"
+)
 
 
 @dataclass(frozen=True)
@@ -68,55 +70,114 @@ class Sizing:
 
 def _exact(x: float | Fraction) -> Fraction:
     """The decimal the user typed (repr of a float is its shortest round-trip form)."""
-    return x if isinstance(x, Fraction) else Fraction(repr(x)) if isinstance(x, float) else Fraction(x)
+    return (
+        x if isinstance(x, Fraction) else Fraction(repr(x)) if isinstance(x, float) else Fraction(x)
+    )
 
 
-def machines_needed(users: int, requests_per_user_day: float, tokens_per_answer: float,
-                    tok_per_s: float, *, hours: float = HOURS_PER_DAY,
-                    utilisation: float = TARGET_UTILISATION) -> int:
+def machines_needed(
+    users: int,
+    requests_per_user_day: float,
+    tokens_per_answer: float,
+    tok_per_s: float,
+    *,
+    hours: float = HOURS_PER_DAY,
+    utilisation: float = TARGET_UTILISATION,
+) -> int:
     """The study's formula, in exact arithmetic: ceil(demand / capacity), at least 1."""
-    demand = (_exact(users) * _exact(requests_per_user_day) * _exact(tokens_per_answer)
-              / _exact(tok_per_s))
+    demand = (
+        _exact(users)
+        * _exact(requests_per_user_day)
+        * _exact(tokens_per_answer)
+        / _exact(tok_per_s)
+    )
     capacity = _exact(hours) * 3600 * _exact(utilisation)
     return max(1, math.ceil(demand / capacity))
 
 
-def size(users: int, requests_per_user_day: float, tokens_per_answer: float,
-         tok_per_s: float, *, source: str = "--tok-per-s", hours: float = HOURS_PER_DAY,
-         utilisation: float = TARGET_UTILISATION, watts: float = WATTS_PER_MACHINE,
-         checkpoint_gb: float = CHECKPOINT_GB) -> Sizing:
-    _check_inputs(users, requests_per_user_day, tokens_per_answer, tok_per_s, hours,
-                  utilisation, watts, checkpoint_gb)
-    machines = machines_needed(users, requests_per_user_day, tokens_per_answer, tok_per_s,
-                               hours=hours, utilisation=utilisation)
+def size(
+    users: int,
+    requests_per_user_day: float,
+    tokens_per_answer: float,
+    tok_per_s: float,
+    *,
+    source: str = "--tok-per-s",
+    hours: float = HOURS_PER_DAY,
+    utilisation: float = TARGET_UTILISATION,
+    watts: float = WATTS_PER_MACHINE,
+    checkpoint_gb: float = CHECKPOINT_GB,
+) -> Sizing:
+    _check_inputs(
+        users,
+        requests_per_user_day,
+        tokens_per_answer,
+        tok_per_s,
+        hours,
+        utilisation,
+        watts,
+        checkpoint_gb,
+    )
+    machines = machines_needed(
+        users,
+        requests_per_user_day,
+        tokens_per_answer,
+        tok_per_s,
+        hours=hours,
+        utilisation=utilisation,
+    )
     latency = tokens_per_answer / tok_per_s
     demand = users * requests_per_user_day * latency
     capacity = hours * 3600 * utilisation
     return Sizing(
-        users=users, requests_per_user_day=requests_per_user_day,
-        tokens_per_answer=tokens_per_answer, tok_per_s=tok_per_s, tok_per_s_source=source,
-        hours_per_day=hours, target_utilisation=utilisation, machines=machines,
-        latency_s=latency, demand_machine_s_per_day=demand, capacity_s_per_machine=capacity,
+        users=users,
+        requests_per_user_day=requests_per_user_day,
+        tokens_per_answer=tokens_per_answer,
+        tok_per_s=tok_per_s,
+        tok_per_s_source=source,
+        hours_per_day=hours,
+        target_utilisation=utilisation,
+        machines=machines,
+        latency_s=latency,
+        demand_machine_s_per_day=demand,
+        capacity_s_per_machine=capacity,
         exact_machines=demand / capacity,
         utilisation_at_machines=demand / (machines * hours * 3600),
         answers_per_machine_day=capacity / latency,
-        watts_per_machine=watts, peak_kw=machines * watts / 1000,
+        watts_per_machine=watts,
+        peak_kw=machines * watts / 1000,
         kwh_per_day_max=machines * watts * hours / 1000,
         wh_per_answer=watts * latency / 3600,
-        checkpoint_gb_per_machine=checkpoint_gb, storage_tb=machines * checkpoint_gb / 1000,
+        checkpoint_gb_per_machine=checkpoint_gb,
+        storage_tb=machines * checkpoint_gb / 1000,
     )
 
 
-def _check_inputs(users: int, requests: float, tokens: float, tok_per_s: float,
-                  hours: float, utilisation: float, watts: float, checkpoint_gb: float) -> None:
+def _check_inputs(
+    users: int,
+    requests: float,
+    tokens: float,
+    tok_per_s: float,
+    hours: float,
+    utilisation: float,
+    watts: float,
+    checkpoint_gb: float,
+) -> None:
     def bad(what: str, value: Any, rule: str) -> K3Error:
-        return K3Error(f"{what} must be {rule} (got {value}).",
-                       "e.g. `k3tui plan --users 50 --requests-per-user-day 20 "
-                       "--tokens-per-answer 500 --tok-per-s 0.37`", 2)
+        return K3Error(
+            f"{what} must be {rule} (got {value}).",
+            "e.g. `k3tui plan --users 50 --requests-per-user-day 20 "
+            "--tokens-per-answer 500 --tok-per-s 0.37`",
+            2,
+        )
 
-    for what, value in (("--users", users), ("--requests-per-user-day", requests),
-                        ("--tokens-per-answer", tokens), ("the throughput (tok/s)", tok_per_s),
-                        ("--hours", hours), ("--watts", watts)):
+    for what, value in (
+        ("--users", users),
+        ("--requests-per-user-day", requests),
+        ("--tokens-per-answer", tokens),
+        ("the throughput (tok/s)", tok_per_s),
+        ("--hours", hours),
+        ("--watts", watts),
+    ):
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
             raise bad(what, value, "a positive number")
     if not 0 < utilisation <= 1:
@@ -131,8 +192,8 @@ def _check_inputs(users: int, requests: float, tokens: float, tok_per_s: float,
 
 # Keys a benchmark or server reports, in order of preference, and how to get tok/s.
 _RATE_KEYS: tuple[tuple[str, str], ...] = (
-    ("s_per_token", "inverse"),             # the engine's `bench stream` JSON, `k3` chunks
-    ("predicted_per_second", "direct"),     # llama-server `timings`
+    ("s_per_token", "inverse"),  # the engine's `bench stream` JSON, `k3` chunks
+    ("predicted_per_second", "direct"),  # llama-server `timings`
     ("predicted_per_token_ms", "inverse_ms"),
     ("tok_per_s", "direct"),
     ("tokens_per_s", "direct"),
@@ -150,13 +211,19 @@ def throughput_from_bench(path: str | Path) -> tuple[float, str]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise K3Error(f"{path} does not exist.",
-                      "pass the JSON written by `python -m engine bench stream` or a "
-                      "llama-server response with `timings`", 2) from None
+        raise K3Error(
+            f"{path} does not exist.",
+            "pass the JSON written by `python -m engine bench stream` or a "
+            "llama-server response with `timings`",
+            2,
+        ) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise K3Error(f"{path} is not a JSON file ({exc}).",
-                      "pass the JSON written by `python -m engine bench stream` or a "
-                      "llama-server response with `timings`", 2) from None
+        raise K3Error(
+            f"{path} is not a JSON file ({exc}).",
+            "pass the JSON written by `python -m engine bench stream` or a "
+            "llama-server response with `timings`",
+            2,
+        ) from None
     for key, how in _RATE_KEYS:
         found = _find_key(data, key)
         if found is None:
@@ -168,9 +235,12 @@ def throughput_from_bench(path: str | Path) -> tuple[float, str]:
             continue
         rate = {"direct": value, "inverse": 1.0 / value, "inverse_ms": 1000.0 / value}[how]
         return float(rate), f"{path.name}: {where} = {value:g}"
-    raise K3Error(f"{path} holds no throughput (no s_per_token or predicted_per_second).",
-                  "run `python -m engine bench stream --json` or save a llama-server "
-                  "response, or give --tok-per-s yourself", 2)
+    raise K3Error(
+        f"{path} holds no throughput (no s_per_token or predicted_per_second).",
+        "run `python -m engine bench stream --json` or save a llama-server "
+        "response, or give --tok-per-s yourself",
+        2,
+    )
 
 
 def _find_key(data: Any, key: str) -> tuple[str, Any] | None:
@@ -189,6 +259,7 @@ def _find_key(data: Any, key: str) -> tuple[str, Any] | None:
 
 
 # --- output --------------------------------------------------------------------------------
+
 
 def _duration(seconds: float) -> str:
     if seconds < 90:
@@ -215,24 +286,36 @@ WHY_LATENCY = (
 
 def render_text(s: Sizing) -> str:
     lines = [
-        (f"Sizing Kimi-K3 for {s.users} users × {_num(s.requests_per_user_day)} requests/day × "
-        f"{_num(s.tokens_per_answer)} tokens (reasoning included)"),
+        (
+            f"Sizing Kimi-K3 for {s.users} users × {_num(s.requests_per_user_day)} requests/day × "
+            f"{_num(s.tokens_per_answer)} tokens (reasoning included)"
+        ),
         f"throughput of one machine: {s.tok_per_s:.4g} tok/s ({s.tok_per_s_source})",
-        (f"model: {s.hours_per_day:g}-hour working day, {s.target_utilisation:.0%} target "
-        "utilisation, one request per machine at a time"),
+        (
+            f"model: {s.hours_per_day:g}-hour working day, {s.target_utilisation:.0%} target "
+            "utilisation, one request per machine at a time"
+        ),
         "",
         f"machines needed     {s.machines}",
-        (f"  demand {_num(s.demand_machine_s_per_day)} machine-s/day ÷ "
-        f"{_num(s.capacity_s_per_machine)} s/machine = {s.exact_machines:.2f} → "
-        f"{s.machines} ({s.utilisation_at_machines:.1%} busy)"),
-        (f"latency per answer  {_duration(s.latency_s)} ({_num(s.tokens_per_answer)} tokens ÷ "
-        f"{s.tok_per_s:.4g} tok/s), with 1 machine or {s.machines}"),
+        (
+            f"  demand {_num(s.demand_machine_s_per_day)} machine-s/day ÷ "
+            f"{_num(s.capacity_s_per_machine)} s/machine = {s.exact_machines:.2f} → "
+            f"{s.machines} ({s.utilisation_at_machines:.1%} busy)"
+        ),
+        (
+            f"latency per answer  {_duration(s.latency_s)} ({_num(s.tokens_per_answer)} tokens ÷ "
+            f"{s.tok_per_s:.4g} tok/s), with 1 machine or {s.machines}"
+        ),
         f"  one machine answers {s.answers_per_machine_day:.1f} requests per working day",
-        (f"power               ≤ {s.peak_kw:.1f} kW: {s.machines} × {s.watts_per_machine:g} W "
-        "(assumed: a DGX Spark's PSU rating)"),
+        (
+            f"power               ≤ {s.peak_kw:.1f} kW: {s.machines} × {s.watts_per_machine:g} W "
+            "(assumed: a DGX Spark's PSU rating)"
+        ),
         f"  ≤ {s.kwh_per_day_max:.1f} kWh per working day, ≤ {s.wh_per_answer:.1f} Wh per answer",
-        (f"storage             {s.storage_tb:.1f} TB: {s.machines} × "
-        f"{s.checkpoint_gb_per_machine:g} GB, a whole checkpoint on every machine"),
+        (
+            f"storage             {s.storage_tb:.1f} TB: {s.machines} × "
+            f"{s.checkpoint_gb_per_machine:g} GB, a whole checkpoint on every machine"
+        ),
         f"  (with the {GGUF_GB:.0f} GB GGUF instead: {s.machines * GGUF_GB / 1000:.1f} TB)",
         "",
         WHY_LATENCY,
@@ -257,25 +340,64 @@ def add_capacity_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags `main` reads; `commands/plan.py` may use this or declare its own."""
     g = parser.add_argument_group("cluster sizing (the DGX Spark study's model)")
     g.add_argument("--users", type=int, metavar="N", help="people using the service")
-    g.add_argument("--requests-per-user-day", type=float, metavar="R", help="requests per person per day")
-    g.add_argument("--tokens-per-answer", type=float, metavar="T", help="tokens per answer, reasoning included")
+    g.add_argument(
+        "--requests-per-user-day", type=float, metavar="R", help="requests per person per day"
+    )
+    g.add_argument(
+        "--tokens-per-answer", type=float, metavar="T", help="tokens per answer, reasoning included"
+    )
     src = g.add_mutually_exclusive_group()
-    src.add_argument("--tok-per-s", type=float, metavar="X", help="measured tokens/s of one machine")
-    src.add_argument("--from-bench", metavar="FILE",
-                     help="JSON from `python -m engine bench stream` or llama-server timings")
-    g.add_argument("--hours", type=float, default=HOURS_PER_DAY, metavar="H", help="working hours per day")
-    g.add_argument("--utilisation", type=float, default=TARGET_UTILISATION, metavar="U",
-                   help="target utilisation of each machine (0-1)")
-    g.add_argument("--watts", type=float, default=WATTS_PER_MACHINE, metavar="W",
-                   help="power per machine (assumed: a DGX Spark's 240 W PSU rating)")
-    g.add_argument("--checkpoint-gb", type=float, default=CHECKPOINT_GB, metavar="GB",
-                   help="checkpoint size each machine stores (GB)")
-    g.add_argument("--recipe", choices=("rpc", "sglang", "vllm"),
-                   help="print the launch recipe of one multi-machine route")
-    g.add_argument("--node-gib", type=float, default=121.0, metavar="GIB",
-                   help="memory of each machine pooled by the rpc recipe (DGX Spark: 121)")
-    g.add_argument("--gguf-gib", type=float, default=539.0, metavar="GIB",
-                   help="size of the GGUF the rpc recipe keeps resident")
+    src.add_argument(
+        "--tok-per-s", type=float, metavar="X", help="measured tokens/s of one machine"
+    )
+    src.add_argument(
+        "--from-bench",
+        metavar="FILE",
+        help="JSON from `python -m engine bench stream` or llama-server timings",
+    )
+    g.add_argument(
+        "--hours", type=float, default=HOURS_PER_DAY, metavar="H", help="working hours per day"
+    )
+    g.add_argument(
+        "--utilisation",
+        type=float,
+        default=TARGET_UTILISATION,
+        metavar="U",
+        help="target utilisation of each machine (0-1)",
+    )
+    g.add_argument(
+        "--watts",
+        type=float,
+        default=WATTS_PER_MACHINE,
+        metavar="W",
+        help="power per machine (assumed: a DGX Spark's 240 W PSU rating)",
+    )
+    g.add_argument(
+        "--checkpoint-gb",
+        type=float,
+        default=CHECKPOINT_GB,
+        metavar="GB",
+        help="checkpoint size each machine stores (GB)",
+    )
+    g.add_argument(
+        "--recipe",
+        choices=("rpc", "sglang", "vllm"),
+        help="print the launch recipe of one multi-machine route",
+    )
+    g.add_argument(
+        "--node-gib",
+        type=float,
+        default=121.0,
+        metavar="GIB",
+        help="memory of each machine pooled by the rpc recipe (DGX Spark: 121)",
+    )
+    g.add_argument(
+        "--gguf-gib",
+        type=float,
+        default=539.0,
+        metavar="GIB",
+        help="size of the GGUF the rpc recipe keeps resident",
+    )
 
 
 def _recipe_params(args: argparse.Namespace, route: str) -> dict[str, float]:
@@ -283,8 +405,11 @@ def _recipe_params(args: argparse.Namespace, route: str) -> dict[str, float]:
         return {}
     node, gguf = getattr(args, "node_gib", 121.0), getattr(args, "gguf_gib", 539.0)
     if not (node > 8 and gguf > 0):
-        raise K3Error(f"--node-gib must be more than 8 and --gguf-gib positive "
-                      f"(got {node:g} and {gguf:g}).", "e.g. --node-gib 121 --gguf-gib 539", 2)
+        raise K3Error(
+            f"--node-gib must be more than 8 and --gguf-gib positive (got {node:g} and {gguf:g}).",
+            "e.g. --node-gib 121 --gguf-gib 539",
+            2,
+        )
     return {"node_gib": node, "gguf_gib": gguf}
 
 
@@ -292,10 +417,19 @@ def _recipe_json(route: str, params: dict[str, float]) -> dict[str, Any]:
     from k3tui.recipes import recipe
 
     r = recipe(route, **params)
-    return {"route": r.route, "title": r.title, "checked_against": r.checked_against,
-            "sources": list(r.sources), "fit": list(r.fit), "connect": r.connect,
-            "steps": [{"where": st.where, "env": list(st.env), "argv": list(st.argv),
-                       "why": list(st.why)} for st in r.steps], "notes": list(r.notes)}
+    return {
+        "route": r.route,
+        "title": r.title,
+        "checked_against": r.checked_against,
+        "sources": list(r.sources),
+        "fit": list(r.fit),
+        "connect": r.connect,
+        "steps": [
+            {"where": st.where, "env": list(st.env), "argv": list(st.argv), "why": list(st.why)}
+            for st in r.steps
+        ],
+        "notes": list(r.notes),
+    }
 
 
 def main(args: argparse.Namespace) -> int:
@@ -311,32 +445,47 @@ def main(args: argparse.Namespace) -> int:
         else:
             print(render(recipe, **params))
         return 0
-    missing = [flag for flag, attr in (("--users", "users"),
-                                       ("--requests-per-user-day", "requests_per_user_day"),
-                                       ("--tokens-per-answer", "tokens_per_answer"))
-               if getattr(args, attr, None) is None]
+    missing = [
+        flag
+        for flag, attr in (
+            ("--users", "users"),
+            ("--requests-per-user-day", "requests_per_user_day"),
+            ("--tokens-per-answer", "tokens_per_answer"),
+        )
+        if getattr(args, attr, None) is None
+    ]
     if missing:
-        raise K3Error(f"sizing needs {', '.join(missing)}.",
-                      "e.g. `k3tui plan --users 50 --requests-per-user-day 20 "
-                      "--tokens-per-answer 500 --tok-per-s 0.37`", 2)
+        raise K3Error(
+            f"sizing needs {', '.join(missing)}.",
+            "e.g. `k3tui plan --users 50 --requests-per-user-day 20 "
+            "--tokens-per-answer 500 --tok-per-s 0.37`",
+            2,
+        )
     tok_per_s, bench = getattr(args, "tok_per_s", None), getattr(args, "from_bench", None)
     if tok_per_s is not None and bench:
-        raise K3Error("give either --tok-per-s or --from-bench, not both.",
-                      "drop one of them", 2)
+        raise K3Error("give either --tok-per-s or --from-bench, not both.", "drop one of them", 2)
     if bench:
         tok_per_s, source = throughput_from_bench(bench)
     elif tok_per_s is not None:
         source = "--tok-per-s"
     else:
-        raise K3Error("sizing needs the throughput of one machine.",
-                      "measure it (`python -m engine bench stream`) and pass --from-bench "
-                      "FILE, or pass --tok-per-s X (the DGX Spark study measured 0.37)", 2)
-    sizing = size(args.users, args.requests_per_user_day, args.tokens_per_answer, tok_per_s,
-                  source=source,
-                  hours=getattr(args, "hours", HOURS_PER_DAY),
-                  utilisation=getattr(args, "utilisation", TARGET_UTILISATION),
-                  watts=getattr(args, "watts", WATTS_PER_MACHINE),
-                  checkpoint_gb=getattr(args, "checkpoint_gb", CHECKPOINT_GB))
+        raise K3Error(
+            "sizing needs the throughput of one machine.",
+            "measure it (`python -m engine bench stream`) and pass --from-bench "
+            "FILE, or pass --tok-per-s X (the DGX Spark study measured 0.37)",
+            2,
+        )
+    sizing = size(
+        args.users,
+        args.requests_per_user_day,
+        args.tokens_per_answer,
+        tok_per_s,
+        source=source,
+        hours=getattr(args, "hours", HOURS_PER_DAY),
+        utilisation=getattr(args, "utilisation", TARGET_UTILISATION),
+        watts=getattr(args, "watts", WATTS_PER_MACHINE),
+        checkpoint_gb=getattr(args, "checkpoint_gb", CHECKPOINT_GB),
+    )
     if getattr(args, "json", False):
         out: dict[str, Any] = asdict(sizing)
         out["why_latency"] = " ".join(WHY_LATENCY.split())

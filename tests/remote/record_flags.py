@@ -22,22 +22,32 @@ from pathlib import Path
 
 # Source files that define the server CLI of each project (inside the wheel).
 SOURCES = {
-    "sglang": re.compile(r"^sglang/(srt/server_args\.py|srt/arg_groups/fields/[^/]+\.py|cli/[^/]+\.py)$"),
-    "vllm": re.compile(r"^vllm/(engine/arg_utils\.py|entrypoints/(common/cli_args|cli/serve|cli/main)\.py)$"),
+    "sglang": re.compile(
+        r"^sglang/(srt/server_args\.py|srt/arg_groups/fields/[^/]+\.py|cli/[^/]+\.py)$"
+    ),
+    "vllm": re.compile(
+        r"^vllm/(engine/arg_utils\.py|entrypoints/(common/cli_args|cli/serve|cli/main)\.py)$"
+    ),
 }
 FLAG = re.compile(r"^--[a-z0-9][a-z0-9-]*$")
 # Files whose string lists / dict keys are the accepted parser names: recorded as
 # `--reasoning-parser=NAME` / `--tool-call-parser=NAME` lines.
 PARSERS = {
-    "sglang": {"--reasoning-parser": "sglang/srt/parser/reasoning_parser_names.py",
-               "--tool-call-parser": "sglang/srt/function_call/parser_names.py"},
-    "vllm": {"--reasoning-parser": "vllm/reasoning/__init__.py",
-             "--tool-call-parser": "vllm/tool_parsers/__init__.py"},
+    "sglang": {
+        "--reasoning-parser": "sglang/srt/parser/reasoning_parser_names.py",
+        "--tool-call-parser": "sglang/srt/function_call/parser_names.py",
+    },
+    "vllm": {
+        "--reasoning-parser": "vllm/reasoning/__init__.py",
+        "--tool-call-parser": "vllm/tool_parsers/__init__.py",
+    },
 }
 ARCH = "KimiK3ForConditionalGeneration"
 # The `serve` subcommand, and each project's own environment variables.
-SERVE = {"sglang": ("sglang/cli/main.py", '"serve"'),
-         "vllm": ("vllm/entrypoints/cli/serve.py", 'name = "serve"')}
+SERVE = {
+    "sglang": ("sglang/cli/main.py", '"serve"'),
+    "vllm": ("vllm/entrypoints/cli/serve.py", 'name = "serve"'),
+}
 ENVIRON = {"sglang": ("sglang/srt/environ.py", "SGLANG_"), "vllm": ("vllm/envs.py", "VLLM_")}
 
 
@@ -45,7 +55,11 @@ def _flags_from_source(text: str, dataclass_fields: bool) -> set[str]:
     flags: set[str] = set()
     tree = ast.parse(text)
     for node in ast.walk(tree):
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and FLAG.match(node.value):
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and FLAG.match(node.value)
+        ):
             flags.add(node.value)  # add_argument literals, aliases=[...], cli_name=...
         if dataclass_fields and isinstance(node, ast.ClassDef):
             for item in node.body:
@@ -59,8 +73,11 @@ def _flags_from_source(text: str, dataclass_fields: bool) -> set[str]:
 def _names(text: str) -> set[str]:
     names: set[str] = set()
     for node in ast.walk(ast.parse(text)):
-        items = node.keys if isinstance(node, ast.Dict) else (
-            node.elts if isinstance(node, (ast.List, ast.Tuple, ast.Set)) else [])
+        items = (
+            node.keys
+            if isinstance(node, ast.Dict)
+            else (node.elts if isinstance(node, (ast.List, ast.Tuple, ast.Set)) else [])
+        )
         for item in items:
             if isinstance(item, ast.Constant) and isinstance(item.value, str):
                 names.add(item.value)
@@ -85,15 +102,23 @@ def record(wheel: Path) -> Path:
             flags.add("subcommand=serve")
         path, prefix = ENVIRON[project]
         text = zf.read(path).decode("utf-8")
-        flags |= {f"env={m}" for m in
-                  re.findall(rf'^\s+"?({prefix}[A-Z0-9_]+)"?\s*[:=]', text, re.MULTILINE)}
-        if any(ARCH in zf.read(n).decode("utf-8", "replace") for n in zf.namelist()
-               if n.endswith(".py") and "models" in n):
+        flags |= {
+            f"env={m}"
+            for m in re.findall(rf'^\s+"?({prefix}[A-Z0-9_]+)"?\s*[:=]', text, re.MULTILINE)
+        }
+        if any(
+            ARCH in zf.read(n).decode("utf-8", "replace")
+            for n in zf.namelist()
+            if n.endswith(".py") and "models" in n
+        ):
             flags.add(f"architecture={ARCH}")
     sha = hashlib.sha256(wheel.read_bytes()).hexdigest()
     out = Path(__file__).parent / "data" / f"{project}-{version}-flags.txt"
-    header = (f"# flags accepted by `{project}` {version}, read from {wheel.name}\n"
-              f"# sha256 {sha}\n# written by tests/remote/record_flags.py; one flag (or flag=accepted value) a line\n")
+    header = (
+        f"# flags accepted by `{project}` {version}, read from {wheel.name}\n"
+        f"# sha256 {sha}\n"
+        "# written by tests/remote/record_flags.py; one flag (or flag=accepted value) a line\n"
+    )
     out.write_text(header + "\n".join(sorted(flags)) + "\n", encoding="utf-8")
     return out
 

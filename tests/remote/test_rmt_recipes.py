@@ -36,7 +36,7 @@ def _flags(argv: tuple[str, ...]) -> list[tuple[str, str | None]]:
 def test_rmt_rpc_node_count_is_computed():
     s = recipes.rpc_sizing()  # the 539 GiB GGUF on 121 GiB DGX Sparks
     assert s.weights_only_nodes == 5  # ceil(539 / 121)
-    assert s.nodes == 5               # ceil((539 + cache) / (121 - 8))
+    assert s.nodes == 5  # ceil((539 + cache) / (121 - 8))
     assert 539 < s.need_gib < 541
     # Less memory per node or a bigger reserve needs more nodes; the text follows.
     assert recipes.rpc_sizing(node_gib=121, reserve_gib=16).nodes == 6
@@ -61,7 +61,9 @@ def test_rmt_every_route_renders_with_version_source_and_connect():
 
 
 def _help(binary: Path) -> str:
-    out = subprocess.run([str(binary), "--help"], capture_output=True, text=True, timeout=30, check=False)
+    out = subprocess.run(
+        [str(binary), "--help"], capture_output=True, text=True, timeout=30, check=False
+    )
     return out.stdout + out.stderr
 
 
@@ -76,8 +78,9 @@ def test_rmt_rpc_flags_exist_in_the_llama_cpp_binaries():
         text = helps[step.program]
         for flag, value in _flags(step.argv[1:]):
             # A flag appears in --help as a whole word (`-c,` `--rpc SERVERS` …).
-            assert re.search(rf"(^|[\s,]){re.escape(flag)}([\s,=]|$)", text, re.MULTILINE), \
+            assert re.search(rf"(^|[\s,]){re.escape(flag)}([\s,=]|$)", text, re.MULTILINE), (
                 f"{step.program} has no {flag}"
+            )
         if step.program == "llama-server":
             assert "'all'" in text  # -ngl all is accepted
     # A flag that llama.cpp removed must not be printed (notes §6: --no-mmap is gone).
@@ -85,10 +88,13 @@ def test_rmt_rpc_flags_exist_in_the_llama_cpp_binaries():
     assert "--no-mmap" not in rendered and "--mlock" not in rendered
 
 
-@pytest.mark.parametrize("route,recorded,program", [
-    ("sglang", "sglang-0.5.23-flags.txt", ("sglang", "serve")),
-    ("vllm", "vllm-0.33.0-flags.txt", ("vllm", "serve")),
-])
+@pytest.mark.parametrize(
+    "route,recorded,program",
+    [
+        ("sglang", "sglang-0.5.23-flags.txt", ("sglang", "serve")),
+        ("vllm", "vllm-0.33.0-flags.txt", ("vllm", "serve")),
+    ],
+)
 def test_rmt_recipe_flags_exist_in_the_named_version(route, recorded, program):
     known = _recorded(recorded)
     version = recorded.split("-")[1]
