@@ -835,7 +835,7 @@ def wait_ready(backend: RunningBackend, *, total_bytes: int | None = None,
                 if ps is not None:
                     read, rss = _tree_io(ps)
                 on_progress(LoadProgress(elapsed, read, rss, total_bytes, message))
-            time.sleep(interval_s)
+            time.sleep(interval_s if elapsed > 2.0 else 0.05)  # tiny models: ready at once
 
 
 def _tree_io(ps: Any) -> tuple[int | None, int | None]:
