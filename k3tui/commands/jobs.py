@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _gb(n: float | None) -> str:
-    return "?" if n is None else f"{n / 1e9:,.2f} GB" if n >= 1e7 else f"{n / 1e6:,.1f} MB"
+    return "?" if n is None else f"{n / 1e9:,.2f} GB" if n >= 1e9 else f"{n / 1e6:,.1f} MB"
 
 
 def _eta(s: float | None) -> str:
@@ -97,7 +97,8 @@ def render_state(state: dict):
         table = Table.grid(padding=(0, 2))
         for f in busy[:8]:
             pct = 100 * f["done"] / f["size"] if f["size"] else 100.0
-            table.add_row(f["name"], f"{pct:5.1f}%", _gb(f["size"]), f["status"])
+            table.add_row(f["name"], f"{pct:5.1f}%", f"{_gb(f['done'])} / {_gb(f['size'])}",
+                          f["status"])
         parts.append(table)
     if files:
         n_done = sum(f["status"] == "done" for f in files)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import re
 import time
 from dataclasses import dataclass
 
@@ -55,6 +56,11 @@ def hub_token() -> str | None:
     return get_token()
 
 
+def redact(text: str) -> str:
+    """Drop URL query strings (signed CDN URLs) from anything we log or show."""
+    return re.sub(r"(https?://[^\s'\"?]+)\?[^\s'\"]*", r"\1?…", text)
+
+
 def http():
     """The HTTP client module huggingface_hub itself uses (httpx2 in 2.x). Plain `httpx`
     would also import rich (its CLI), which core modules must not pull in."""
@@ -90,6 +96,9 @@ def explain(exc: BaseException, repo: str, revision: str = "main",
 
     page = f"{hub_endpoint()}/{repo}"
     status = _status(exc)
+    if isinstance(exc, e.OfflineModeIsEnabled):
+        return K3Error("HF_HUB_OFFLINE is set, so the Hub cannot be asked for the file list.",
+                       "unset HF_HUB_OFFLINE to download", 2)
     if isinstance(exc, e.GatedRepoError):     # subclass of RepositoryNotFoundError: first
         if status == 403:
             return K3Error(f"Your Hugging Face token has no access to {repo} yet.",
@@ -119,7 +128,7 @@ def explain(exc: BaseException, repo: str, revision: str = "main",
     if is_transient(exc):
         return K3Error(f"Could not reach the Hub at {hub_endpoint()} ({type(exc).__name__}).",
                        "check the network (or HF_ENDPOINT) and rerun; nothing is lost")
-    return K3Error(f"The Hub answered with an error: {exc}".split("\n")[0],
+    return K3Error(redact(f"The Hub answered with an error: {exc}".split("\n")[0]),
                    "rerun; if it persists, check the repo page " + page)
 
 

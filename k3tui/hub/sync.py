@@ -230,6 +230,13 @@ def download(snapshot: RepoSnapshot, target: Path, *, workers: int = 4,
     finally:
         client.close()
     result.cancelled = stop.is_set() and result.error is None
+    if not result.failed and not result.cancelled:
+        for d in sorted((store.meta / "partial").rglob("*"), reverse=True):
+            if d.is_dir():
+                try:
+                    d.rmdir()          # only empty leftovers of nested file names
+                except OSError:
+                    pass
     result.ok = not result.failed and not result.cancelled
     if result.failed and result.error is None:
         result.error = K3Error(

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from k3tui.hub.progress import Progress
-from k3tui.hub.remote import RemoteFile, RepoSnapshot, explain, http, is_transient
+from k3tui.hub.remote import RemoteFile, RepoSnapshot, explain, http, is_transient, redact
 from k3tui.hub.store import LocalStore, drop_page_cache, expected_digest, hash_file, new_hasher
 
 CHUNK_BYTES = 1 << 20             # unit of writing, hence the most a kill can make us re-fetch
@@ -220,7 +220,7 @@ class FileFetch:
                     raise HubRefused(explain(exc, self.snap.repo, self.snap.revision,
                                              bool(self.opts.token))) from None
                 failures = 1 if self.have > before else failures + 1
-                what = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                what = f"{type(exc).__name__}: {redact(str(exc).splitlines()[0] if str(exc) else '')}"
                 self.log(f"{self.rf.name}: {what} at byte {self.have:,}; "
                          f"retry {failures}/{self.opts.max_failures}")
                 self.progress.error(f"{self.rf.name}: {what}")

@@ -102,11 +102,14 @@ def test_dl_token_goes_to_hub_never_to_cdn(repo_dir, tmp_path, monkeypatch):
     with FakeHub(repo_dir, REPO_ID, cdn=True, gated_token="hf_good") as hub:
         monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
         monkeypatch.setenv("HF_TOKEN", "hf_good")
-        hub.faults[BIG] = [Fault.cut(3_000_000)]
+        hub.faults[BIG] = [Fault.cut(3_000_000), Fault.http_status(503)]
         snap = fetch_snapshot(REPO_ID)
+        lines: list[str] = []
         res = download(snap, tmp_path / "out", opts=Options(token="hf_good", **FAST),
-                       log=lambda m: None)
+                       log=lines.append)
         assert res.ok
+        assert any("503" in line for line in lines)
+        assert not any("hf_good" in line or "sig=" in line for line in lines), lines
         hub_port = int(hub.endpoint.rsplit(":", 1)[1])
         on_hub = [e for e in hub.requests() if e["port"] == hub_port]
         on_cdn = [e for e in hub.requests() if e["port"] != hub_port]
