@@ -36,11 +36,11 @@ class Preset:
 
 
 PRESETS: dict[str, Preset] = {p.name: p for p in [
-    Preset("laptop", 3.0, 1.0, 8.2, "the floor: ~27 s/token"),
+    Preset("laptop", 3.0, 1.0, 8.2, "the floor, ~27 s/token"),
     Preset("desktop", 16.0, 10.0, 31.9, "~24 s/token"),
     Preset("workstation", 60.0, 30.0, 95.5, "~6-20 s/token"),
-    Preset("server", 110.0, 13.0, 128.0, "90 of 93 layers pinned: fastest, ~6 s/token"),
-    Preset("max", 110.0, 109.0, 224.0, "not faster than server; never picked automatically"),
+    Preset("server", 110.0, 13.0, 128.0, "fastest, ~6 s/token"),
+    Preset("max", 110.0, 109.0, 224.0, "no faster than server"),
 ]}
 PRESET_HEADROOM = 1.05  # the peer's forecast missed peak RSS by up to 1.84 GB
 MIN_USABLE_BYTES = 3 * GB  # the peer's `--preset auto` refuses below this

