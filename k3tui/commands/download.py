@@ -81,6 +81,18 @@ def run(args: argparse.Namespace) -> int:
     if reporter is not None:
         return _run_in_job(reporter, repo, revision, target, include, args, check)
 
+    running = [j for j in jobs.list_jobs() if j["status"] == "running"
+               and j.get("kind") == "download" and j.get("target") == str(target)]
+    if running and not args.foreground:       # "rerun to resume" while it still runs
+        job_id = running[0]["id"]
+        print(f"Job {job_id} is already downloading into {target}.")
+        if args.detach:
+            print(f"Watch it with `k3tui jobs attach {job_id}`.")
+            return 0
+        from k3tui.commands.jobs import attach
+
+        return attach(job_id)
+
     from k3tui.hub import fetch_snapshot, plan_download
     from k3tui.hub.remote import check_access
 

@@ -16,6 +16,7 @@ import pytest
 from dl_helpers import BIG, REPO_ID, k3, wait_for
 
 from k3tui import jobs
+from k3tui.errors import K3Error
 from k3tui.hub import CHUNK_BYTES
 from k3tui.hub.fakehub import Fault
 
@@ -75,9 +76,14 @@ def test_dl_sigkill_then_rerun_resends_at_most_one_chunk(hub, repo_dir, tmp_path
 def test_dl_one_job_per_folder_and_cancel_keeps_partial(hub, repo_dir, tmp_path):
     out = tmp_path / "out"
     state, release = start_held(hub, out, 2 * CHUNK_BYTES + 300_000)
-    busy = k3("download", REPO_ID, "--dir", str(out), "--detach", check=False)
-    assert busy.returncode == 2 and f"Job {state['id']} is already working" in busy.stderr
+    again = k3("download", REPO_ID, "--dir", str(out), "--detach")
+    assert f"Job {state['id']} is already downloading" in again.stdout
+    with pytest.raises(K3Error, match=f"Job {state['id']} is already working"):
+        jobs.start_job("download", jobs.k3tui_argv("--version"), str(out))
+    busy = k3("download", REPO_ID, "--dir", str(out), "--foreground", check=False)
+    assert busy.returncode == 2 and "already working" in busy.stderr
     assert "Traceback" not in busy.stderr
+    assert len(jobs.list_jobs()) == 1
 
     listing = k3("jobs").stdout
     assert state["id"] in listing and "running" in listing
