@@ -272,3 +272,40 @@ def test_setup_in_tmux(tmp_path, _isolated_home, cancel):
         assert 'kind = "safetensors"' in text and 'kind = "bundled"' in text
     finally:
         _tmux("kill-session", "-t", session)
+
+
+RMT_ENDPOINT = Path(__file__).resolve().parents[1] / "remote" / "rmt_fake_endpoint.py"
+
+
+@pytest.mark.skipif(not RMT_ENDPOINT.is_file(), reason="the remote area's test endpoint is absent")
+def test_remote_path_against_a_real_loopback_endpoint(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "endpoint.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen([sys.executable, str(RMT_ENDPOINT), "--port", str(port),
+                                 "--api-key", "sk-loopback-key-1234"], stdout=fh,
+                                stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while b"listening" not in log.read_bytes():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        url = f"http://127.0.0.1:{port}/v1"
+        # a wrong key first: the real check fails, the user declines, nothing is written
+        rc, out = drive(DOWN * 2 + ENTER + url + ENTER + "wrong" + ENTER + "n",
+                        load_report("laptop-8g"))
+        assert rc == 1 and "no changes were made" in out and not config_exists()
+        rc, out = drive(DOWN * 2 + ENTER + url + ENTER + "sk-loopback-key-1234" + ENTER + "y",
+                        load_report("laptop-8g"))
+        assert rc == 0, out
+        cfg = load_config()
+        assert (cfg.backend.kind, cfg.remote.url, cfg.remote.model) == ("remote", url, "fake-k3")
+        assert load_credentials()["remote_api_key"] == "sk-loopback-key-1234"
+        assert "sk-loopback-key-1234" not in log.read_text()
+    finally:
+        proc.terminate()
+        proc.wait(10)
