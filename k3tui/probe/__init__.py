@@ -26,23 +26,30 @@ def probe_machine(target_dir: str | Path | None = None, measure: bool = False,
     from k3tui.probe.report import host_facts, now
     from k3tui.probe.storage import measure_storage, probe_storage
 
+    from concurrent.futures import ThreadPoolExecutor
+
     env = env or ProbeEnv()
     t0 = time.perf_counter()
     mounts = read_mounts(env)
     cg = probe_cgroup(env, mounts)
     hostname, kernel = host_facts()
     report = MachineReport(hostname=hostname, kernel=kernel, probed_at=now())
-    report.cpu = probe_cpu(env, cg.cpu_quota_cores)
-    report.memory = probe_memory(env, cg)
-    report.gpu = probe_gpu(env)
-    if target_dir is None:
-        from k3tui.paths import get_paths
+    # nvidia-smi (slow without persistence mode) and systemd-run are separate processes:
+    # wait for them side by side, not one after the other.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        gpu = pool.submit(probe_gpu, env)
+        isolation = pool.submit(probe_isolation, env, cg) if check_isolation else None
+        report.cpu = probe_cpu(env, cg.cpu_quota_cores)
+        report.memory = probe_memory(env, cg)
+        if target_dir is None:
+            from k3tui.paths import get_paths
 
-        target_dir = get_paths().models_dir
-    report.storage = probe_storage(env, target_dir, mounts)
+            target_dir = get_paths().models_dir
+        report.storage = probe_storage(env, target_dir, mounts)
+        report.gpu = gpu.result()
+        report.isolation = isolation.result() if isolation else IsolationInfo(
+            detail="not checked")
     if measure:
         measure_storage(env, report.storage)
-    report.isolation = probe_isolation(env, cg) if check_isolation else IsolationInfo(
-        detail="not checked")
     report.probe_seconds = round(time.perf_counter() - t0, 3)
     return report

@@ -29,7 +29,7 @@ class IsolationInfo:
 def check_systemd_scope(env: ProbeEnv) -> tuple[bool, str]:
     res = env.run([*env.systemd_run, "--user", "--scope", "--quiet",
                    "-p", f"MemoryMax={TEST_LIMIT}", "-p", "MemorySwapMax=0", "--",
-                   "sh", "-c", READ_BACK], timeout=min(env.timeout_s, 5.0))
+                   "sh", "-c", READ_BACK], timeout=min(env.timeout_s, 3.0))
     if res is None:
         return False, "systemd-run is not available"
     if res.returncode != 0:
