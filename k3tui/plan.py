@@ -112,11 +112,11 @@ def recommend_model_kind(report: MachineReport) -> str:
     return "safetensors"
 
 
-def _fmt(n: int | float) -> str:
+def fmt_gib(n: float) -> str:
     return f"{n / GiB:.1f} GiB"
 
 
-def disk_size(n: int | float) -> str:
+def disk_size(n: float) -> str:
     """Disk sizes in decimal units, as drives and checkpoints are sold and listed."""
     return f"{n / 1e12:.2f} TB" if n >= 1e12 else f"{n / GB:.1f} GB"
 
@@ -186,9 +186,9 @@ def _gpu_findings(report: MachineReport) -> list[Finding]:
     if not apps:
         return []
     held = report.gpu.held_by_apps_bytes
-    who = ", ".join(f"{a.name or '?'} (pid {a.pid}, {_fmt(a.used_bytes or 0)})" for a in apps)
+    who = ", ".join(f"{a.name or '?'} (pid {a.pid}, {fmt_gib(a.used_bytes or 0)})" for a in apps)
     return [Finding("warn", "gpu_busy", f"GPU memory held by other processes: {who}",
-                    f"stop them before starting the model (they hold {_fmt(held)})")]
+                    f"stop them before starting the model (they hold {fmt_gib(held)})")]
 
 
 def _memory_findings(report: MachineReport) -> list[Finding]:
@@ -200,8 +200,8 @@ def _memory_findings(report: MachineReport) -> list[Finding]:
                            "close memory-hungry programs"))
     if m.cgroup_limit_bytes is not None and m.cgroup_limit_bytes < m.total_bytes:
         out.append(Finding("info", "cgroup_limit",
-                           f"a cgroup limit of {_fmt(m.cgroup_limit_bytes)} caps k3tui "
-                           f"(the machine has {_fmt(m.total_bytes)})"))
+                           f"a cgroup limit of {fmt_gib(m.cgroup_limit_bytes)} caps k3tui "
+                           f"(the machine has {fmt_gib(m.total_bytes)})"))
     return out
 
 
@@ -262,10 +262,10 @@ def _plan_llama(report: MachineReport, plan: Plan, ctx: int, budget: int) -> Non
     if gpu.unified_memory:
         held = gpu.held_by_apps_bytes
         limit = mem.total_bytes - DRIVER_RESERVE_BYTES - held
-        reason = (f"{_fmt(mem.total_bytes)} unified memory minus {_fmt(DRIVER_RESERVE_BYTES)} "
-                  f"for the driver and the system")
+        reason = (f"{fmt_gib(mem.total_bytes)} unified memory minus "
+                  f"{fmt_gib(DRIVER_RESERVE_BYTES)} for the driver and the system")
         if held:
-            reason += f" minus {_fmt(held)} held by other GPU processes"
+            reason += f" minus {fmt_gib(held)} held by other GPU processes"
         plan.findings.append(Finding(
             "warn", "unified_memory",
             "unified memory is shared by the GPU and the page cache: an uncapped mmap of the "
@@ -274,7 +274,7 @@ def _plan_llama(report: MachineReport, plan: Plan, ctx: int, budget: int) -> Non
     else:
         reserve = max(2 * GiB, int(0.1 * mem.effective_total_bytes))
         limit = mem.effective_total_bytes - reserve
-        reason = f"{_fmt(mem.effective_total_bytes)} RAM minus {_fmt(reserve)} for the system"
+        reason = f"{fmt_gib(mem.effective_total_bytes)} RAM minus {fmt_gib(reserve)} for the system"
         if not gpu.present:
             plan.findings.append(Finding(
                 "warn", "no_gpu",
@@ -283,12 +283,12 @@ def _plan_llama(report: MachineReport, plan: Plan, ctx: int, budget: int) -> Non
                 "`k3tui setup` and choose the safetensors checkpoint"))
     if mem.cgroup_limit_bytes is not None and mem.cgroup_limit_bytes - GiB < limit:
         limit = mem.cgroup_limit_bytes - GiB
-        reason += f", capped by the cgroup limit {_fmt(mem.cgroup_limit_bytes)} minus 1 GiB"
+        reason += f", capped by the cgroup limit {fmt_gib(mem.cgroup_limit_bytes)} minus 1 GiB"
     if limit < LLAMA_MIN_BYTES:
         plan.findings.append(Finding(
             "blocker", "memory_limit_too_small",
-            f"only {_fmt(max(limit, 0))} would be left for llama-server "
-            f"(it needs at least {_fmt(LLAMA_MIN_BYTES)})",
+            f"only {fmt_gib(max(limit, 0))} would be left for llama-server "
+            f"(it needs at least {fmt_gib(LLAMA_MIN_BYTES)})",
             "free memory (stop other GPU processes) or use the bundled engine"))
     plan.memory_limit_bytes = max(0, int(limit))
     plan.memory_limit_reason = reason
@@ -336,14 +336,14 @@ def describe_machine(report: MachineReport) -> list[str]:
     simd = ", ".join(n for n, ok in (("AVX2", c.avx2), ("AVX-512", c.avx512),
                                      ("NEON", c.neon)) if ok) or "no SIMD"
     lines = [f"CPU     {c.usable} usable cores, {c.arch} ({simd})"]
-    ram = f"RAM     {_fmt(m.total_bytes)} total, {_fmt(m.available_bytes)} available"
+    ram = f"RAM     {fmt_gib(m.total_bytes)} total, {fmt_gib(m.available_bytes)} available"
     if m.cgroup_limit_bytes is not None:
-        ram += f", cgroup limit {_fmt(m.cgroup_limit_bytes)}"
+        ram += f", cgroup limit {fmt_gib(m.cgroup_limit_bytes)}"
     lines.append(ram)
     if not g.present:
         lines.append("GPU     no GPU")
     for gpu in g.gpus:
-        mem = "unified memory" if gpu.unified else _fmt(gpu.memory_total_bytes or 0)
+        mem = "unified memory" if gpu.unified else fmt_gib(gpu.memory_total_bytes or 0)
         lines.append(f"GPU     {gpu.name} ({mem})")
     if s.path:
         disk = s.disk_kind if s.disk_kind != "unknown" else "disk"
@@ -367,7 +367,7 @@ def format_plan(plan: Plan, report: MachineReport) -> str:
                "--host", "127.0.0.1", "--port", "<free port>", *plan.llama_server_args]
         out.append("Command: " + " ".join(cmd))
         if plan.memory_limit_bytes is not None:
-            out.append(f"Memory limit: {_fmt(plan.memory_limit_bytes)} "
+            out.append(f"Memory limit: {fmt_gib(plan.memory_limit_bytes)} "
                        f"({plan.memory_limit_bytes} bytes) = {plan.memory_limit_reason}")
         out.append("Why these flags:")
         out += [f"  {flag:<24} {why}" for flag, why in plan.flag_reasons]

@@ -51,17 +51,13 @@ def _model_bytes_present(directory: Path, kind: str) -> int:
 def run_checks(target: str | None, measure: bool) -> tuple[list[Check], dict]:
     from k3tui.config import Config, config_exists, load_config
     from k3tui.paths import get_paths
-    from k3tui.plan import _fmt, describe_machine, disk_size, make_plan
+    from k3tui.plan import fmt_gib, describe_machine, disk_size, make_plan
     from k3tui.probe import probe_machine
 
     checks: list[Check] = []
     paths = get_paths()
     cfg: Config = Config()
-    if sys.version_info < (3, 11):
-        checks.append(Check("python", "fail", f"Python {sys.version.split()[0]} is too old",
-                            "install Python 3.11 or newer"))
-    else:
-        checks.append(Check("python", "ok", f"Python {sys.version.split()[0]}"))
+    checks.append(Check("python", "ok", f"Python {sys.version.split()[0]} ({sys.executable})"))
     if not config_exists():
         checks.append(Check("config", "warn", f"no config yet ({paths.config_file})",
                             "k3tui setup"))
@@ -85,7 +81,7 @@ def run_checks(target: str | None, measure: bool) -> tuple[list[Check], dict]:
     m = report.memory
     mem = lines["ram"]
     mem += f"; cgroup {m.cgroup_version}"
-    mem += "" if m.cgroup_limit_bytes is None else f" limit {_fmt(m.cgroup_limit_bytes)}"
+    mem += "" if m.cgroup_limit_bytes is None else f" limit {fmt_gib(m.cgroup_limit_bytes)}"
     mem += ("; PSI unavailable" if m.psi_some_avg10 is None
             else f"; pressure {m.psi_some_avg10:.1f}%")
     checks.append(Check("memory", "ok", mem))
@@ -95,7 +91,7 @@ def run_checks(target: str | None, measure: bool) -> tuple[list[Check], dict]:
                                  if cfg.model.kind != "gguf" else "")
     else:
         gpu_detail = "; ".join(
-            f"{x.name} ({'unified memory' if x.unified else _fmt(x.memory_total_bytes or 0)})"
+            f"{x.name} ({'unified memory' if x.unified else fmt_gib(x.memory_total_bytes or 0)})"
             for x in g.gpus)
         gpu_detail += f"; driver {g.driver_version}" if g.driver_version else ""
     checks.append(Check("gpu", "ok", gpu_detail))
