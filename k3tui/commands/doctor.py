@@ -51,7 +51,7 @@ def _model_bytes_present(directory: Path, kind: str) -> int:
 def run_checks(target: str | None, measure: bool) -> tuple[list[Check], dict]:
     from k3tui.config import Config, config_exists, load_config
     from k3tui.paths import get_paths
-    from k3tui.plan import fmt_gib, describe_machine, disk_size, make_plan
+    from k3tui.plan import describe_machine, disk_size, fmt_gib, make_plan
     from k3tui.probe import probe_machine
 
     checks: list[Check] = []

@@ -67,8 +67,14 @@ def mount_for(path: str, mounts: list[Mount]) -> Mount | None:
 
 
 def _existing(path: Path) -> Path:
+    """Nearest ancestor that exists and can be looked at (EACCES counts as not there)."""
     p = path
-    while not p.exists() and p != p.parent:
+    while p != p.parent:
+        try:
+            if p.exists():
+                return p
+        except OSError:
+            pass
         p = p.parent
     return p
 
@@ -163,7 +169,7 @@ def probe_storage(env: ProbeEnv, target: str | Path, mounts: list[Mount] | None 
         info.total_bytes = st.f_blocks * st.f_frsize
     except OSError:
         pass
-    if test_o_direct and existing.is_dir():
+    if test_o_direct and os.access(existing, os.X_OK) and existing.is_dir():
         info.o_direct = check_o_direct(existing)
     return info
 
