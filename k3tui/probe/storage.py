@@ -79,6 +79,14 @@ def _existing(path: Path) -> Path:
     return p
 
 
+def _resolve(path: Path) -> str:
+    """Symlinks resolved where allowed; the plain absolute path where not (EACCES)."""
+    try:
+        return str(path.resolve())
+    except OSError:
+        return os.path.abspath(path)
+
+
 def _disk_dir(env: ProbeEnv, mount: Mount) -> Path | None:
     """sysfs directory of the whole disk behind a mount, following partitions and dm/md."""
     cand = env.sys / "dev" / "block" / mount.major_minor
@@ -150,11 +158,11 @@ def probe_storage(env: ProbeEnv, target: str | Path, mounts: list[Mount] | None 
     target = Path(target).expanduser()
     target = target if target.is_absolute() else Path.cwd() / target
     existing = _existing(target)
-    real = str(existing.resolve())
+    real = _resolve(existing)
     info = StorageInfo(path=str(target), probed_path=real)
     mounts = read_mounts(env) if mounts is None else mounts
     # the mount the target will live on (its missing tail is created on that filesystem)
-    m = mount_for(str(target.resolve()), mounts)
+    m = mount_for(_resolve(target), mounts)
     if m is not None:
         info.mount_point, info.fstype, info.source = m.mount_point, m.fstype, m.source
         info.fs_class = fs_class(m.fstype)
