@@ -152,6 +152,10 @@ def _storage_findings(report: MachineReport, need: int, extra: int, have: int,
         out.append(Finding("warn", "tmpfs",
                            f"{where} is RAM-backed ({s.fstype}): it competes with the model for "
                            f"memory and is lost at reboot", "choose a disk-backed directory"))
+    elif s.fs_class == "pseudo":
+        out.append(Finding("blocker", "pseudo_fs",
+                           f"{where} is on a kernel pseudo filesystem ({s.fstype}), not a disk",
+                           "choose a directory on a real disk"))
     elif s.fs_class == "overlay":
         out.append(Finding("warn", "overlay_fs",
                            f"{where} is inside a container layer (overlay): mount a host volume "

@@ -22,6 +22,9 @@ from k3tui.probe.env import ProbeEnv
 NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "virtiofs", "ceph", "glusterfs",
               "lustre", "gpfs", "beegfs", "afs", "sshfs"}
 RAM_FS = {"tmpfs", "ramfs"}
+PSEUDO_FS = {"proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs",
+             "securityfs", "configfs", "pstore", "bpf", "mqueue", "hugetlbfs", "autofs",
+             "efivarfs", "fusectl"}
 
 
 @dataclass
@@ -31,7 +34,7 @@ class StorageInfo:
     mount_point: str = ""
     fstype: str = ""
     source: str = ""
-    fs_class: str = "unknown"  # local | network | fuse | tmpfs | overlay | unknown
+    fs_class: str = "unknown"  # local | network | fuse | tmpfs | overlay | pseudo | unknown
     device: str = ""  # whole-disk name, e.g. nvme0n1, vda
     disk_kind: str = "unknown"  # nvme | ssd | hdd | virtual | unknown
     rotational: bool | None = None
@@ -50,6 +53,8 @@ def fs_class(fstype: str) -> str:
         return "fuse"
     if fstype in RAM_FS:
         return "tmpfs"
+    if fstype in PSEUDO_FS:
+        return "pseudo"
     if fstype == "overlay":
         return "overlay"
     return "local" if fstype else "unknown"

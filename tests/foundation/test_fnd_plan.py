@@ -108,6 +108,7 @@ def test_not_enough_disk_is_a_blocker():
     ({"fs_class": "overlay", "fstype": "overlay"}, "overlay_fs", "warn"),
     ({"o_direct": False}, "no_o_direct", "warn"),
     ({"disk_kind": "hdd"}, "rotational", "warn"),
+    ({"fs_class": "pseudo", "fstype": "proc"}, "pseudo_fs", "blocker"),
 ])
 def test_storage_findings(change, code, level):
     r = load_report("server-228g")
