@@ -217,3 +217,45 @@ def test_real_machine_probe_matches_the_kernel():
                              capture_output=True).returncode == 0
     if not has_smi:
         assert not r.gpu.present and r.gpu.gpus == []
+
+
+def _fake_systemd_run(tmp_path, body: str) -> list[str]:
+    """A stand-in systemd-run (no user systemd here) that checks it was asked for a scope
+    with MemoryMax and MemorySwapMax=0, then answers like the real one would."""
+    script = tmp_path / "systemd-run"
+    script.write_text(
+        "#!/bin/sh\n"
+        'case "$*" in *"--user --scope"*"MemoryMax=268435456"*"MemorySwapMax=0"*) ;; '
+        '*) echo "unexpected args: $*" >&2; exit 64;; esac\n' + body)
+    script.chmod(0o755)
+    return [str(script)]
+
+
+@pytest.mark.parametrize("body, works, words", [
+    ("echo 268435456\n", True, "applies MemoryMax"),
+    ("echo max\n", False, "silently ignored"),  # user unit without memory delegation
+    ("echo 'Failed to connect to bus: No medium found' >&2; exit 1\n", False,
+     "Failed to connect to bus"),
+])
+def test_isolation_trusts_only_a_limit_read_back(tmp_path, body, works, words):
+    from k3tui.probe.cgroup import probe_cgroup
+    from k3tui.probe.isolation import probe_isolation
+
+    env = env_for("spark")
+    env.systemd_run = _fake_systemd_run(tmp_path, body)
+    info = probe_isolation(env, probe_cgroup(env))
+    assert info.systemd_run_scope is works
+    assert info.method == ("systemd-run" if works else "none")
+    assert words in info.detail
+
+
+def test_isolation_falls_back_to_a_writable_v2_cgroup(tmp_path):
+    from k3tui.probe.cgroup import probe_cgroup
+    from k3tui.probe.isolation import probe_isolation
+
+    env = env_for("v2")  # its scope lists the memory controller; the tree is writable
+    env.systemd_run = _fake_systemd_run(tmp_path, "exit 1\n")
+    info = probe_isolation(env, probe_cgroup(env))
+    assert (info.method, info.cgroup_v2_writable) == ("cgroup", True)
+    hybrid = env_for("hybrid")
+    assert probe_isolation(hybrid, probe_cgroup(hybrid)).cgroup_v2_writable is False
