@@ -7,7 +7,7 @@ are mixed with the softmax of those scores.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 

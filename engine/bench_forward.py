@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -181,9 +183,9 @@ def time_layer(model: Model, layer: int, tokens: int, context: int, rng) -> list
     return times
 
 
-def time_bf16(src: BenchSource, x_by_width: dict[int, np.ndarray], fn) -> tuple[float, int]:
-    """Seconds and bytes for one pass of `fn` over every BF16 matrix of both layers."""
-    total_s, total_b = 0.0, 0
+def time_bf16(src: BenchSource, x_by_width: dict[int, np.ndarray], fn) -> tuple[float, int, float]:
+    """Wall seconds, bytes and CPU seconds for one pass of `fn` over every BF16 matrix."""
+    total_s, total_b, cpu0 = 0.0, 0, time.process_time()
     for layer in (KDA_LAYER, MLA_LAYER):
         for arr in src.layers[layer].values():
             if arr.dtype != np.uint16 or arr.ndim != 2 or arr.shape[0] == 1:
@@ -193,14 +195,14 @@ def time_bf16(src: BenchSource, x_by_width: dict[int, np.ndarray], fn) -> tuple[
             fn(x, arr)
             total_s += time.perf_counter() - t
             total_b += arr.nbytes
-    return total_s, total_b
+    return total_s, total_b, time.process_time() - cpu0
 
 
-def time_mxfp4(src: BenchSource, cfg: ModelConfig, n: int, fn, rng) -> tuple[float, int]:
-    """Seconds and bytes for `n` experts × (w1, w3, w2) on one token."""
+def time_mxfp4(src: BenchSource, cfg: ModelConfig, n: int, fn, rng) -> tuple[float, int, float]:
+    """Wall seconds, bytes and CPU seconds for `n` experts × (w1, w3, w2) on one token."""
     z = rng.standard_normal((1, cfg.routed_expert_hidden_size)).astype(np.float32)
     a = rng.standard_normal((1, cfg.moe_intermediate_size)).astype(np.float32)
-    total_s, total_b = 0.0, 0
+    total_s, total_b, cpu0 = 0.0, 0, time.process_time()
     for _ in range(n):
         ex = src.pool[src.next_slot % len(src.pool)]
         src.next_slot += 1
@@ -210,7 +212,7 @@ def time_mxfp4(src: BenchSource, cfg: ModelConfig, n: int, fn, rng) -> tuple[flo
         fn(a, ex.w2_packed, ex.w2_scale)
         total_s += time.perf_counter() - t
         total_b += expert_bytes(ex)
-    return total_s, total_b
+    return total_s, total_b, time.process_time() - cpu0
 
 
 def checkpoint_decode(path: str, gen: int) -> dict[str, Any]:
@@ -246,6 +248,7 @@ def main(args: argparse.Namespace) -> int:
         except ImportError:
             pass
     rng = np.random.default_rng(1)
+    load_before = os.getloadavg()[0]
     log(f"measuring memory bandwidth with a {args.copy_gb:g} GB copy ...")
     bw = copy_bandwidth(args.copy_gb)
     cfg = ModelConfig.from_dict(REAL_WIDTHS)
@@ -253,7 +256,8 @@ def main(args: argparse.Namespace) -> int:
     src = BenchSource(cfg, args.pool)
     model = Model(cfg, src)
     res: dict[str, Any] = {"memory_bandwidth_gb_per_s": bw / 1e9, "kernels": "fused (numba)"
-                           if kernels.FUSED else "numpy reference"}
+                           if kernels.FUSED else "numpy reference",
+                           "cpus": os.cpu_count(), "load_average_1min_before": load_before}
     try:
         import numba
         res["threads"] = numba.get_num_threads()
@@ -273,22 +277,24 @@ def main(args: argparse.Namespace) -> int:
                     if a.ndim == 2}}
     log("timing BF16 and MXFP4 matmuls ...")
     kernels.linear(xs[cfg.hidden_size], src.layers[KDA_LAYER]["self_attn.q_proj.weight"])  # warm
-    runs = [time_bf16(src, xs, kernels.linear) for _ in range(3)]
-    s, b = min(runs)
-    res["bf16_gb_per_s"] = b / s / 1e9
-    res["bf16_fraction_of_bandwidth"] = b / s / bw
-    time_mxfp4(src, cfg, 1, kernels.mxfp4_linear, rng)  # warm
-    runs = [time_mxfp4(src, cfg, cfg.num_experts_per_token, kernels.mxfp4_linear, rng) for _ in range(3)]
-    s, b = min(runs)
-    res["mxfp4_gb_per_s"] = b / s / 1e9
-    res["mxfp4_fraction_of_bandwidth"] = b / s / bw
+    for name, runs in (
+        ("bf16", [time_bf16(src, xs, kernels.linear) for _ in range(3)]),
+        ("mxfp4", [time_mxfp4(src, cfg, cfg.num_experts_per_token, kernels.mxfp4_linear, rng)
+                   for _ in range(3)]),
+    ):
+        s, b, cpu = min(runs)
+        res[f"{name}_gb_per_s"] = b / s / 1e9
+        res[f"{name}_fraction_of_bandwidth"] = b / s / bw
+        # bytes per CPU-second of our own threads: comparable across busy and idle runs
+        res[f"{name}_gb_per_cpu_s"] = b / max(cpu, 1e-9) / 1e9
 
     q = src.layers[KDA_LAYER]["self_attn.q_proj.weight"]
     t = time.perf_counter()
     kernels.linear_ref(xs[cfg.hidden_size], q)
     res["bf16_numpy_reference_gb_per_s"] = q.nbytes / (time.perf_counter() - t) / 1e9
-    s, b = time_mxfp4(src, cfg, 1, kernels.mxfp4_linear_ref, rng)
+    s, b, _ = time_mxfp4(src, cfg, 1, kernels.mxfp4_linear_ref, rng)
     res["mxfp4_numpy_reference_gb_per_s"] = b / s / 1e9
+    res["load_average_1min"] = os.getloadavg()[0]
 
     # the real model: 69 KDA + 24 MLA layers (layer 0's dense FFN counted as a KDA-MoE layer)
     res["real_model_compute_s_per_token_estimate"] = (
@@ -319,6 +325,10 @@ def print_report(r: dict[str, Any]) -> None:
           f"of bandwidth (numpy widen-then-multiply: {r['bf16_numpy_reference_gb_per_s']:.2f} GB/s)")
     print(f"MXFP4 matmul: {r['mxfp4_gb_per_s']:.2f} GB/s = {r['mxfp4_fraction_of_bandwidth']:.0%} "
           f"of bandwidth (numpy decode-then-multiply: {r['mxfp4_numpy_reference_gb_per_s']:.2f} GB/s)")
+    print(f"per CPU-second of our threads: BF16 {r['bf16_gb_per_cpu_s']:.2f} GB, MXFP4 "
+          f"{r['mxfp4_gb_per_cpu_s']:.2f} GB (load average {r['load_average_1min_before']:.1f} "
+          f"before, {r['load_average_1min']:.1f} after, on {r['cpus']} CPUs: a load above the "
+          "CPU count means other processes shared these cores during the run)")
     print(f"real model (69 KDA + 24 MLA layers), compute only: "
           f"~{r['real_model_compute_s_per_token_estimate']:.1f} s/token")
     if "checkpoint_decode" in r:

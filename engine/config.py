@@ -99,7 +99,7 @@ class ModelConfig:
 
     # ---- reading -------------------------------------------------------------------
     @classmethod
-    def from_dir(cls, path: str | Path) -> "ModelConfig":
+    def from_dir(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
         if not file.is_file():
@@ -115,7 +115,7 @@ class ModelConfig:
         return cls.from_dict(data, source=str(file))
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "config") -> "ModelConfig":
+    def from_dict(cls, data: dict[str, Any], source: str = "config") -> ModelConfig:
         r = _Reader(data, source)
         n_layers = r.int("num_hidden_layers", minimum=1)
         full = r.layer_list("full_attn_layers", n_layers)

@@ -6,8 +6,8 @@ q, k, v, the last K−1 *pre-conv* inputs (the short-convolution history).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import numpy as np
 
@@ -23,7 +23,7 @@ class KDAState:
     conv: dict[str, np.ndarray]  # "q"/"k"/"v" → [K−1, P] pre-conv inputs, oldest first
 
     @classmethod
-    def zeros(cls, cfg: ModelConfig) -> "KDAState":
+    def zeros(cls, cfg: ModelConfig) -> KDAState:
         H, D, P = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_width
         hist = cfg.short_conv_kernel_size - 1
         return cls(

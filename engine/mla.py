@@ -10,8 +10,8 @@ a single step, so incremental decoding matches full recomputation.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 import numpy as np
 
@@ -25,7 +25,7 @@ class MLAState:
     length: int = 0
 
     @classmethod
-    def empty(cls, cfg: ModelConfig, capacity: int = 64) -> "MLAState":
+    def empty(cls, cfg: ModelConfig, capacity: int = 64) -> MLAState:
         return cls(np.zeros((capacity, cfg.mla_latent_width), np.float32), 0)
 
     def append(self, rows: np.ndarray) -> None:
@@ -60,11 +60,11 @@ def attend(q: np.ndarray, cache: np.ndarray, w_uk: np.ndarray, w_uv: np.ndarray,
            cfg: ModelConfig) -> np.ndarray:
     """One query position q [H, nope+rope] over cache rows [S, kv_lora+rope] → o [H, v]."""
     r, nope = cfg.kv_lora_rank, cfg.qk_nope_head_dim
-    q_abs = np.einsum("hn,hnr->hr", q[:, :nope], w_uk)  # absorb W_uk into the query
+    q_abs = (q[:, None, :nope] @ w_uk)[:, 0]  # absorb W_uk into the query: [H, kv_lora]
     scores = q_abs @ cache[:, :r].T + q[:, nope:] @ cache[:, r:].T  # rope key shared by heads
     p = softmax(scores * np.float32(cfg.qk_head_dim**-0.5))  # scale by the full q/k width
     ctx = p @ cache[:, :r]  # [H, kv_lora]
-    return np.einsum("hr,hvr->hv", ctx, w_uv)  # then W_uv
+    return (w_uv @ ctx[:, :, None])[:, :, 0]  # then W_uv: [H, v]
 
 
 def mla_mixer(x: np.ndarray, w: Mapping[str, np.ndarray], cfg: ModelConfig,
@@ -76,7 +76,8 @@ def mla_mixer(x: np.ndarray, w: Mapping[str, np.ndarray], cfg: ModelConfig,
     state.append(latent_kv(x, w, cfg, prefix))
     kv_b = to_f32(w[f"{prefix}kv_b_proj.weight"]).reshape(H, cfg.qk_nope_head_dim + cfg.v_head_dim,
                                                            cfg.kv_lora_rank)
-    w_uk, w_uv = kv_b[:, : cfg.qk_nope_head_dim], kv_b[:, cfg.qk_nope_head_dim :]
+    w_uk = np.ascontiguousarray(kv_b[:, : cfg.qk_nope_head_dim])  # [H, nope, kv_lora]
+    w_uv = np.ascontiguousarray(kv_b[:, cfg.qk_nope_head_dim :])  # [H, v, kv_lora]
     o = np.empty((T, H * cfg.v_head_dim), np.float32)
     for t in range(T):  # causal: position start+t sees cache rows 0..start+t
         o[t] = attend(q[t], state.latent[: start + t + 1], w_uk, w_uv, cfg).reshape(-1)

@@ -9,9 +9,9 @@ recurrent state + conv history, MLA latent cache) lives in `ModelState`.
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import numpy as np
 

@@ -126,7 +126,7 @@ class SafetensorsIndex:
         self.tensors = tensors
 
     @classmethod
-    def open(cls, path: str | Path) -> "SafetensorsIndex":
+    def open(cls, path: str | Path) -> SafetensorsIndex:
         path = Path(path)
         if path.is_file():
             return cls(path.parent, read_header(path))

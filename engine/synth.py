@@ -23,8 +23,9 @@ import json
 import math
 import sys
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 

@@ -24,10 +24,11 @@ Contract:
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -79,7 +80,7 @@ class TensorNames:
     head: str = "language_model.lm_head.weight"
 
     @classmethod
-    def detect(cls, index: SafetensorsIndex) -> "TensorNames":
+    def detect(cls, index: SafetensorsIndex) -> TensorNames:
         for prefix, head in (
             ("language_model.model.", "language_model.lm_head.weight"),
             ("model.", "lm_head.weight"),

@@ -10,7 +10,15 @@ import pytest
 
 from engine.attnres import attn_res
 from engine.config import ModelConfig
-from engine.kda import KDAState, chunk_size, decay, kda_mixer, recurrence, recurrence_chunked, short_conv
+from engine.kda import (
+    KDAState,
+    chunk_size,
+    decay,
+    kda_mixer,
+    recurrence,
+    recurrence_chunked,
+    short_conv,
+)
 from engine.kernels import mxfp4_decode, rmsnorm, situ_glu
 from engine.mla import MLAState, mla_mixer
 from engine.model import Model
