@@ -18,8 +18,9 @@ Contract:
   `"output_attn_res_proj.weight"`), kept resident. `TensorNames` maps short names to the
   checkpoint's full names.
 * `source.stats()` — a flat dict of numbers. Keys in `CUMULATIVE_STATS` are running totals
-  since the source opened (generate reports per-token deltas of them); any other key is
-  reported as is (e.g. `rss_gb`, `budget_gb`).
+  since the source opened; generate turns them into each token's `compute_s`, waits, GB
+  read, `mb_per_s`, `true_hit_rate` (hits / (hits + misses)) and `evictions`, and passes
+  `rss_gb` and `budget_gb` through as they are.
 """
 
 from __future__ import annotations
