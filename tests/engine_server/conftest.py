@@ -91,6 +91,18 @@ class InProcServer:
 
 
 @pytest.fixture
+def make_loaded(test_tok):
+    """Factory: a `Loaded` over the fake generator (for set_loaded after a delay)."""
+    from engine.server import Loaded
+
+    def make(n_ctx=64, delay=0.0):
+        return Loaded(tok=test_tok, generate=fake_generate(test_tok.vocab_size, delay),
+                      make_params=FakeParams, n_ctx=n_ctx)
+
+    return make
+
+
+@pytest.fixture
 def inproc(test_tok):
     """Factory: inproc(delay=..., steer_demo=..., **service kwargs) -> InProcServer."""
     from engine.server import Loaded, Service

@@ -214,11 +214,7 @@ def test_srv_api_key(inproc):
     assert r.status_code == 200
 
 
-def test_srv_loading_is_503_everywhere_but_health_with_progress(inproc, test_tok):
-    from conftest import FakeParams, fake_generate
-
-    from engine.server import Loaded
-
+def test_srv_loading_is_503_everywhere_but_health_with_progress(inproc, make_loaded):
     srv = inproc(loaded=False)
     r = httpx.get(srv.url + "/health")
     body = r.json()
@@ -228,7 +224,7 @@ def test_srv_loading_is_503_everywhere_but_health_with_progress(inproc, test_tok
         r = httpx.request(method, srv.url + path, json={"messages": HI})
         assert r.status_code == 503 and r.json()["error"]["type"] == "unavailable_error"
     assert metric(srv.url, "model_loaded") == 0
-    srv.service.set_loaded(Loaded(tok=test_tok, generate=fake_generate(test_tok.vocab_size), make_params=FakeParams, n_ctx=64))
+    srv.service.set_loaded(make_loaded())
     assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
     assert metric(srv.url, "model_loaded") == 1
 
