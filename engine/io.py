@@ -14,10 +14,10 @@ are adjacent on disk form one run, and each run is read as one 4096-aligned wind
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import mmap
 import os
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,7 +29,7 @@ import numpy as np
 from engine.errors import ReadError
 
 ALIGN = 4096
-CHUNK = 8 << 20  # one request never holds the disk longer than ~8 MB
+CHUNK = 4 << 20  # a read-ahead chunk: what an urgent read may have to wait behind
 HUGE = 2 << 20
 
 
@@ -195,17 +195,28 @@ class Batch:
 class _Job:
     priority: tuple
     seq: int
-    read: Read | None = field(compare=False, default=None)
-    batch: Batch | None = field(compare=False, default=None)
+    read: Read = field(compare=False)
+    batch: Batch = field(compare=False)
 
 
 class ReadPool:
-    """`threads` workers issuing `os.preadv` concurrently (the queue depth of the disk)."""
+    """`threads` workers issuing `os.preadv` concurrently (the queue depth of the disk).
 
-    def __init__(self, threads: int = 4, chunk: int = CHUNK):
+    Two classes of work. Urgent reads (priority class 0: the compute is blocked on them)
+    are taken first, by any idle worker. Background reads (read-ahead) may occupy at most
+    `threads - reserve` workers, so an urgent read never waits for a whole queue of
+    read-ahead chunks to drain: at worst for one chunk per reserved worker.
+    """
+
+    def __init__(self, threads: int = 4, chunk: int = CHUNK, reserve: int | None = None):
         self.threads = max(1, int(threads))
         self.chunk = max(ALIGN, align_down(chunk))
-        self._q: queue.PriorityQueue[_Job] = queue.PriorityQueue()
+        self.reserve = min(self.threads - 1, 2 if reserve is None else reserve)
+        self._urgent: list[_Job] = []
+        self._background: list[_Job] = []
+        self._bg_running = 0
+        self._cond = threading.Condition()
+        self._closing = False
         self._seq = itertools.count()
         self._lock = threading.Lock()
         self._inflight = 0
@@ -219,44 +230,69 @@ class ReadPool:
         for w in self._workers:
             w.start()
 
-    def submit(self, reads: Iterable[Read], priority: tuple = (1,)) -> Batch:
+    def submit(self, reads: Iterable[Read], priority: tuple = (1,),
+               chunk: int | None = None) -> Batch:
         """Queue `reads` (in the given order, split into chunks) as one batch."""
+        step = self.chunk if chunk is None else max(ALIGN, align_down(chunk))
         jobs: list[Read] = []
         nbytes = 0
         for r in reads:
             nbytes += r.dest.nbytes
             size = r.dest.nbytes
-            for start in range(0, size, self.chunk):
-                end = min(size, start + self.chunk)
+            for start in range(0, size, step):
+                end = min(size, start + step)
                 need = min(max(r.need - start, 0), end - start)
                 jobs.append(Read(r.file, r.offset + start, r.dest[start:end], need))
         batch = Batch(len(jobs), nbytes)
-        for job in jobs:
-            self._q.put(_Job(priority, next(self._seq), job, batch))
+        heap = self._urgent if priority[0] <= 0 else self._background
+        with self._cond:
+            for job in jobs:
+                heapq.heappush(heap, _Job(priority, next(self._seq), job, batch))
+            self._cond.notify(len(jobs))
         return batch
+
+    def _next(self) -> tuple[_Job | None, bool]:
+        with self._cond:
+            while True:
+                if self._closing:
+                    return None, False
+                if self._urgent:
+                    return heapq.heappop(self._urgent), False
+                if self._background and self._bg_running < self.threads - self.reserve:
+                    self._bg_running += 1
+                    return heapq.heappop(self._background), True
+                self._cond.wait()
 
     def _work(self) -> None:
         while True:
-            job = self._q.get()
-            if job.read is None:
+            job, background = self._next()
+            if job is None:
                 return
-            batch = job.batch
-            assert batch is not None
-            if batch.cancelled:
-                batch._finish(None)
-                continue
-            self._enter()
-            error = None
             try:
-                if job.read.need > 0:  # chunks wholly past the payload are padding: skip
-                    job.read.file.read_into(job.read.dest, job.read.offset, job.read.need)
-            except ReadError as exc:
-                error = exc
-            except Exception as exc:  # never let a worker die silently
-                error = ReadError(f"read of {job.read.file.path} failed: {exc}")
+                self._run(job)
             finally:
-                self._leave(job.read.dest.nbytes if error is None else 0)
-            batch._finish(error)
+                if background:
+                    with self._cond:
+                        self._bg_running -= 1
+                        self._cond.notify()
+
+    def _run(self, job: _Job) -> None:
+        batch, read = job.batch, job.read
+        if batch.cancelled:
+            batch._finish(None)
+            return
+        self._enter()
+        error = None
+        try:
+            if read.need > 0:  # chunks wholly past the payload are padding: skip
+                read.file.read_into(read.dest, read.offset, read.need)
+        except ReadError as exc:
+            error = exc
+        except Exception as exc:  # never let a worker die silently
+            error = ReadError(f"read of {read.file.path} failed: {exc}")
+        finally:
+            self._leave(read.dest.nbytes if error is None else 0)
+        batch._finish(error)
 
     def _enter(self) -> None:
         with self._lock:
@@ -272,8 +308,13 @@ class ReadPool:
                 self.busy_s += time.perf_counter() - self._busy_since
 
     def close(self) -> None:
-        for _ in self._workers:
-            self._q.put(_Job((-1,), next(self._seq)))  # sentinels jump the queue
+        with self._cond:
+            self._closing = True
+            left = self._urgent + self._background
+            self._urgent, self._background = [], []
+            self._cond.notify_all()
+        for job in left:  # nobody may wait for ever on a read that will not happen
+            job.batch._finish(ReadError("the reader was closed before this read ran."))
         for w in self._workers:
             w.join(timeout=10)
 

@@ -45,8 +45,9 @@ from engine.weights import ExpertWeights, ResidentSource, TensorNames, expert_fr
 
 MODEL_TENSORS = ("embed_tokens.weight", "lm_head.weight", "norm.weight",
                  "output_attn_res_norm.weight", "output_attn_res_proj.weight")
-EXPERT_PRIORITY = 0  # the compute is blocked on these
-TRUNK_PRIORITY = 1
+EXPERT_PRIORITY = 0  # urgent: the compute is blocked on these
+TRUNK_PRIORITY = 1  # read-ahead
+EXPERT_CHUNK = 1 << 20  # experts split so the first one lands after a fraction of the set
 
 
 def spec_of(t: TensorInfo) -> TensorSpec:
@@ -247,7 +248,7 @@ class StreamingSource:
                 "than the plan's ring holds."
             )
         slot = next((s for s in free if s.layer is None), free[0])
-        self._fill(slot, index, (TRUNK_PRIORITY, -1))
+        self._fill(slot, index, (EXPERT_PRIORITY, -1))  # the compute waits for it now
         return slot
 
     def _fill(self, slot: _RingSlot, index: int, priority: tuple) -> None:
@@ -332,7 +333,7 @@ class StreamingSource:
                 )
             self._expert_seq += 1
             batch = self.pool.submit(lay.reads(self.files, cache.buffer(slot)),
-                                     (EXPERT_PRIORITY, self._expert_seq))
+                                     (EXPERT_PRIORITY, self._expert_seq), chunk=EXPERT_CHUNK)
             got[missing[k]] = (slot, batch)
         self._c["expert_misses"] += len(missing)
         return got
