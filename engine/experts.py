@@ -70,6 +70,7 @@ class ExpertCache:
         self.slot_of: dict[Key, int] = {}
         self.users = np.zeros(nslots, dtype=np.int32)
         self.filling = np.zeros(nslots, dtype=bool)
+        self.empty = np.ones(nslots, dtype=bool)  # holds no key (kept in step with key_of)
         self.evictions = 0
 
     def buffer(self, slot: int) -> np.ndarray:
@@ -95,9 +96,8 @@ class ExpertCache:
         """Claim `k` slots for reads: evict their keys, mark them FILLING and pinned."""
         if k == 0:
             return []
-        empty = np.array([key is None for key in self.key_of], dtype=bool)
         evictable = (self.users == 0) & ~self.filling
-        slots = self.policy.victims(k, evictable, empty)
+        slots = self.policy.victims(k, evictable, self.empty)
         if len(slots) < k:
             raise PlanError(
                 f"the expert cache has {self.nslots} slots but {k} more are needed at once "
@@ -109,6 +109,7 @@ class ExpertCache:
             if old is not None:
                 del self.slot_of[old]
                 self.key_of[s] = None
+                self.empty[s] = True
                 self.evictions += 1
             self.filling[s] = True
             self.users[s] += 1
@@ -119,6 +120,7 @@ class ExpertCache:
         self.filling[slot] = False
         self.key_of[slot] = key
         self.slot_of[key] = slot
+        self.empty[slot] = False
         self.policy.touch(slot)
 
     def discard(self, slot: int) -> None:
@@ -128,6 +130,7 @@ class ExpertCache:
         if old is not None:
             del self.slot_of[old]
         self.key_of[slot] = None
+        self.empty[slot] = True
 
     def resident(self) -> Iterable[Key]:
         return list(self.slot_of)
