@@ -110,6 +110,10 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}; check the sampling flags.", file=sys.stderr)
         return 2
+    except OSError as exc:
+        print(f"error: cannot read the checkpoint ({exc}); check the path and permissions.",
+              file=sys.stderr)
+        return 2
 
     decode = [t.seconds for t in tokens[1:]]
     result = {
