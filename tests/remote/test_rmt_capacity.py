@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -137,3 +138,13 @@ def test_rmt_cli_recipe_alone_with_sizing_and_as_json():
     assert "sglang serve" in out.stdout and "--tp-size 16" in out.stdout
     out = _run("--recipe", "rpc", "--node-gib", "4")
     assert out.returncode == 2 and "--node-gib" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_rmt_from_bench_real_engine_bench_stream_output():
+    # Recorded from `python -m engine bench stream --checkpoint-gb 0.4 --tokens 3
+    # --ladder max --no-pack --json` on this machine (a small synthetic checkpoint).
+    path = Path(__file__).parent / "data" / "engine-bench-stream.json"
+    data = json.loads(path.read_text())
+    rate, where = capacity.throughput_from_bench(path)
+    assert rate == pytest.approx(1 / data["s_per_token"])  # the headline, not a rung's
+    assert where.startswith("engine-bench-stream.json: s_per_token")
