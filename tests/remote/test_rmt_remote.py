@@ -415,3 +415,19 @@ def test_rmt_engine_server_with_api_key(tmp_path):
             proc.wait()
     dead = remote.check_endpoint(url, KEY)
     assert not dead.ok and "Nothing answers" in dead.message
+
+
+def test_rmt_sizing_from_a_real_llama_server_response(llama, tmp_path):
+    import httpx
+
+    from k3tui.capacity import throughput_from_bench
+
+    resp = httpx.post(llama + "/v1/chat/completions", timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"},
+                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16})
+    assert resp.status_code == 200
+    path = tmp_path / "response.json"
+    path.write_text(resp.text)
+    rate, where = throughput_from_bench(path)
+    assert rate == pytest.approx(resp.json()["timings"]["predicted_per_second"])
+    assert "timings.predicted_per_second" in where
