@@ -435,6 +435,16 @@ class ChatApp(App):
         if theme:
             self.theme = theme
 
+    def on_mount(self) -> None:
+        # Rich's default inline-code style is "on black": unreadable on a light theme.
+        from rich.theme import Theme
+
+        dark = self.current_theme.dark
+        self.console.push_theme(Theme({
+            "markdown.code": "bold cyan" if dark else "bold #005f87",
+            "markdown.item.bullet": "bold yellow" if dark else "bold #875f00",
+        }))
+
     def get_default_screen(self) -> Screen:
         return ChatScreen(self._conversation_id)
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-from textual.widgets import Markdown
-
 from k3tui.backends.events import BackendError
 from k3tui.history import History
 from k3tui.tui.scripted import FakeClock, ScriptedStream
@@ -249,12 +247,30 @@ async def test_tui_chat_narrow_layout_and_resize(app_factory):
 
 
 async def test_tui_chat_streamed_fence_renders_as_code(app_factory):
-    # Awkward chunks: the fence opener split across deltas.
+    # Awkward chunks: the fence opener split across deltas, then more text after it.
     stream = ScriptedStream("Intro\n\n``` python\nx = 1\ny = 2\n```\nafter")
     app = app_factory(stream)
     async with app.run_test() as pilot:
         await type_and_send(pilot, "fence")
         await settle(app, pilot)
-        md = app.chat.query_one(AssistantMessage).query_one(".answer-md", Markdown)
-        fences = md.query("MarkdownFence")
-        assert len(fences) == 1 and "y = 2" in fences.first().code
+        text = screen_text(app)
+        assert "x = 1" in text and "y = 2" in text and "after" in text
+        assert "```" not in text  # rendered as a code block, not as literal fences
+
+
+async def test_tui_chat_long_answer_is_sealed_into_segments(app_factory):
+    from k3tui.tui.bench import script_tokens
+    from k3tui.tui.widgets.markdown import MarkdownSegment, StreamedMarkdown
+
+    text = "".join(script_tokens(1200))
+    app = app_factory(ScriptedStream(text))
+    async with app.run_test() as pilot:
+        await type_and_send(pilot, "long")
+        await settle(app, pilot)
+        md = app.chat.current.query_one(".answer-md", StreamedMarkdown)
+        segments = list(md.query(MarkdownSegment))
+        assert len(segments) >= 3  # old segments stop re-rendering
+        assert "".join(s.source for s in segments) == text == md.source
+        assert all(s.source.count("```") % 2 == 0 for s in segments[:-1])
+        # Few widgets however long the answer: the layout stays cheap.
+        assert len(list(app.chat.walk_children())) < 60

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import re
+import time
 
 from textual.app import ComposeResult
 from textual.containers import Vertical
-from textual.widgets import Collapsible, Markdown, Static
-from textual.widgets._markdown import MarkdownStream
+from textual.timer import Timer
+from textual.widgets import Collapsible, Static
+
+from k3tui.tui.widgets.markdown import StreamedMarkdown
 
 STATUS_TEXT = {
     "stopped": "■ stopped (Esc) — partial answer kept",
     "interrupted": "■ interrupted — the backend or the TUI stopped mid-answer",
     "error": "✗ failed",
 }
+
+FLUSH_HZ = 10  # Markdown appends per second while streaming
 
 FENCE = re.compile(r"^(```|~~~)[^\n]*\n(.*?)^\1[ \t]*$", re.M | re.S)
 
@@ -40,16 +45,17 @@ class AssistantMessage(Vertical):
         self.reasoning = reasoning
         self.status = status
         self.note = note
-        self._content_stream: MarkdownStream | None = None
-        self._reasoning_stream: MarkdownStream | None = None
+        self._pending = {"reasoning": "", "content": ""}
+        self._last_flush = 0.0
+        self._flush_timer: Timer | None = None
         self.border_title = "assistant"
 
     def compose(self) -> ComposeResult:
         streaming = self.status == "streaming"
         with Collapsible(title=self._reasoning_title(), collapsed=not streaming or bool(self.content),
                          classes="reasoning"):
-            yield Markdown(self.reasoning, classes="reasoning-md")
-        yield Markdown(self.content, classes="answer-md")
+            yield StreamedMarkdown(self.reasoning, classes="reasoning-md")
+        yield StreamedMarkdown(self.content, classes="answer-md")
         yield Static("", classes="status-line")
 
     def on_mount(self) -> None:
@@ -78,9 +84,8 @@ class AssistantMessage(Vertical):
         block = self.reasoning_block
         if not block.display:
             block.display = True
-        if self._reasoning_stream is None:
-            self._reasoning_stream = Markdown.get_stream(self.query_one(".reasoning-md", Markdown))
-        await self._reasoning_stream.write(text)
+        self._pending["reasoning"] += text
+        await self._maybe_flush()
 
     async def add_content(self, text: str) -> None:
         first = not self.content
@@ -89,21 +94,36 @@ class AssistantMessage(Vertical):
             block = self.reasoning_block
             block.collapsed = True
             block.title = self._reasoning_title()
-        if self._content_stream is None:
-            self._content_stream = Markdown.get_stream(self.query_one(".answer-md", Markdown))
-        await self._content_stream.write(text)
+        self._pending["content"] += text
+        await self._maybe_flush()
+
+    async def _maybe_flush(self) -> None:
+        """Hand text to the Markdown at most FLUSH_HZ times a second: each append
+        re-renders the live segment and re-lays out the chat, so 200 tok/s must not
+        mean 200 renders a second."""
+        now = time.monotonic()
+        if now - self._last_flush >= 1 / FLUSH_HZ:
+            await self.flush()
+        elif self._flush_timer is None:
+            self._flush_timer = self.set_timer(1 / FLUSH_HZ - (now - self._last_flush),
+                                               self.flush)
+
+    async def flush(self) -> None:
+        self._last_flush = time.monotonic()
+        if self._flush_timer is not None:
+            self._flush_timer.stop()
+            self._flush_timer = None
+        for key, selector in (("reasoning", ".reasoning-md"), ("content", ".answer-md")):
+            text, self._pending[key] = self._pending[key], ""
+            if text:
+                await self.query_one(selector, StreamedMarkdown).append(text)
 
     async def finish(self, status: str, note: str = "") -> None:
-        """Stop the streams and re-render once in full (streamed fences can lose context)."""
+        """Flush what is pending and stop the streams; the status line says how it ended."""
         self.status = status
         self.note = note
-        for stream in (self._reasoning_stream, self._content_stream):
-            if stream is not None:
-                await stream.stop()
-        self._reasoning_stream = self._content_stream = None
-        await self.query_one(".answer-md", Markdown).update(self.content)
+        await self.flush()
         if self.reasoning:
-            await self.query_one(".reasoning-md", Markdown).update(self.reasoning)
             self.reasoning_block.title = self._reasoning_title()
         self._show_status()
 

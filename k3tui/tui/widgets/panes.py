@@ -14,6 +14,15 @@ from k3tui.tui.stats import LatencySnapshot, format_gb, format_ms, format_rate
 from k3tui.tui.widgets.sparkline import Sparkline
 
 
+def _set_text(widget: Static, lines: list[str]) -> None:
+    """Update only on change, and without a layout pass: the text's height is fixed in CSS,
+    and a layout of a long chat is what costs CPU, several times a second when idle."""
+    text = "\n".join(lines)
+    if getattr(widget, "_k3_text", None) != text:
+        widget._k3_text = text  # type: ignore[attr-defined]
+        widget.update(Text(text, no_wrap=True, overflow="ellipsis"), layout=False)
+
+
 def _num(value: float | None, fmt: str, unit: str = "") -> str:
     return "–" if value is None else f"{value:{fmt}}{unit}"
 
@@ -32,15 +41,16 @@ class LatencyPane(Vertical):
 
     def show(self, snap: LatencySnapshot) -> None:
         self.query_one("#lat-spark", Sparkline).set_values(snap.series)
-        self.border_title = f"latency ({snap.source} timing)" if snap.tokens else "latency"
+        title = f"latency ({snap.source} timing)" if snap.tokens else "latency"
+        if self.border_title != title:
+            self.border_title = title
         rate = format_rate(snap.gen_ms_per_token)
         lines = [
             f"TTFT {format_ms(snap.ttft_ms):<9} gen {rate}",
             f"p50  {format_ms(snap.p50_ms):<9} p95 {format_ms(snap.p95_ms)}",
             f"prefill {_num(snap.prefill_tok_s, '.0f', ' tok/s'):<10} {snap.tokens} tokens",
         ]
-        self.query_one("#lat-text", Static).update(Text("\n".join(lines), no_wrap=True,
-                                                        overflow="ellipsis"))
+        _set_text(self.query_one("#lat-text", Static), lines)
 
 
 class IOPane(Vertical):
@@ -86,5 +96,4 @@ class IOPane(Vertical):
             f"RSS {rss_text}  cache {format_gb(s.page_cache_gb)}",
             f"PSI {_num(s.psi_some_avg10, '.1f')}/{_num(s.psi_full_avg10, '.1f')}  cg {cg}",
         ]
-        self.query_one("#io-text", Static).update(Text("\n".join(lines), no_wrap=True,
-                                                       overflow="ellipsis"))
+        _set_text(self.query_one("#io-text", Static), lines)

@@ -65,8 +65,9 @@ class Sparkline(Static):
         self._line_style = style
 
     def set_values(self, values: list[float]) -> None:
-        self.values = values
-        self.refresh()
+        if values != self.values:
+            self.values = list(values)
+            self.refresh()  # no layout: the height is always one line
 
     def render(self) -> Text:
         return Text(render_sparkline(self.values, self.size.width, ascii=self.ascii,
