@@ -2,7 +2,8 @@
 
 `check_endpoint` is what the wizard runs before it saves a remote config: `/health`
 where the server has one (llama-server, SGLang, vLLM, the bundled engine), `/v1/models`
-(which also proves the API key), then a one-token chat completion. Every failure comes
+(the model names), then a one-token chat completion (which proves the key even where
+the model list is public, as on llama-server). Every failure comes
 back as one sentence and a next step — a wrong key, an untrusted certificate, nothing
 listening, a model still loading — never a traceback.
 
@@ -186,13 +187,24 @@ def check_endpoint(url: str, api_key: str | None, verify_tls: bool | str = True,
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Timeout(timeout, connect=CONNECT_TIMEOUT_S)
     try:
-        with httpx.Client(verify=tls_verify(verify_tls), timeout=limits, headers=headers,
+        verify = tls_verify(verify_tls)
+    except (OSError, ssl.SSLError) as exc:
+        return _fail(f"Cannot use {verify_tls} as a CA certificate file ({exc}).",
+                     "give the PEM file of the CA that signed the server's certificate")
+    try:
+        with httpx.Client(verify=verify, timeout=limits, headers=headers,
                           follow_redirects=False) as http:
             return _run_checks(http, root, v1, where, api_key, model, warnings)
     except (httpx.TransportError, ssl.SSLError) as exc:
         failed = _transport_failure(exc, where)
         return EndpointCheck(ok=False, message=failed.message, next_step=failed.next_step,
                              warnings=warnings)
+    except httpx.InvalidURL as exc:
+        return _fail(f"{url!r} is not a valid URL ({exc}).", "check the address for typos")
+    except httpx.HTTPError as exc:
+        return _fail(f"Talking to {where} failed ({exc.__class__.__name__}: {exc}).",
+                     "check that the URL points at an OpenAI-compatible server",
+                     warnings=warnings)
 
 
 def _key_refused(resp: httpx.Response, where: str, api_key: str | None,

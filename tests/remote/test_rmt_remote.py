@@ -116,6 +116,15 @@ def test_rmt_dead_endpoint_at_startup():
     assert "Nothing answers" in check.message and "k3tui plan --recipe" in check.next_step
 
 
+def test_rmt_unreadable_ca_file_is_one_sentence(tmp_path):
+    bad = tmp_path / "ca.pem"
+    bad.write_text("not a certificate")
+    for ca in (str(tmp_path / "missing.pem"), str(bad)):
+        check = remote.check_endpoint(f"https://127.0.0.1:{free_port()}/v1", KEY, verify_tls=ca)
+        assert not check.ok and "CA certificate file" in check.message
+        assert "PEM" in check.next_step
+
+
 def test_rmt_bad_urls_are_refused_before_any_request():
     for url in ("ftp://host/v1", "localhost:8000", ""):
         check = remote.check_endpoint(url, KEY)
