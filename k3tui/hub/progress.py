@@ -21,6 +21,7 @@ class FileProgress:
     size: int
     done: int = 0
     status: str = "pending"   # pending | verifying | downloading | retrying | done | failed
+    initial: int = 0          # of `done`, bytes found on disk rather than fetched now
 
     def as_dict(self) -> dict:
         return {"name": self.name, "size": self.size, "done": self.done, "status": self.status}
@@ -64,6 +65,7 @@ class Progress:
         with self._lock:
             f = self.files[name]
             f.done += n
+            f.initial += n
             self.initial += n
             self._last_byte = self._clock()
 
@@ -71,8 +73,8 @@ class Progress:
         """A file starts over (corrupt or replaced): its bytes leave the done count."""
         with self._lock:
             f = self.files[name]
-            self.initial -= min(f.done, self.initial)
-            f.done = 0
+            self.initial -= f.initial
+            f.done = f.initial = 0
 
     def add(self, name: str, n: int) -> None:
         with self._lock:

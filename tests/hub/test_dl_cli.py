@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from dl_helpers import BIG, REPO_ID, SMALL, k3
 
@@ -87,3 +89,29 @@ def test_dl_pack_job_reports_layers_and_saves_trunk_dir(checkpoint, tmp_path):
 def test_dl_pack_refuses_a_folder_without_config(tmp_path):
     p = k3("pack", str(tmp_path), check=False)
     assert p.returncode == 2 and "is not a checkpoint folder" in p.stderr
+
+
+def test_dl_gated_repo_uses_the_stored_login(repo_dir, tmp_path, monkeypatch):
+    """No HF_TOKEN, no login: refused with how to log in. After `hf auth login` (the token
+    file in HF_HOME) the detached job downloads; the token never reaches the CDN or logs."""
+    import os
+
+    from k3tui.hub.fakehub import FakeHub
+
+    with FakeHub(repo_dir, REPO_ID, cdn=True, gated_token="hf_stored") as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+        out = tmp_path / "out"
+        p = k3("download", REPO_ID, "--dir", str(out), check=False)
+        assert p.returncode == 1 and "is gated" in p.stderr and "hf auth login" in p.stderr
+        token_file = tmp_path / "hf_home_token"
+        token_file.write_text("hf_stored\n")
+        monkeypatch.setenv("HF_TOKEN_PATH", str(token_file))
+        k3("download", REPO_ID, "--dir", str(out), "--detach")
+        job = jobs.list_jobs()[0]
+        assert k3("jobs", "attach", job["id"]).returncode == 0
+        assert (out / BIG).read_bytes() == (repo_dir / BIG).read_bytes()
+        hub_port = int(hub.endpoint.rsplit(":", 1)[1])
+        assert not any(e["auth"] for e in hub.requests() if e["port"] != hub_port)
+        assert "hf_stored" not in open(job["log"]).read()
+        assert "hf_stored" not in json.dumps(jobs.read_state(job["id"]))
+        assert os.environ.get("HF_TOKEN") is None
