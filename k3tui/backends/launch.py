@@ -6,7 +6,6 @@ command can show it before anything runs; `launch` does both steps for the TUI.
 
 from __future__ import annotations
 
-import os
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -87,7 +86,9 @@ def _prepare_remote(cfg: Any) -> Launchable:
     if not url:
         raise K3Error("The remote backend has no URL.", "set `url` in [remote], or run "
                       "`k3tui setup`")
-    key = os.environ.get(cfg.remote.api_key_env) if cfg.remote.api_key_env else None
+    from k3tui.backends.remote import resolve_api_key
+
+    key, _ = resolve_api_key(cfg.remote.api_key_env)  # the variable, else the stored key
 
     def run(_: ProgressCallback | None) -> RunningBackend:
         return RunningBackend(kind="remote", base_url=url.rstrip("/").removesuffix("/v1"),
