@@ -190,6 +190,18 @@ def resolve_id(prefix: str | None) -> str:
     return matches[0]
 
 
+def forget_finished() -> list[str]:
+    """Delete the state files and logs of jobs that are not running; returns their ids."""
+    gone = []
+    for state in list_jobs():
+        if state["status"] != "running":
+            state_path(state["id"]).unlink(missing_ok=True)
+            if state.get("log"):
+                Path(state["log"]).unlink(missing_ok=True)
+            gone.append(state["id"])
+    return gone
+
+
 def cancel_job(job_id: str, wait_s: float = 10.0) -> dict:
     """Ask the job to stop (SIGTERM: it keeps its partial files), SIGKILL if it hangs."""
     state = read_state(job_id)

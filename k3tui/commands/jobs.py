@@ -10,9 +10,9 @@ import time
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", nargs="?", default="list",
-                        choices=["list", "attach", "cancel", "log"],
+                        choices=["list", "attach", "cancel", "log", "clean"],
                         help="list (default), attach (live progress; Ctrl-C detaches), "
-                        "cancel, or log (print the job's log)")
+                        "cancel, log (print the job's log), or clean (forget finished jobs)")
     parser.add_argument("id", nargs="?", help="job id, or a unique part of it "
                         "(default: the newest running job)")
 
@@ -22,6 +22,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.action == "list":
         return _list()
+    if args.action == "clean":
+        gone = jobs.forget_finished()
+        print(f"Forgot {len(gone)} finished job(s); files they downloaded or packed stay.")
+        return 0
     job_id = jobs.resolve_id(args.id)
     if args.action == "attach":
         return attach(job_id)

@@ -84,6 +84,8 @@ def test_dl_pack_job_reports_layers_and_saves_trunk_dir(checkpoint, tmp_path):
     assert load_config().model.trunk_dir == str(trunk)
     p = k3("pack", str(checkpoint), str(trunk), "--foreground")
     assert "already holds this checkpoint's trunk" in p.stdout
+    assert "Forgot 1 finished job" in k3("jobs", "clean").stdout
+    assert not jobs.list_jobs() and trunk.is_dir()
 
 
 def test_dl_pack_refuses_a_folder_without_config(tmp_path):
