@@ -22,7 +22,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 UI = ["textual", "questionary", "prompt_toolkit", "rich"]
 CORE_FIXED = ["k3tui.config", "k3tui.probe", "k3tui.plan", "k3tui.paths"]
-CORE_OPTIONAL = ["k3tui.hub", "k3tui.jobs", "k3tui.history", "k3tui.backends"]
+CORE_OPTIONAL = ["k3tui.hub", "k3tui.jobs", "k3tui.history", "k3tui.backends", "k3tui.monitor",
+                 "k3tui.capacity", "k3tui.recipes"]
 
 
 def _submodules(package: str) -> list[str]:
