@@ -239,7 +239,7 @@ class JobReporter:
         self.update()
 
     @classmethod
-    def from_env(cls) -> "JobReporter | None":
+    def from_env(cls) -> JobReporter | None:
         job_id = os.environ.get(ENV_ID)
         return cls(job_id) if job_id else None
 

@@ -7,7 +7,6 @@ import sys
 import time
 
 
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", nargs="?", default="list",
                         choices=["list", "attach", "cancel", "log", "clean"],
@@ -31,7 +30,8 @@ def run(args: argparse.Namespace) -> int:
         return attach(job_id)
     if args.action == "log":
         state = jobs.read_state(job_id)
-        sys.stdout.write(open(state["log"], encoding="utf-8", errors="replace").read())
+        with open(state["log"], encoding="utf-8", errors="replace") as fh:
+            sys.stdout.write(fh.read())
         return 0
     state = jobs.read_state(job_id)
     if state["status"] != "running":

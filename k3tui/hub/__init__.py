@@ -5,9 +5,9 @@
     result = download(snap, target, workers=4, on_progress=callback)
 """
 
-from k3tui.hub.sync import DownloadPlan, DownloadResult, download, plan_download
 from k3tui.hub.progress import ProgressEvent
 from k3tui.hub.remote import RemoteFile, RepoSnapshot, fetch_snapshot, hub_endpoint, hub_token
+from k3tui.hub.sync import DownloadPlan, DownloadResult, download, plan_download
 from k3tui.hub.transfer import CHUNK_BYTES, Options
 
 __all__ = ["CHUNK_BYTES", "DownloadPlan", "DownloadResult", "Options", "ProgressEvent",

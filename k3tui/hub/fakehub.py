@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import socket
 import struct
 import sys
@@ -41,37 +40,37 @@ class Fault:
     event: threading.Event | None = None
 
     @classmethod
-    def cut(cls, at: int) -> "Fault":
+    def cut(cls, at: int) -> Fault:
         """Send `at` body bytes, then close the connection cleanly (FIN)."""
         return cls("cut", at=at)
 
     @classmethod
-    def reset(cls, at: int) -> "Fault":
+    def reset(cls, at: int) -> Fault:
         """Send `at` body bytes, then reset the connection (RST)."""
         return cls("reset", at=at)
 
     @classmethod
-    def http_status(cls, status: int) -> "Fault":
+    def http_status(cls, status: int) -> Fault:
         """Answer the GET with this status (429 carries Retry-After: 0)."""
         return cls("status", status=status)
 
     @classmethod
-    def stall(cls, at: int, seconds: float) -> "Fault":
+    def stall(cls, at: int, seconds: float) -> Fault:
         """Send `at` bytes, then go silent for `seconds`, then close."""
         return cls("stall", at=at, seconds=seconds)
 
     @classmethod
-    def ignore_range(cls) -> "Fault":
+    def ignore_range(cls) -> Fault:
         """Answer a Range request with 200 and the whole file."""
         return cls("ignore_range")
 
     @classmethod
-    def corrupt(cls, at: int) -> "Fault":
+    def corrupt(cls, at: int) -> Fault:
         """Flip one byte at absolute file offset `at` in this response."""
         return cls("corrupt", at=at)
 
     @classmethod
-    def hold(cls, at: int, event: threading.Event) -> "Fault":
+    def hold(cls, at: int, event: threading.Event) -> Fault:
         """Send `at` bytes, then wait until `event` is set, then send the rest."""
         return cls("hold", at=at, event=event)
 
@@ -151,7 +150,7 @@ class FakeHub:
             srv.shutdown()
             srv.server_close()
 
-    def __enter__(self) -> "FakeHub":
+    def __enter__(self) -> FakeHub:
         return self
 
     def __exit__(self, *exc) -> None:

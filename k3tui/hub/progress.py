@@ -119,7 +119,7 @@ class Ticker:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="progress", daemon=True)
 
-    def __enter__(self) -> "Ticker":
+    def __enter__(self) -> Ticker:
         self._thread.start()
         return self
 

@@ -151,7 +151,7 @@ def fetch_snapshot(repo: str, revision: str = "main", include: list[str] | None 
             info = api.model_info(repo, revision=revision, files_metadata=True,
                                   timeout=timeout)
             break
-        except Exception as exc:  # noqa: BLE001 - classified right here
+        except Exception as exc:
             if not is_transient(exc) or attempt == attempts - 1:
                 raise explain(exc, repo, revision, token_sent=bool(token)) from None
             time.sleep(backoff_s * 2 ** attempt)
@@ -186,7 +186,7 @@ def check_access(snapshot: RepoSnapshot, *, token: str | None | bool = None,
                      endpoint=snapshot.endpoint)
     try:
         get_hf_file_metadata(url, token=token if token else False, timeout=timeout)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         if is_transient(exc):
             return   # the download loop retries these; only refusals matter here
         raise explain(exc, snapshot.repo, snapshot.revision, token_sent=bool(token)) from None

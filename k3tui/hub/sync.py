@@ -7,16 +7,23 @@ import queue
 import shutil
 import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from k3tui.errors import K3Error
 from k3tui.hub.progress import Progress, ProgressEvent, Ticker
 from k3tui.hub.remote import RemoteFile, RepoSnapshot, http
 from k3tui.hub.store import LocalStore, expected_digest, hash_file, new_hasher
-from k3tui.hub.transfer import (Cancelled, DiskFull, FileFailed, FileFetch, HubRefused, Options,
-                                is_disk_full)
+from k3tui.hub.transfer import (
+    Cancelled,
+    DiskFull,
+    FileFailed,
+    FileFetch,
+    HubRefused,
+    Options,
+    is_disk_full,
+)
 
 GB = 1e9
 
@@ -202,7 +209,7 @@ def download(snapshot: RepoSnapshot, target: Path, *, workers: int = 4,
                     plan.partial.get(rf.name, 0))
             except Cancelled:
                 progress.status(rf.name, "pending")
-            except Exception as exc:  # noqa: BLE001 - sorted below; a bug must not kill the rest
+            except Exception as exc:
                 if isinstance(exc, DiskFull) or is_disk_full(exc):
                     left = sum(f.size for f in snapshot.files) - progress.snapshot().done_bytes
                     fail(rf.name, f"{rf.name}: disk full", disk_full_error(target, left),

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from k3tui.hub.progress import Progress
-from k3tui.hub.remote import RemoteFile, RepoSnapshot, explain, http, is_transient, redact
+from k3tui.hub.remote import RemoteFile, RepoSnapshot, explain, is_transient, redact
 from k3tui.hub.store import LocalStore, drop_page_cache, expected_digest, hash_file, new_hasher
 
 CHUNK_BYTES = 1 << 20             # unit of writing, hence the most a kill can make us re-fetch
@@ -70,7 +70,7 @@ class Options:
     token: str | None = None
 
     @classmethod
-    def from_env(cls, **kw) -> "Options":
+    def from_env(cls, **kw) -> Options:
         """Test and power-user knobs: K3TUI_DL_TIMEOUT_S, K3TUI_DL_BACKOFF_S, K3TUI_DL_MAX_FAILURES."""
         env = os.environ
         if "K3TUI_DL_TIMEOUT_S" in env:
@@ -212,7 +212,7 @@ class FileFetch:
                 continue
             except (DiskFull, Cancelled, HubRefused, FileFailed):
                 raise
-            except Exception as exc:  # noqa: BLE001 - classified below
+            except Exception as exc:
                 if is_disk_full(exc):
                     raise DiskFull(str(exc)) from None
                 if isinstance(exc, OSError) and not is_transient(exc):

@@ -5,10 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from dl_helpers import BIG, REPO_ID, SMALL
 
 from k3tui.hub.fakehub import FakeHub
-
-from dl_helpers import BIG, REPO_ID, SMALL
 
 
 @pytest.fixture

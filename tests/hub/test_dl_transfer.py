@@ -11,8 +11,7 @@ import pytest
 from dl_helpers import BIG, REPO_ID, SMALL
 
 from k3tui.errors import K3Error
-from k3tui.hub import CHUNK_BYTES, Options, download, fetch_snapshot, plan_download
-from k3tui.hub import transfer
+from k3tui.hub import CHUNK_BYTES, Options, download, fetch_snapshot, plan_download, transfer
 from k3tui.hub.fakehub import Fault
 from k3tui.hub.remote import check_access
 from k3tui.hub.store import LocalStore
