@@ -11,6 +11,8 @@ the numpy reference.
 
 from __future__ import annotations
 
+import types as pytypes
+
 import numba
 import numpy as np
 from llvmlite import ir
@@ -96,10 +98,19 @@ def _mxfp4_matmul(packed, scale, xe, xo, out, scales):
             out[t, r] = accv.sum() * np.float32(16384.0)
 
 
-# The same source compiled twice: `prange` is a plain range in the serial build, so both
-# builds compute every output element with the same instruction sequence.
+def _build(fn, parallel: bool):
+    """Compile `fn` serial or parallel (`prange` is a plain range in the serial build, so
+    both compute every output element with the same instruction sequence). Each build
+    gets its own function name: numba's on-disk cache is keyed by the function, and
+    sharing one would hand the parallel caller the serial machine code."""
+    name = f"{fn.__name__}_{'parallel' if parallel else 'serial'}"
+    clone = pytypes.FunctionType(fn.__code__, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+    clone.__qualname__ = name
+    return njit(parallel=parallel, **_FLAGS)(clone)
+
+
 _KERNELS = {
-    (fn.__name__, parallel): njit(parallel=parallel, **_FLAGS)(fn)
+    (fn.__name__, parallel): _build(fn, parallel)
     for fn in (_bf16_matmul, _f32_matmul, _mxfp4_matmul)
     for parallel in (False, True)
 }
