@@ -715,39 +715,49 @@ class Service:
         return k3
 
     async def _sse(self, job: Job, queue: asyncio.Queue, ids: ChunkIds, request: Request) -> AsyncIterator[str]:
-        req = job.req
         yield ids.sse({"role": "assistant", "content": None})
-        last_k3 = None
+        state: dict[str, Any] = {"k3": None}
         while True:
             try:
                 item = await asyncio.wait_for(queue.get(), timeout=PING_SECONDS)
             except TimeoutError:
                 yield ":\n\n"  # keep-alive comment while a long prefill runs
                 continue
-            if item[0] == "token":
-                _, k3, reasoning, content = item
-                last_k3 = k3 or last_k3
-                extra: dict[str, Any] = {"k3": k3 or last_k3}
-                if req.timings_per_token:
-                    extra["timings"] = self._timings(job)
-                if reasoning:
-                    yield ids.sse({"reasoning_content": reasoning}, **extra)
-                if content:
-                    yield ids.sse({"content": content}, **extra)
-            elif item[0] == "end":
-                final = {"k3": self._final_k3(job, last_k3)}
-                if not req.include_usage or req.timings_per_token:
-                    final["timings"] = self._timings(job)
-                yield ids.sse({}, finish_reason=item[1], **final)
-                if req.include_usage:
-                    yield ids.sse(None, usage=self._usage(job), timings=self._timings(job), k3=final["k3"])
-                yield "data: [DONE]\n\n"
+            # Whatever else is already waiting goes out in the same write: under load the
+            # loop keeps up with the generator instead of costing it one wake-up per token.
+            out, done = self._sse_item(job, ids, item, state)
+            while not done and not queue.empty():
+                more, done = self._sse_item(job, ids, queue.get_nowait(), state)
+                out += more
+            if out:
+                yield out
+            if done:
                 return
-            elif item[0] == "error":
-                yield f"data: {json.dumps(error_body(500, item[1]))}\n\n"
-                return
-            else:  # cancelled: the client is gone
-                return
+
+    def _sse_item(self, job: Job, ids: ChunkIds, item: tuple, state: dict[str, Any]) -> tuple[str, bool]:
+        """SSE text for one worker event, and whether the stream ends with it."""
+        req = job.req
+        if item[0] == "token":
+            _, k3, reasoning, content = item
+            state["k3"] = k3 or state["k3"]
+            extra: dict[str, Any] = {"k3": state["k3"]}
+            if req.timings_per_token:
+                extra["timings"] = self._timings(job)
+            out = ids.sse({"reasoning_content": reasoning}, **extra) if reasoning else ""
+            if content:
+                out += ids.sse({"content": content}, **extra)
+            return out, False
+        if item[0] == "end":
+            final = {"k3": self._final_k3(job, state["k3"])}
+            if not req.include_usage or req.timings_per_token:
+                final["timings"] = self._timings(job)
+            out = ids.sse({}, finish_reason=item[1], **final)
+            if req.include_usage:
+                out += ids.sse(None, usage=self._usage(job), timings=self._timings(job), k3=final["k3"])
+            return out + "data: [DONE]\n\n", True
+        if item[0] == "error":
+            return f"data: {json.dumps(error_body(500, item[1]))}\n\n", True
+        return "", True  # cancelled: the client is gone
 
     async def _collect(self, job: Job, queue: asyncio.Queue, ids: ChunkIds, request: Request) -> Response:
         reasoning, content, last_k3 = [], [], None
