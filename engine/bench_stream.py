@@ -145,24 +145,29 @@ def raw_throughput(src, rng: np.random.Generator, passes: int = 2) -> dict[str, 
     return {"raw_gb": total / 1e9, "raw_s": secs, "raw_gb_per_s": total / 1e9 / secs}
 
 
-def run_rung(ck: Path, budget: str, tokens: int, threads: int, trunk: str | None) -> dict:
-    """Plan for `budget`, measure raw disk speed, then decode `tokens` tokens."""
+def _decode(model, prompt: list[int], tokens: int) -> tuple[list, float]:
+    """Greedy tokens and the CPU seconds of the decode steps (compute + readers)."""
     from engine.generate import GenParams, generate
-    from engine.model import load_model
-    from engine.planner import GB, make_plan
-    from engine.streaming import CheckpointMap, StreamingSource, peak_rss
 
-    cmap = CheckpointMap(ck, trunk)
+    toks = []
+    cpu0 = 0.0
+    for tok in generate(model, prompt, GenParams(max_tokens=tokens)):
+        toks.append(tok)
+        if tok.index == 0:
+            cpu0 = _cpu_s()
+    return toks, _cpu_s() - cpu0
+
+
+def _open(cmap, budget_gb: float, threads: int, warm: bool = False):
+    """A StreamingSource under `budget_gb`; with `warm`, every weight read before the clock."""
+    from engine.model import load_model
+    from engine.planner import make_plan
+    from engine.streaming import StreamingSource
+
     g = cmap.geometry()
-    resident = budget == "max"
-    budget_gb = (g.trunk_bytes + g.all_experts_bytes) / GB if resident else float(budget)
     plan = make_plan(g, budget_gb=budget_gb, threads=threads)
-    _log(plan.describe())
     src = StreamingSource(cmap, plan)
-    rng = np.random.default_rng(7)
-    raw = {} if resident else raw_throughput(src, rng)
-    model = load_model(ck, src)
-    if resident:  # compute-only: every weight in RAM before the clock starts
+    if warm:
         for L in range(g.n_layers):
             with src.layer(L):
                 pass
@@ -170,22 +175,50 @@ def run_rung(ck: Path, budget: str, tokens: int, threads: int, trunk: str | None
                 with src.experts(L, range(g.n_experts)) as ex:
                     for e in range(g.n_experts):
                         ex[e]
+    return src, load_model(cmap.root, src)
+
+
+def run_rung(ck: Path, budget: str, tokens: int, threads: int, trunk: str | None) -> dict:
+    """One budget: raw disk speed, a decode alone (its peak RSS is the rung's), then the
+    same decode alternating with a fully resident twin so that compute-only time and
+    streamed time are measured under the same machine load."""
+    from engine.planner import GB
+    from engine.streaming import CheckpointMap, peak_rss
+
+    cmap = CheckpointMap(ck, trunk)
+    g = cmap.geometry()
+    full_gb = (g.trunk_bytes + g.all_experts_bytes) / GB
     prompt = [int(x) for x in np.random.default_rng(1).integers(0, cmap.config.vocab_size, 4)]
-    toks = []
-    cpu0 = 0.0
-    for tok in generate(model, prompt, GenParams(max_tokens=tokens)):
-        toks.append(tok)
-        if tok.index == 0:  # the decode steps' CPU time: compute plus the readers' overhead
-            cpu0 = _cpu_s()
-    cpu = _cpu_s() - cpu0
-    decode = toks[1:]
-    stats = src.stats()
+    resident = budget == "max"
+    src, model = _open(cmap, full_gb if resident else float(budget), threads, warm=resident)
+    _log(src.plan.describe())
+    rng = np.random.default_rng(7)
+    raw = [] if resident else [raw_throughput(src, rng)]
+    alone, cpu = _decode(model, prompt, tokens)
+    peak = peak_rss() / GB
+    ids = [t.id for t in alone]
+    streamed, twin_toks = alone[1:], alone[1:]
+    if not resident:
+        twin, twin_model = _open(cmap, full_gb, threads, warm=True)
+        streamed, twin_toks = [], []
+        for _ in range(2):  # B A B A: both see the same load over the same minutes
+            got, _ = _decode(twin_model, prompt, tokens)
+            twin_toks += got[1:]
+            ids_ok = [t.id for t in got] == ids
+            got, _ = _decode(model, prompt, tokens)
+            streamed += got[1:]
+            if not ids_ok or [t.id for t in got] != ids:
+                raise EngineError("the resident and streamed decodes disagree; this is a bug.")
+        raw.append(raw_throughput(src, rng))
+        twin.close()
+    plan = src.plan
     src.close()
 
     def mean(key: str) -> float:
-        return float(np.mean([t.stats.get(key, 0.0) or 0.0 for t in decode])) if decode else 0.0
+        return float(np.mean([t.stats.get(key, 0.0) or 0.0 for t in streamed])) if streamed else 0.0
 
-    gb = mean("gb_read_trunk") + mean("gb_read_experts")
+    raw_gb = sum(r["raw_gb"] for r in raw)
+    raw_s = sum(r["raw_s"] for r in raw)
     return {
         "budget": budget,
         "budget_gb": plan.budget_bytes / GB,
@@ -194,20 +227,22 @@ def run_rung(ck: Path, budget: str, tokens: int, threads: int, trunk: str | None
         "ring_slots": plan.ring_slots,
         "expert_slots": plan.expert_slots,
         "threads": plan.threads,
-        "s_per_token": float(np.mean([t.seconds for t in decode])) if decode else None,
-        "gb_read_per_token": gb,
+        "s_per_token": float(np.mean([t.seconds for t in streamed])) if streamed else None,
+        "s_per_token_alone": float(np.mean([t.seconds for t in alone[1:]])) if alone[1:] else None,
+        "compute_only_s_per_token": float(np.mean([t.seconds for t in twin_toks]))
+        if twin_toks else None,
+        "gb_read_per_token": mean("gb_read_trunk") + mean("gb_read_experts"),
         "gb_trunk_per_token": mean("gb_read_trunk"),
         "gb_experts_per_token": mean("gb_read_experts"),
         "compute_s_per_token": mean("compute_s"),
         "wait_trunk_s_per_token": mean("wait_trunk_s"),
         "wait_experts_s_per_token": mean("wait_experts_s"),
         "true_hit_rate": mean("true_hit_rate"),
-        "cpu_s_per_token": cpu / len(decode) if decode else None,
-        "prefill_s": toks[0].prefill_seconds if toks else None,
-        "ids": [t.id for t in toks],
-        "peak_rss_gb": peak_rss() / GB,
-        "disk_busy_s": stats.get("disk_busy_s"),
-        **raw,
+        "cpu_s_per_token": cpu / len(alone[1:]) if alone[1:] else None,
+        "prefill_s": alone[0].prefill_seconds if alone else None,
+        "ids": ids,
+        "peak_rss_gb": peak,
+        "raw_gb_per_s": raw_gb / raw_s if raw else None,
     }
 
 
@@ -304,12 +339,11 @@ def _main(args: argparse.Namespace) -> int:
     for b in budgets:
         _log(f"budget {b} ...")
         rungs.append(_spawn_rung(ck, b, args, None))
-    compute_only = next(r["s_per_token"] for r in rungs if r["budget"] == "max")
     ladder = []
     for r in rungs:
         raw = r.get("raw_gb_per_s")
         io_s = r["gb_read_per_token"] / raw if raw else 0.0
-        bound = max(compute_only, io_s)
+        bound = max(r["compute_only_s_per_token"], io_s)
         r["bound_s_per_token"] = bound
         r["overlap_ratio"] = r["s_per_token"] / bound if bound else None
         r["efficiency"] = io_s / r["s_per_token"] if raw and r["s_per_token"] else None
@@ -325,7 +359,7 @@ def _main(args: argparse.Namespace) -> int:
         "mb_per_s": main_rung["gb_read_per_token"] * 1000 / main_rung["s_per_token"],
         "raw_gb_per_s": main_rung.get("raw_gb_per_s"),
         "efficiency": main_rung["efficiency"],
-        "compute_only_s_per_token": compute_only,
+        "compute_only_s_per_token": main_rung["compute_only_s_per_token"],
         "peak_rss_gb": main_rung["peak_rss_gb"],
         "rss_limit_gb": main_rung["budget_gb"] * 1.1 + main_rung["plan_overhead_gb"],
         "ids_identical": same_ids,
@@ -333,7 +367,8 @@ def _main(args: argparse.Namespace) -> int:
         "pack_ratio_vs_cp": packed.get("pack_ratio_vs_cp"),
         "ladder": [{k: r.get(k) for k in (
             "budget", "budget_gb", "s_per_token", "gb_read_per_token", "compute_s_per_token",
-            "bound_s_per_token", "overlap_ratio", "efficiency", "raw_gb_per_s",
+            "compute_only_s_per_token", "s_per_token_alone", "bound_s_per_token",
+            "overlap_ratio", "efficiency", "raw_gb_per_s",
             "wait_trunk_s_per_token", "wait_experts_s_per_token", "pinned_layers",
             "ring_slots", "expert_slots", "true_hit_rate", "cpu_s_per_token", "peak_rss_gb",
             "plan_overhead_gb")}
@@ -362,17 +397,21 @@ def render(res: dict[str, Any]) -> str:
                      f"{res['cp_mb_per_s']:.0f} MB/s = {res['pack_ratio_vs_cp']:.2f}x")
     lines.append("")
     lines.append(f"{'budget GB':>10} {'pinned':>6} {'s/token':>8} {'GB/token':>9} "
-                 f"{'compute s':>9} {'bound s':>8} {'overlap':>7} {'effic.':>6} "
+                 f"{'compute':>8} {'I/O s':>7} {'bound s':>8} {'overlap':>7} {'effic.':>6} "
                  f"{'raw MB/s':>8} {'peak RSS':>8}")
     for r in res["ladder"]:
         raw = r.get("raw_gb_per_s")
         eff = r.get("efficiency")
+        io_s = r["gb_read_per_token"] / raw if raw else 0.0
         lines.append(
             f"{r['budget_gb']:>10.2f} {r['pinned_layers']:>6} {r['s_per_token']:>8.3f} "
-            f"{r['gb_read_per_token']:>9.3f} {r['compute_s_per_token']:>9.3f} "
-            f"{r['bound_s_per_token']:>8.3f} {r['overlap_ratio']:>7.2f} "
+            f"{r['gb_read_per_token']:>9.3f} {r['compute_only_s_per_token']:>8.3f} "
+            f"{io_s:>7.3f} {r['bound_s_per_token']:>8.3f} {r['overlap_ratio']:>7.2f} "
             f"{(f'{eff:.2f}' if eff is not None else '-'):>6} "
             f"{(f'{raw * 1000:.0f}' if raw else '-'):>8} {r['peak_rss_gb']:>8.2f}")
+    lines.append("compute = compute-only s/token of a fully resident twin decoded in alternation "
+                 "with the streamed one; I/O s = GB/token / raw; bound = max of the two; "
+                 "overlap = s/token / bound (1.0 = I/O fully hidden)")
     return "\n".join(lines)
 
 
