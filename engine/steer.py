@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from engine.chat_template import CLOSE, EOS, OPEN, SEP, OutputParser
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import TRAINING_TEXT, Tokenizer
 
 DEMO_NOTICE = "demo model — random weights, not Kimi-K3"
 NEG = -1e30
@@ -81,6 +81,12 @@ class DemoSteer:
             for name, pat in (("lower", _LOWER), ("cap", _CAP), ("cap_space", _CAP_SPACE)):
                 if pat.match(b):
                     classes[name].append(i)
+        # Prefer tokens that are whole English words (not fragments such as " gre").
+        known = {w.lower() for w in re.findall(r"[A-Za-z]+", TRAINING_TEXT)}
+        for name, ids in classes.items():
+            whole = [i for i in ids if tok.id_to_bytes(i).strip().decode().lower() in known]
+            if len(whole) >= 20:
+                classes[name] = whole
         if not classes["lower"] or not (classes["cap"] or classes["cap_space"]):
             raise ValueError("this vocabulary has no whole-word tokens to steer a demo with")
         self.words = {k: np.array(v or classes["cap_space"]) for k, v in classes.items()}
