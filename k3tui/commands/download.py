@@ -198,7 +198,7 @@ def _run_in_job(reporter, repo, revision, target, include, args, check) -> int:
         reporter.update(message=f"{repo} @ {snap.commit[:12]}",
                         total_bytes=snap.total_bytes)
         result = download(snap, target, workers=args.workers, opts=_options(args), stop=stop,
-                          check=check, log=log,
+                          check=check, log=log, max_hz=4,   # the TUI polls at 2 Hz
                           on_progress=lambda ev: reporter.update(**_event_fields(ev)))
         lines: list[str] = []
         code = _conclude(result, target, lines.append)

@@ -279,3 +279,19 @@ def test_dl_stall_longer_than_timeout_is_cut_short(hub, repo_dir, tmp_path):
     assert res.ok
     assert __import__("time").monotonic() - t0 < 20
     assert any("ReadTimeout" in line and "at byte 2,000,000" in line for line in lines), lines
+
+
+@pytest.mark.skipif(not __import__("shutil").which("fincore"), reason="fincore not installed")
+def test_dl_verified_files_leave_the_page_cache(hub, repo_dir, tmp_path):
+    """After a file is verified its cached pages are dropped (unified memory needs that)."""
+    import subprocess
+
+    out = tmp_path / "out"
+    _, res = fetch(hub, out)
+    assert res.ok
+    fs = subprocess.run(["stat", "-f", "-c", "%T", str(out)], capture_output=True, text=True)
+    if fs.stdout.strip() in ("tmpfs", "ramfs"):
+        pytest.skip("the page cache is the storage on tmpfs")
+    p = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(out / BIG)],
+                       capture_output=True, text=True, check=True)
+    assert int(p.stdout.split()[0]) < (out / BIG).stat().st_size // 8
