@@ -155,6 +155,7 @@ def download(snapshot: RepoSnapshot, target: Path, *, workers: int = 4,
         todo.put(by_name[name])
     result = DownloadResult(ok=False)
     lock = threading.Lock()
+    active: set[FileFetch] = set()
     httpx = http()
     client = httpx.Client(timeout=httpx.Timeout(opts.timeout_s, connect=min(10.0, opts.timeout_s)),
                           follow_redirects=True,
@@ -205,8 +206,12 @@ def download(snapshot: RepoSnapshot, target: Path, *, workers: int = 4,
             try:
                 if rf.name in plan.to_check and check_on_disk(rf):
                     continue
-                FileFetch(rf, snapshot, store, progress, client, opts, stop, log).run(
-                    plan.partial.get(rf.name, 0))
+                fetch = FileFetch(rf, snapshot, store, progress, client, opts, stop, log)
+                active.add(fetch)
+                try:
+                    fetch.run(plan.partial.get(rf.name, 0))
+                finally:
+                    active.discard(fetch)
             except Cancelled:
                 progress.status(rf.name, "pending")
             except Exception as exc:
@@ -231,9 +236,14 @@ def download(snapshot: RepoSnapshot, target: Path, *, workers: int = 4,
                        for i in range(max(1, workers))]
             for t in threads:
                 t.start()
+            closed = False
             for t in threads:
                 while t.is_alive():
                     t.join(0.2)        # keeps the main thread responsive to signals
+                    if stop.is_set() and not closed:
+                        for fetch in list(active):
+                            fetch.abort()  # wakes reads stuck on a silent server
+                        closed = True
     finally:
         client.close()
     result.cancelled = stop.is_set() and result.error is None

@@ -20,6 +20,7 @@ import errno
 import os
 import queue
 import random
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -157,6 +158,17 @@ class FileFetch:
         self._dropped_at = 0
         self._sidecar_t = 0.0
         self.etag = ""
+        self._sock = None                 # the socket being read, for abort()
+
+    def abort(self) -> None:
+        """From another thread: shut the socket down so a blocked read returns now
+        (closing an fd does not wake a thread blocked in recv on Linux)."""
+        sock = self._sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     # -- lifecycle -------------------------------------------------------------------------
     def run(self, initial_counted: int) -> None:
@@ -253,6 +265,10 @@ class FileFetch:
         if self.have:
             headers["Range"] = f"bytes={self.have}-"
         with self.client.stream("GET", location, headers=headers) as r:
+            stream = r.extensions.get("network_stream")
+            self._sock = stream.get_extra_info("socket") if stream is not None else None
+            if self.stop.is_set():
+                raise Cancelled()
             if r.status_code == 416 and self.have == rf.size:
                 return
             if r.status_code not in (200, 206):

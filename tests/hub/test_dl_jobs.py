@@ -87,10 +87,13 @@ def test_dl_one_job_per_folder_and_cancel_keeps_partial(hub, repo_dir, tmp_path)
 
     listing = k3("jobs").stdout
     assert state["id"] in listing and "running" in listing
+    t0 = time.monotonic()
     p = k3("jobs", "cancel", state["id"][-4:])          # a unique suffix is enough
     assert "cancelled" in p.stdout
+    assert time.monotonic() - t0 < 8                    # no wait for the 120 s read timeout
     st = jobs.read_state(state["id"])
     assert st["status"] == "cancelled"
+    assert "Cancelled; partial files are kept" in open(st["log"]).read()   # said by the job
     assert (out / ".k3tui" / "partial" / f"{BIG}.part").stat().st_size > CHUNK_BYTES
     # the lock went with the process: the same folder can be downloaded again
     k3("download", REPO_ID, "--dir", str(out), "--detach")
