@@ -11,6 +11,7 @@ the numpy reference.
 
 from __future__ import annotations
 
+import os
 import types as pytypes
 
 import numba
@@ -21,6 +22,10 @@ from numba.core import types
 from numba.core.extending import intrinsic
 
 from engine.kernels import MX_GROUP, MX_SCALE
+
+# OpenMP workers spin while idle by default: on a shared 2-core machine that burns the CPU
+# the other thread (or another process) needs. Must be set before the first parallel run.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 ROWS_PER_TASK = 16
 # Waking the thread pool costs ~0.1-5 ms on a busy 2-core machine: small products run serial.
@@ -126,11 +131,14 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return out
 
 
-def mxfp4_linear(x: np.ndarray, packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
+def mxfp4_linear(x: np.ndarray, packed: np.ndarray, scale: np.ndarray,
+                 parallel: bool | None = None) -> np.ndarray:
+    """`parallel=None` decides by size; the MoE passes False and spreads experts over
+    threads itself."""
     if packed.shape[1] * 2 % MX_GROUP or scale.shape[1] * MX_GROUP != packed.shape[1] * 2:
         raise ValueError(f"MXFP4 shapes disagree: packed {packed.shape}, scale {scale.shape}")
     out = np.empty((x.shape[0], packed.shape[0]), np.float32)
-    par = packed.size * 2 >= PARALLEL_MIN_WEIGHTS
+    par = packed.size * 2 >= PARALLEL_MIN_WEIGHTS if parallel is None else parallel
     xe, xo = np.ascontiguousarray(x[:, 0::2]), np.ascontiguousarray(x[:, 1::2])
     _KERNELS[("_mxfp4_matmul", par)](packed, scale, xe, xo, out, MX_SCALE)
     return out

@@ -128,6 +128,15 @@ def _fused_available() -> bool:
 FUSED = _fused_available()
 
 
+def compute_threads() -> int:
+    """Threads the fused kernels use (numba's setting), 1 for the numpy reference."""
+    if not FUSED:
+        return 1
+    import numba
+
+    return numba.get_num_threads()
+
+
 def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """y = x Wᵀ for x [T, in] (or [in]) and a raw BF16/F32 weight [out, in]."""
     x2 = np.ascontiguousarray(x, np.float32).reshape(-1, x.shape[-1])
@@ -140,13 +149,14 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return y.reshape(*x.shape[:-1], w.shape[0])
 
 
-def mxfp4_linear(x: np.ndarray, packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """y = x Wᵀ for an MXFP4 weight, x [T, in]."""
+def mxfp4_linear(x: np.ndarray, packed: np.ndarray, scale: np.ndarray,
+                 parallel: bool | None = None) -> np.ndarray:
+    """y = x Wᵀ for an MXFP4 weight, x [T, in]; `parallel` as in fused.mxfp4_linear."""
     x2 = np.ascontiguousarray(x, np.float32).reshape(-1, x.shape[-1])
     if FUSED and packed.flags.c_contiguous and scale.flags.c_contiguous:
         from engine import fused
 
-        y = fused.mxfp4_linear(x2, packed, scale)
+        y = fused.mxfp4_linear(x2, packed, scale, parallel)
     else:
         y = mxfp4_linear_ref(x2, packed, scale)
     return y.reshape(*x.shape[:-1], packed.shape[0])

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
 from engine.config import ModelConfig
-from engine.kernels import linear, mxfp4_linear, rmsnorm, sigmoid, situ_glu, to_f32
+from engine.kernels import (
+    compute_threads,
+    linear,
+    mxfp4_linear,
+    rmsnorm,
+    sigmoid,
+    situ_glu,
+    to_f32,
+)
 from engine.weights import ExpertWeights
 
 
@@ -31,12 +40,36 @@ def situ_mlp(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
 
 
 def expert_mlp(z: np.ndarray, ex: Expert, cfg: ModelConfig) -> np.ndarray:
-    """w2 · SiTU(w1 z, w3 z) on the latent z [T, latent] → [T, latent]."""
+    """w2 · SiTU(w1 z, w3 z) on the latent z [T, latent] → [T, latent]. Each expert runs
+    on one thread (experts are spread over threads by `run_experts`)."""
     if isinstance(ex, DenseExpert):
         return situ_mlp(z, ex.w1, ex.w3, ex.w2, cfg)
-    g = mxfp4_linear(z, ex.w1_packed, ex.w1_scale)
-    u = mxfp4_linear(z, ex.w3_packed, ex.w3_scale)
-    return mxfp4_linear(situ_glu(g, u, cfg.situ_beta, cfg.situ_linear_beta), ex.w2_packed, ex.w2_scale)
+    g = mxfp4_linear(z, ex.w1_packed, ex.w1_scale, parallel=False)
+    u = mxfp4_linear(z, ex.w3_packed, ex.w3_scale, parallel=False)
+    return mxfp4_linear(situ_glu(g, u, cfg.situ_beta, cfg.situ_linear_beta), ex.w2_packed,
+                        ex.w2_scale, parallel=False)
+
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def run_experts(z: np.ndarray, tokens: list[np.ndarray], ids: list[int],
+                experts: Mapping[int, Expert], cfg: ModelConfig) -> list[np.ndarray]:
+    """expert_mlp of expert ids[i] over rows z[tokens[i]], for each i.
+
+    A source's mapping may hand experts out in groups that stay valid only until a later
+    one is asked for, so by default each expert is fetched and used at once, in order.
+    When every expert is already in memory (a plain dict, e.g. ResidentSource) and there
+    are several compute threads, experts run side by side instead (the fused kernels
+    release the GIL): one fork-join per layer rather than one per matrix. The same
+    kernels run either way, so results do not depend on it."""
+    global _POOL
+    threads = compute_threads()
+    if threads <= 1 or len(ids) <= 1 or not isinstance(experts, dict):
+        return [expert_mlp(z[tok], experts[e], cfg) for tok, e in zip(tokens, ids)]
+    if _POOL is None or _POOL._max_workers != threads:
+        _POOL = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="k3-expert")
+    return list(_POOL.map(lambda i: expert_mlp(z[tokens[i]], experts[ids[i]], cfg), range(len(ids))))
 
 
 def route(x: np.ndarray, gate: np.ndarray, bias: np.ndarray, top_k: int,
@@ -58,9 +91,11 @@ def latent_moe(x: np.ndarray, w: Mapping[str, np.ndarray], experts: Mapping[int,
     T, k = ids.shape
     z = linear(x, w[f"{prefix}routed_expert_down_proj.weight"])  # to the latent width
     y = np.zeros((T, k, z.shape[1]), np.float32)
-    for e in np.unique(ids):  # each expert once, over the tokens that chose it
-        tok, slot = np.nonzero(ids == e)
-        y[tok, slot] = expert_mlp(z[tok], experts[int(e)], cfg)
+    unique = [int(e) for e in np.unique(ids)]  # each expert once, over the tokens that chose it
+    chosen = [np.nonzero(ids == e) for e in unique]
+    outs = run_experts(z, [tok for tok, _ in chosen], unique, experts, cfg)
+    for (tok, slot), out in zip(chosen, outs):
+        y[tok, slot] = out
     acc = np.zeros_like(z)
     for j in range(k):  # accumulate in rank order, the same for a step and a prefill
         acc += weights[:, j, None] * y[:, j]
