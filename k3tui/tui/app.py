@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rich.text import Text
-from textual import on, work
+from textual import on
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
@@ -68,6 +68,33 @@ class BackendInfo:
         return text
 
 
+class ChatLog(VerticalScroll):
+    """The conversation. It follows a growing answer only while the view is at the
+    bottom (within 2 rows): someone reading further up is never yanked down."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.following = True
+
+    def watch_scroll_y(self, old_value: float, new_value: float) -> None:
+        super().watch_scroll_y(old_value, new_value)
+        self.following = new_value >= self.max_scroll_y - 2
+
+    def _size_updated(self, size: Any, virtual_size: Any, container_size: Any,
+                      layout: bool = True) -> bool:
+        # Every layout passes the content's (virtual) size here; Resize events only
+        # come when the widget's own region changes, not when an answer grows.
+        changed = virtual_size != self.virtual_size or size != self.size
+        result = super()._size_updated(size, virtual_size, container_size, layout)
+        if changed and self.following:
+            self.scroll_end(animate=False, immediate=True)
+        return result
+
+    def follow(self) -> None:
+        self.following = True
+        self.scroll_end(animate=False, immediate=True)
+
+
 class ChatScreen(Screen):
     BINDINGS = [
         Binding("escape", "stop", "Stop", priority=True),
@@ -106,7 +133,7 @@ class ChatScreen(Screen):
         app = self.k3app
         yield Static(app.backend.header(), id="header")
         with Horizontal(id="body"):
-            yield VerticalScroll(id="chat")
+            yield ChatLog(id="chat")
             with Vertical(id="side"):
                 yield LatencyPane(ascii=app.ascii, id="latency")
                 yield IOPane(ascii=app.ascii, id="io")
@@ -133,7 +160,7 @@ class ChatScreen(Screen):
             convs = history.list_conversations()
             conversation_id = convs[0].id if convs else None
         self.conversation_id = conversation_id
-        chat = self.query_one("#chat", VerticalScroll)
+        chat = self.query_one("#chat", ChatLog)
         await chat.remove_children()
         if conversation_id is None:
             return
@@ -145,7 +172,7 @@ class ChatScreen(Screen):
                 widgets.append(AssistantMessage(content=m.content, reasoning=m.reasoning,
                                                 status=m.status, classes="assistant"))
         await chat.mount_all(widgets)
-        chat.anchor()
+        chat.follow()
 
     def _request_messages(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -190,9 +217,9 @@ class ChatScreen(Screen):
         self.current_id = self.k3app.history.add_message(self.conversation_id, "assistant", "",
                                                          status="streaming")
         self.current = AssistantMessage(classes="assistant")
-        chat = self.query_one("#chat", VerticalScroll)
+        chat = self.query_one("#chat", ChatLog)
         await chat.mount(self.current)
-        chat.anchor()
+        chat.follow()  # sending a prompt jumps to the bottom
         self.stats.start(self.k3app.clock())
         self._gen = self.run_worker(self._generate(messages, self.current, self.current_id),
                                     group="gen", exclusive=True, exit_on_error=False)

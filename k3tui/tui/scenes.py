@@ -78,7 +78,10 @@ async def run_turn(pilot: Any, prompt: str = "Show me how to read one expert wit
     if expand_reasoning:
         await pilot.press("ctrl+t")
     chat.refresh_panes(force=True)
-    await pilot.pause()
+    # Let layout, the anchored scroll (after a refresh) and the repaint settle.
+    for _ in range(3):
+        await pilot.pause(0.05)
+    await pilot.wait_for_scheduled_animations()
     await pilot.pause()
 
 
