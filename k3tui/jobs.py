@@ -119,6 +119,9 @@ def start_job(kind: str, argv: list[str], target_key: str) -> str:
         state = new_state(job_id, kind, argv, target_key)
         _write_state(state)
         env = dict(os.environ, **{ENV_ID: job_id, ENV_LOCK: str(lock_fd)})
+        # the job must import this same k3tui even from an uninstalled checkout
+        src = str(Path(__file__).resolve().parents[1])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
         with open(state["log"], "ab") as log:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True,
