@@ -102,27 +102,37 @@ class Loaded:
     source: Any = None
 
 
+def _read_chars() -> int | None:
+    try:
+        return psutil.Process().io_counters().read_chars
+    except (AttributeError, psutil.Error):
+        return None
+
+
 @dataclass
 class LoadProgress:
+    """What /health reports while the model loads. `bytes_read` counts what this process
+    read since the load began (weights, via read syscalls); `checkpoint_bytes` is the size
+    of the shards, so a client can show a fraction for a resident load."""
+
     phase: str = "starting"
     started: float = field(default_factory=time.monotonic)
     error: str | None = None
     layers_bound: int | None = None
     n_layers: int | None = None
+    checkpoint_bytes: int | None = None
+    _read0: int | None = field(default_factory=_read_chars)
 
     def as_dict(self) -> dict[str, Any]:
-        proc = psutil.Process()
-        try:
-            read = proc.io_counters().read_chars
-        except (AttributeError, psutil.Error):
-            read = None
+        read = _read_chars()
         return {
             "phase": self.phase,
             "elapsed_s": round(time.monotonic() - self.started, 3),
-            "bytes_read": read,
+            "bytes_read": read - self._read0 if read is not None and self._read0 is not None else None,
+            "checkpoint_bytes": self.checkpoint_bytes,
             "layers_bound": self.layers_bound,
             "n_layers": self.n_layers,
-            "rss_gb": round(proc.memory_info().rss / 1e9, 3),
+            "rss_gb": round(psutil.Process().memory_info().rss / 1e9, 3),
         }
 
 
@@ -860,6 +870,7 @@ def load_engine(checkpoint: Path, tokenizer_dir: Path, args: argparse.Namespace,
     from engine.streaming import open_source
 
     progress.phase = "tokenizer"
+    progress.checkpoint_bytes = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
     tok = Tokenizer.from_dir(tokenizer_dir)
     progress.phase = "weights"
     args.context_tokens = n_ctx

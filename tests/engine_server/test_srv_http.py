@@ -219,7 +219,7 @@ def test_srv_loading_is_503_everywhere_but_health_with_progress(inproc, make_loa
     r = httpx.get(srv.url + "/health")
     body = r.json()
     assert r.status_code == 503 and body["error"] == {"code": 503, "message": "Loading model", "type": "unavailable_error"}
-    assert {"phase", "elapsed_s", "bytes_read", "layers_bound", "rss_gb"} <= set(body["progress"])
+    assert {"phase", "elapsed_s", "bytes_read", "checkpoint_bytes", "layers_bound", "rss_gb"} <= set(body["progress"])
     for method, path in (("POST", CHAT), ("GET", "/v1/models"), ("GET", "/props")):
         r = httpx.request(method, srv.url + path, json={"messages": HI})
         assert r.status_code == 503 and r.json()["error"]["type"] == "unavailable_error"

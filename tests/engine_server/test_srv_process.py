@@ -154,7 +154,7 @@ def test_srv_proc_concurrent_request_waits(keyed_server):
     import threading
 
     srv, results = keyed_server, {}
-    body = {"messages": HI, "max_tokens": 40, "ignore_eos": True, "seed": 3}
+    body = {"messages": HI, "max_tokens": 60, "ignore_eos": True, "seed": 3}
 
     def run(name):
         t0 = time.monotonic()
@@ -163,7 +163,10 @@ def test_srv_proc_concurrent_request_waits(keyed_server):
 
     a = threading.Thread(target=run, args=("a",))
     a.start()
-    time.sleep(0.2)
+    deadline = time.monotonic() + 20
+    while not srv.metric("requests_processing", headers=AUTH):  # a holds the slot
+        assert time.monotonic() < deadline and a.is_alive()
+        time.sleep(0.005)
     b = threading.Thread(target=run, args=("b",))
     b.start()
     seen = 0.0
@@ -176,7 +179,7 @@ def test_srv_proc_concurrent_request_waits(keyed_server):
     assert results["b"][2] > results["a"][2]  # and finished after it
     # same seed, same prompt, one at a time: identical output
     assert ra.json()["choices"][0]["message"] == rb.json()["choices"][0]["message"]
-    assert ra.json()["usage"]["completion_tokens"] == 40
+    assert ra.json()["usage"]["completion_tokens"] == 60
 
 
 def test_srv_proc_api_key(keyed_server):
