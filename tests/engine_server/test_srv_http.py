@@ -289,7 +289,8 @@ async def test_srv_concurrent_request_waits_its_turn(inproc):
 
     async with httpx.AsyncClient(timeout=30) as client:
         first = asyncio.create_task(one("a", client))
-        await asyncio.sleep(0.1)
+        while "\nk3_requests_processing 1" not in (await client.get(srv.url + "/metrics")).text:
+            await asyncio.sleep(0.005)
         second = asyncio.create_task(one("b", client))
         deferred = await deferred_seen(client)
         await asyncio.gather(first, second)
@@ -306,11 +307,13 @@ async def test_srv_too_many_waiting_is_503(inproc, monkeypatch):
     monkeypatch.setattr(server, "MAX_WAITING", 1)
     srv = inproc(delay=0.05)
     async with httpx.AsyncClient(timeout=30) as client:
-        body = {"messages": HI, "max_tokens": 20}
+        body = {"messages": HI, "max_tokens": 40}
         running = asyncio.create_task(client.post(srv.url + CHAT, json=body))
-        await asyncio.sleep(0.15)
+        while "\nk3_requests_processing 1" not in (await client.get(srv.url + "/metrics")).text:
+            await asyncio.sleep(0.005)
         waiting = asyncio.create_task(client.post(srv.url + CHAT, json=body))
-        await asyncio.sleep(0.15)
+        while "\nk3_requests_deferred 1" not in (await client.get(srv.url + "/metrics")).text:
+            await asyncio.sleep(0.005)
         r = await client.post(srv.url + CHAT, json=body)
         assert r.status_code == 503 and r.json()["error"]["type"] == "unavailable_error"
         assert "busy" in r.json()["error"]["message"]
