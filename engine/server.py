@@ -725,7 +725,7 @@ class Service:
         return k3
 
     async def _sse(self, job: Job, queue: asyncio.Queue, ids: ChunkIds, request: Request) -> AsyncIterator[str]:
-        yield ids.sse({"role": "assistant", "content": None})
+        yield ids.sse({"role": "assistant", "content": None}, k3=k3_stats(None, self.loaded.budget_gb))
         state: dict[str, Any] = {"k3": None}
         while True:
             try:

@@ -53,6 +53,8 @@ def test_srv_stream_shape_like_llama_server(inproc):
     chunks = chunks_of(lines)
     first, finish, usage = chunks[0], chunks[-2], chunks[-1]
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": None}
+    assert all(K3_KEYS <= set(c["k3"]) for c in chunks)  # every chunk carries k3
+    assert first["k3"]["s_per_token"] is None  # null where unknown
     assert len({c["id"] for c in chunks}) == 1 and first["id"].startswith("chatcmpl-")
     assert all(c["object"] == "chat.completion.chunk" and c["model"] == "fake-k3" for c in chunks)
     assert finish["choices"][0] == {"finish_reason": "stop", "index": 0, "delta": {}}
