@@ -25,6 +25,7 @@ import argparse
 import json
 import resource
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -169,6 +170,9 @@ class StreamingSource:
         self._c = dict(wait_trunk_s=0.0, wait_experts_s=0.0, trunk_bytes=0, expert_bytes=0,
                        expert_hits=0, expert_misses=0)
         self._model: dict[str, np.ndarray] = {}
+        self._wait_lock = threading.Lock()
+        self._waiters = 0
+        self._wait_t0 = 0.0
         self._pinned: dict[int, _Pinned] = {}
         self._closed = False
         # Pinned layers stream in at once, in layer order, behind any urgent read.
@@ -293,11 +297,30 @@ class StreamingSource:
         bad = [e for e in wanted if not 0 <= e < self.config.num_experts]
         if bad:
             raise CheckpointError(f"expert {bad[0]} of layer {layer} does not exist.")
-        view = _ExpertView(self, layer, wanted)
+        cap = max(1, self.cache.free_for_reuse)
+        view: _ExpertDict | _ExpertGroups
+        if len(wanted) <= cap:
+            view = _ExpertDict(_Group(self, layer, wanted), wanted)
+        else:
+            view = _ExpertGroups(self, layer, wanted, cap)
         try:
             yield view
         finally:
             view.release()
+
+    def _wait_expert(self, batch: Batch) -> None:
+        """Wait for one expert's read; the wall time some compute thread was blocked counts."""
+        with self._wait_lock:
+            if self._waiters == 0:
+                self._wait_t0 = time.perf_counter()
+            self._waiters += 1
+        try:
+            batch.wait()
+        finally:
+            with self._wait_lock:
+                self._waiters -= 1
+                if self._waiters == 0:
+                    self._c["wait_experts_s"] += time.perf_counter() - self._wait_t0
 
     def _acquire(self, layer: int, group: list[int]) -> dict[int, tuple[int, Batch | None]]:
         """Pin resident experts, claim slots and issue sorted reads for the rest."""
@@ -381,62 +404,118 @@ class StreamingSource:
         self.close()
 
 
-class _ExpertView(Mapping[int, ExpertWeights]):
-    """`ex[e]` for one `experts()` call; waits only for expert e's own read.
+class _Group:
+    """Experts of one `experts()` call held in slots; `get(e)` waits only for e's read.
 
-    When the set is larger than the cache can hold at once, it is served in groups in the
-    order of `ids`: an expert stays valid only until one from a later group is asked for
-    (iterate in order and use each at once, as the MoE loop does).
+    Thread-safe: the MoE may fetch experts from several compute threads at once.
     """
 
-    def __init__(self, src: StreamingSource, layer: int, wanted: list[int]):
+    def __init__(self, src: StreamingSource, layer: int, ids: list[int]):
+        self.src = src
+        self.layer = layer
+        self.lock = threading.Lock()
+        self.held = src._acquire(layer, ids)  # expert → (slot, read batch or None)
+        self.ready: dict[int, ExpertWeights] = {}
+        self.failed: dict[int, ReadError] = {}
+
+    def get(self, e: int) -> ExpertWeights:
+        with self.lock:
+            if e in self.ready:
+                return self.ready[e]
+            if e in self.failed:
+                raise self.failed[e]
+            slot, batch = self.held[e]  # KeyError: not asked for
+        if batch is not None:
+            try:
+                self.src._wait_expert(batch)
+            except ReadError as exc:
+                with self.lock:
+                    if e in self.held and self.held[e][1] is batch:
+                        self.src.cache.discard(slot)
+                        self.src.cache.unpin(slot)
+                        del self.held[e]
+                        self.failed[e] = exc
+                raise
+        src = self.src
+        with self.lock:
+            if e in self.ready:
+                return self.ready[e]
+            slot, batch = self.held[e]
+            if batch is not None:  # first reader of this expert publishes it
+                src.cache.publish(slot, (self.layer, e))
+                src._c["expert_bytes"] += src.map.expert_layout(self.layer, e).payload
+                self.held[e] = (slot, None)
+            views = src.map.expert_layout(self.layer, e).views(src.cache.buffer(slot))
+            weights = expert_from_arrays([views[n] for n in src.names.expert(self.layer, e)])
+            self.ready[e] = weights
+            return weights
+
+    def release(self) -> None:
+        """Unpin the slots; reads still in flight finish before their slot can be reused."""
+        cache = self.src.cache
+        with self.lock:
+            for e, (slot, batch) in self.held.items():
+                if batch is not None:
+                    batch.finished()  # never free a slot a read is still writing into
+                    if batch.error is None and not batch.cancelled:
+                        cache.publish(slot, (self.layer, e))
+                        self.src._c["expert_bytes"] += self.src.map.expert_layout(
+                            self.layer, e).payload
+                    else:
+                        cache.discard(slot)
+                cache.unpin(slot)
+            self.held, self.ready = {}, {}
+
+
+class _ExpertDict(dict):
+    """The whole set fits the cache: a dict (so the MoE may run experts side by side on
+    its compute threads) whose items are fetched lazily, each waiting for its own read."""
+
+    def __init__(self, group: _Group, wanted: list[int]):
+        super().__init__(dict.fromkeys(wanted))
+        self.group = group
+
+    def __getitem__(self, e: int) -> ExpertWeights:
+        if not dict.__contains__(self, int(e)):
+            raise KeyError(e)
+        return self.group.get(int(e))
+
+    def get(self, e, default=None):  # type: ignore[override]
+        return self[e] if dict.__contains__(self, int(e)) else default
+
+    def values(self):  # type: ignore[override]
+        return [self[e] for e in self]
+
+    def items(self):  # type: ignore[override]
+        return [(e, self[e]) for e in self]
+
+    def release(self) -> None:
+        self.group.release()
+
+
+class _ExpertGroups(Mapping[int, ExpertWeights]):
+    """The set is larger than the cache can hold at once: served in groups in the order of
+    `ids`; an expert stays valid only until one from a later group is asked for (iterate
+    in order and use each at once, as the MoE's serial path does)."""
+
+    def __init__(self, src: StreamingSource, layer: int, wanted: list[int], cap: int):
         self.src = src
         self.layer = layer
         self.wanted = wanted
-        cap = max(1, src.cache.free_for_reuse)
         self.groups = [wanted[i:i + cap] for i in range(0, len(wanted), cap)]
         self.group_of = {e: g for g, grp in enumerate(self.groups) for e in grp}
-        self.current = -1
-        self.held: dict[int, tuple[int, Batch | None]] = {}
-        self.ready: dict[int, ExpertWeights] = {}
-        self._load(0)
-
-    def _load(self, g: int) -> None:
-        self.release()
-        self.current = g
-        if self.groups:
-            self.held = self.src._acquire(self.layer, self.groups[g])
+        self.current = 0
+        self.group: _Group | None = _Group(src, layer, self.groups[0])
 
     def __getitem__(self, e: int) -> ExpertWeights:
         e = int(e)
-        got = self.ready.get(e)
-        if got is not None:
-            return got
         if e not in self.group_of:
             raise KeyError(e)
-        if self.group_of[e] != self.current:
-            self._load(self.group_of[e])
-        slot, batch = self.held[e]
-        src = self.src
-        if batch is not None:
-            t0 = time.perf_counter()
-            try:
-                batch.wait()
-            except ReadError:
-                src.cache.discard(slot)
-                src.cache.unpin(slot)
-                del self.held[e]
-                raise
-            finally:
-                src._c["wait_experts_s"] += time.perf_counter() - t0
-            src.cache.publish(slot, (self.layer, e))
-            src._c["expert_bytes"] += src.map.expert_layout(self.layer, e).payload
-            self.held[e] = (slot, None)
-        lay = src.map.expert_layout(self.layer, e)
-        views = lay.views(src.cache.buffer(slot))
-        weights = expert_from_arrays([views[n] for n in src.names.expert(self.layer, e)])
-        self.ready[e] = weights
-        return weights
+        if self.group_of[e] != self.current or self.group is None:
+            self.release()
+            self.current = self.group_of[e]
+            self.group = _Group(self.src, self.layer, self.groups[self.current])
+        return self.group.get(e)
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.wanted)
@@ -448,20 +527,9 @@ class _ExpertView(Mapping[int, ExpertWeights]):
         return e in self.group_of
 
     def release(self) -> None:
-        """Unpin this group's slots; reads still in flight finish before their slot frees."""
-        cache = self.src.cache
-        for e, (slot, batch) in self.held.items():
-            if batch is not None:
-                batch.finished()  # never free a slot a read is still writing into
-                if batch.error is None and not batch.cancelled:
-                    cache.publish(slot, (self.layer, e))
-                    self.src._c["expert_bytes"] += self.src.map.expert_layout(
-                        self.layer, e).payload
-                else:
-                    cache.discard(slot)
-            cache.unpin(slot)
-        self.held = {}
-        self.ready = {}
+        if self.group is not None:
+            self.group.release()
+            self.group = None
 
 
 def current_rss() -> int:

@@ -245,3 +245,23 @@ def test_stream_open_source_and_cli(small, capsys, tmp_path):
     os.truncate(sorted(ck.glob("model-00003-*.safetensors"))[0], 5000)
     bad = subprocess.run(base + ["--budget-gb", "0.01"], capture_output=True, text=True, cwd=REPO)
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
+
+
+def test_stream_experts_fetched_from_several_threads(small):
+    """When the set fits, the view is a dict the MoE may read from its compute threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    res = ResidentSource(small)
+    with source(small, budget_gb=floor_gb(small) * 3, threads=3) as src:
+        for L in (1, 2, 3, 1):
+            ids = list(range(16)) if src.cache.nslots >= 16 else list(range(src.cache.nslots))
+            with src.experts(L, ids) as ex, res.experts(L, ids) as ref:
+                assert isinstance(ex, dict) and set(ex) == set(ids)
+                with ThreadPoolExecutor(4) as pool:
+                    got = list(pool.map(lambda e: ex[e], ids * 2))
+                for e, w in zip(ids * 2, got):
+                    assert np.array_equal(w.w2_packed, ref[e].w2_packed)
+                    assert np.array_equal(w.w3_scale, ref[e].w3_scale)
+        st = src.stats()
+        payload = src.map.expert_layout(1, 0).payload
+        assert round(st["gb_read_experts"] * GB) == st["expert_misses"] * payload
