@@ -339,8 +339,11 @@ class FakeHub:
                 return sent
             fh.seek(start)
             t0 = time.monotonic()
+            step = 256 << 10
+            if self.throttle_bps:     # small steps, so a slow hub trickles instead of pausing
+                step = int(min(step, max(4096, self.throttle_bps / 20)))
             while sent < limit:
-                block = fh.read(min(256 << 10, limit - sent))
+                block = fh.read(min(step, limit - sent))
                 if not block:
                     break
                 if fault and fault.kind == "corrupt" and start + sent <= fault.at < \

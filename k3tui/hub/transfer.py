@@ -68,6 +68,8 @@ class Options:
     backoff_s: float = 1.0            # first retry delay, doubled per failure, capped
     backoff_cap_s: float = 60.0
     max_failures: int = 8             # consecutive failed attempts without progress
+    low_speed_bps: float = 32_000     # a connection slower than this for low_speed_s is
+    low_speed_s: float = 60.0         # dropped and reopened (curl's --speed-limit idea)
     token: str | None = None
 
     @classmethod
@@ -290,10 +292,19 @@ class FileFetch:
         (no copy into a buffer); whatever arrived is written even when the stream breaks."""
         pieces: list[bytes] = []
         n = 0
+        window_t, window_bytes = time.monotonic(), 0
         try:
             for piece in r.iter_raw():
                 if self.stop.is_set():
                     raise Cancelled()
+                window_bytes += len(piece)
+                now = time.monotonic()
+                if now - window_t >= self.opts.low_speed_s:
+                    rate = window_bytes / (now - window_t)
+                    if rate < self.opts.low_speed_bps:      # a trickle never times out
+                        raise _BadResponse(f"too slow ({rate / 1e3:,.1f} kB/s for "
+                                           f"{now - window_t:.0f} s); reconnecting")
+                    window_t, window_bytes = now, 0
                 if skip:
                     if len(piece) <= skip:
                         skip -= len(piece)

@@ -295,3 +295,23 @@ def test_dl_verified_files_leave_the_page_cache(hub, repo_dir, tmp_path):
     p = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(out / BIG)],
                        capture_output=True, text=True, check=True)
     assert int(p.stdout.split()[0]) < (out / BIG).stat().st_size // 8
+
+
+def test_dl_trickling_connection_is_reopened(hub, repo_dir, tmp_path):
+    """A server that keeps sending a few kB/s never hits the read timeout; the loop drops
+    such a connection and reopens it (resuming by Range) instead of crawling for hours."""
+    hub.throttle_bps = 40_000
+    lines: list[str] = []
+
+    def log(line: str) -> None:
+        lines.append(line)
+        if "too slow" in line:
+            hub.throttle_bps = None           # the next connection is fast again
+
+    snap = fetch_snapshot(REPO_ID, include=[BIG])
+    res = download(snap, tmp_path / "out", workers=1, log=log,
+                   opts=Options(backoff_s=0.02, low_speed_bps=200_000, low_speed_s=0.5))
+    assert res.ok
+    assert any("too slow" in line for line in lines), lines
+    assert (tmp_path / "out" / BIG).read_bytes() == (repo_dir / BIG).read_bytes()
+    assert [e["range"] for e in hub.requests(method="GET") if e["range"]]
