@@ -68,7 +68,7 @@ class Options:
     backoff_s: float = 1.0            # first retry delay, doubled per failure, capped
     backoff_cap_s: float = 60.0
     max_failures: int = 8             # consecutive failed attempts without progress
-    low_speed_bps: float = 32_000     # a connection slower than this for low_speed_s is
+    low_speed_bps: float = 4_000      # a connection slower than this for low_speed_s is
     low_speed_s: float = 60.0         # dropped and reopened (curl's --speed-limit idea)
     token: str | None = None
 
