@@ -315,3 +315,20 @@ def test_dl_trickling_connection_is_reopened(hub, repo_dir, tmp_path):
     assert any("too slow" in line for line in lines), lines
     assert (tmp_path / "out" / BIG).read_bytes() == (repo_dir / BIG).read_bytes()
     assert [e["range"] for e in hub.requests(method="GET") if e["range"]]
+
+
+def test_dl_empty_and_nested_files(tmp_path, monkeypatch):
+    from k3tui.hub.fakehub import FakeHub
+
+    src = tmp_path / "src"
+    (src / "a" / "b").mkdir(parents=True)
+    (src / "empty.txt").write_bytes(b"")
+    (src / "a" / "b" / "deep.bin").write_bytes(b"z" * 3_000_000)
+    with FakeHub(src, REPO_ID) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
+        snap = fetch_snapshot(REPO_ID)
+        res = download(snap, tmp_path / "out", opts=Options(**FAST), log=lambda m: None)
+        assert res.ok
+        assert (tmp_path / "out" / "empty.txt").read_bytes() == b""
+        assert (tmp_path / "out" / "a" / "b" / "deep.bin").stat().st_size == 3_000_000
+        assert not list((tmp_path / "out" / ".k3tui" / "partial").iterdir())
