@@ -42,12 +42,47 @@ def _psutil_disk_read_bytes() -> int | None:
     return None if counters is None else int(counters.read_bytes)
 
 
+def _whole_disks(sys_root: Path) -> set[str]:
+    """Block devices that are not partitions (partitions would count the bytes twice)."""
+    try:
+        return {p.name for p in (sys_root / "block").iterdir()}
+    except OSError:
+        return set()
+
+
+def diskstats_reader(proc_root: Path | str = "/proc", sys_root: Path | str = "/sys"):
+    """A cheap `() -> read bytes` over /proc/diskstats (psutil re-checks every device
+    in /sys on each call; the pane samples twice a second for hours)."""
+    disks = _whole_disks(Path(sys_root))
+    path = Path(proc_root) / "diskstats"
+
+    def read() -> int | None:
+        try:
+            text = path.read_text()
+        except OSError:
+            return _psutil_disk_read_bytes()
+        total = 0
+        for line in text.splitlines():
+            fields = line.split()
+            if len(fields) > 5 and (not disks or fields[2] in disks):
+                total += int(fields[5]) * 512  # sectors read; always 512-byte units
+        return total
+
+    return read
+
+
+_processes: dict[int, object] = {}
+
+
 def _psutil_process_stats(pid: int) -> tuple[int, int | None] | None:
     """(rss bytes, read bytes) of `pid`, or None when it is gone."""
     import psutil
 
     try:
-        proc = psutil.Process(pid)
+        proc = _processes.get(pid)
+        if proc is None:
+            _processes.clear()
+            proc = _processes[pid] = psutil.Process(pid)
         rss = int(proc.memory_info().rss)
         try:
             read = int(proc.io_counters().read_bytes)
@@ -63,14 +98,14 @@ class Monitor:
 
     def __init__(self, pid: int | None = None, *, clock: Callable[[], float] = time.monotonic,
                  proc_root: Path | str = "/proc", sys_root: Path | str = "/sys",
-                 disk_read_bytes: Callable[[], int | None] = _psutil_disk_read_bytes,
+                 disk_read_bytes: Callable[[], int | None] | None = None,
                  process_stats: Callable[[int], tuple[int, int | None] | None]
                  = _psutil_process_stats):
         self.pid = pid
         self._clock = clock
         self._proc = Path(proc_root)
         self._sys = Path(sys_root)
-        self._disk_read_bytes = disk_read_bytes
+        self._disk_read_bytes = disk_read_bytes or diskstats_reader(proc_root, sys_root)
         self._process_stats = process_stats
         self._last: tuple[float, int | None, int | None] | None = None
         self._cgroup_dir: tuple[Path, str, str] | None | bool = False  # False: not looked up

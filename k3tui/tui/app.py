@@ -124,6 +124,7 @@ class ChatScreen(Screen):
         self.current: AssistantMessage | None = None
         self.current_id: int | None = None
         self.turns_finished = 0
+        self.sampling = True  # the benchmark switches it off to measure its share
 
     @property
     def k3app(self) -> ChatApp:
@@ -413,7 +414,7 @@ class ChatScreen(Screen):
     # panes -------------------------------------------------------------------------------
     def sample_now(self) -> None:
         monitor = self.k3app.monitor
-        if monitor is None:
+        if monitor is None or not self.sampling:
             return
         self.last_sample = monitor.sample()
         self.query_one(IOPane).show(self.last_sample, self.k3, self.k3app.backend.budget_gb)

@@ -184,3 +184,15 @@ def test_tui_sparkline_keeps_spikes_and_ascii():
     assert ascii_line.isascii() and "#" in ascii_line
     assert render_sparkline([], 5) == "     "
     assert percentile([3, 1, 2], 50) == 2
+
+
+def test_tui_monitor_diskstats_counts_whole_disks_only(tmp_path):
+    from k3tui.monitor import diskstats_reader
+
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "sys" / "block" / "nvme0n1").mkdir(parents=True)
+    (tmp_path / "proc" / "diskstats").write_text(
+        " 259 0 nvme0n1 100 0 2000 0 0 0 0 0 0 0 0\n"
+        " 259 1 nvme0n1p1 90 0 1800 0 0 0 0 0 0 0 0\n")
+    read = diskstats_reader(tmp_path / "proc", tmp_path / "sys")
+    assert read() == 2000 * 512  # the partition's sectors are not counted twice

@@ -79,9 +79,11 @@ class IOPane(Vertical):
         rss_text = format_gb(rss)
         if budget:
             rss_text += f" / {format_gb(budget)}"
-        cg = format_gb(s.cgroup_current_gb)
+        # Machine-wide figures at 0.1 GB: finer digits flicker with every other process
+        # and would repaint the pane at each sample for nothing.
+        cg = _num(s.cgroup_current_gb, ".1f", " GB")
         if s.cgroup_current_gb is not None:
-            cg += f" / {format_gb(s.cgroup_max_gb)}" if s.cgroup_max_gb else " (no max)"
+            cg += f" / {s.cgroup_max_gb:.1f} GB" if s.cgroup_max_gb else " (no max)"
         hit = k3.get("true_hit_rate")
         # The engine counts its own reads (page-cache hits included); the kernel's
         # per-process counter only sees storage, so prefer the engine's when it reports.
@@ -93,7 +95,7 @@ class IOPane(Vertical):
             f"disk {_num(s.disk_read_mb_s, '.0f', ' MB/s')}  {proc}",
             f"read/token {format_gb(k3.get('gb_read'))}  "
             f"hit {_num(None if hit is None else hit * 100, '.0f', '%')}",
-            f"RSS {rss_text}  cache {format_gb(s.page_cache_gb)}",
+            f"RSS {rss_text}  cache {_num(s.page_cache_gb, '.1f', ' GB')}",
             f"PSI {_num(s.psi_some_avg10, '.1f')}/{_num(s.psi_full_avg10, '.1f')}  cg {cg}",
         ]
         _set_text(self.query_one("#io-text", Static), lines)

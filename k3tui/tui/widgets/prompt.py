@@ -16,6 +16,8 @@ class Prompt(TextArea):
 
     def __init__(self, history: list[str] | None = None, **kwargs) -> None:
         super().__init__(soft_wrap=True, show_line_numbers=False, compact=True, **kwargs)
+        # A blinking cursor repaints twice a second forever: half the idle CPU budget.
+        self.cursor_blink = False
         self.recall: list[str] = list(history or [])
         self._recall_at: int | None = None   # index into history while browsing
         self._draft = ""

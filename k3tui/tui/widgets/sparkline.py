@@ -65,11 +65,14 @@ class Sparkline(Static):
         self._line_style = style
 
     def set_values(self, values: list[float]) -> None:
-        if values != self.values:
-            self.values = list(values)
+        self.values = list(values)
+        # Repaint only when the drawn line changes (an idle disk appends zeros forever).
+        if self._line() != getattr(self, "_drawn", None):
             self.refresh()  # no layout: the height is always one line
 
+    def _line(self) -> str:
+        return render_sparkline(self.values, self.size.width, ascii=self.ascii, floor=self.floor)
+
     def render(self) -> Text:
-        return Text(render_sparkline(self.values, self.size.width, ascii=self.ascii,
-                                      floor=self.floor),
-                    style=self._line_style, no_wrap=True, overflow="crop")
+        self._drawn = self._line()
+        return Text(self._drawn, style=self._line_style, no_wrap=True, overflow="crop")
