@@ -211,7 +211,9 @@ class ReadPool:
     def __init__(self, threads: int = 4, chunk: int = CHUNK, reserve: int | None = None):
         self.threads = max(1, int(threads))
         self.chunk = max(ALIGN, align_down(chunk))
-        self.reserve = min(self.threads - 1, 2 if reserve is None else reserve)
+        # Half the workers stay free for urgent reads: read-ahead still keeps the disk's
+        # queue full, and an urgent read shares the disk with fewer chunks already issued.
+        self.reserve = min(self.threads - 1, self.threads // 2 if reserve is None else reserve)
         self._urgent: list[_Job] = []
         self._background: list[_Job] = []
         self._bg_running = 0
@@ -306,6 +308,13 @@ class ReadPool:
             self.bytes_read += nbytes
             if self._inflight == 0:
                 self.busy_s += time.perf_counter() - self._busy_since
+
+    def busy(self) -> bool:
+        """Any read queued or running."""
+        with self._cond:
+            queued = bool(self._urgent or self._background)
+        with self._lock:
+            return queued or self._inflight > 0
 
     def close(self) -> None:
         with self._cond:
