@@ -143,5 +143,16 @@ def mxfp4_linear(x: np.ndarray, packed: np.ndarray, scale: np.ndarray,
     return out
 
 
+def warm_up() -> None:
+    """Load (or compile) every kernel now, so the first token does not pay for it."""
+    x = np.zeros((1, 64), np.float32)
+    out = np.empty((1, 2), np.float32)
+    for parallel in (False, True):
+        _KERNELS[("_bf16_matmul", parallel)](np.zeros((2, 64), np.uint16), x, out)
+        _KERNELS[("_f32_matmul", parallel)](np.zeros((2, 64), np.float32), x, out)
+        _KERNELS[("_mxfp4_matmul", parallel)](np.zeros((2, 16), np.uint8), np.zeros((2, 1), np.uint8),
+                                              x[:, :16], x[:, :16], out, MX_SCALE)
+
+
 def set_threads(n: int) -> None:
     numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engine import kernels
 from engine.attnres import attn_res, fold
 from engine.config import ModelConfig
 from engine.errors import CheckpointError, EngineError
@@ -240,6 +241,10 @@ def load_model(checkpoint_dir: str | Path, source: WeightSource | None = None) -
     """Read config.json strictly, check the checkpoint's tensors, wrap `source`
     (default: everything resident)."""
     cfg = ModelConfig.from_dir(checkpoint_dir)
+    if kernels.FUSED:
+        from engine import fused
+
+        fused.warm_up()
     if source is None:
         index = SafetensorsIndex.open(checkpoint_dir)
         check_tensors(cfg, index, TensorNames.detect(index))
