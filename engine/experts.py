@@ -12,7 +12,8 @@ set, so the seam is here for a better one.
 
 from __future__ import annotations
 
-from typing import Hashable, Iterable, Protocol
+from collections.abc import Hashable, Iterable
+from typing import Protocol
 
 import numpy as np
 

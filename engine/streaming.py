@@ -27,10 +27,11 @@ import resource
 import sys
 import threading
 import time
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -39,7 +40,12 @@ from engine.errors import CheckpointError, ReadError
 from engine.experts import EvictionPolicy, ExpertCache
 from engine.io import Batch, FileTable, Layout, ReadPool, TensorSpec, aligned_buffer
 from engine.planner import (
-    DEFAULT_CONTEXT, GB, Geometry, Plan, plan_from_args, wants_streaming,
+    DEFAULT_CONTEXT,
+    GB,
+    Geometry,
+    Plan,
+    plan_from_args,
+    wants_streaming,
 )
 from engine.safetensors import SafetensorsIndex, TensorInfo
 from engine.weights import ExpertWeights, ResidentSource, TensorNames, expert_from_arrays
@@ -397,7 +403,7 @@ class StreamingSource:
         self.pool.close()
         self.files.close()
 
-    def __enter__(self) -> "StreamingSource":
+    def __enter__(self) -> StreamingSource:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -8,7 +8,12 @@ import pytest
 
 from engine.errors import PlanError
 from engine.planner import (
-    GB, Geometry, MemoryFacts, add_memory_arguments, make_plan, read_memory_facts,
+    GB,
+    Geometry,
+    MemoryFacts,
+    add_memory_arguments,
+    make_plan,
+    read_memory_facts,
     wants_streaming,
 )
 

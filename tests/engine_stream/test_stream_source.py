@@ -11,18 +11,17 @@ import time
 
 import numpy as np
 import pytest
+from stream_helpers import copy_checkpoint
 
 from engine.errors import ReadError
 from engine.generate import GenParams, generate
+from engine.io import Layout
 from engine.model import load_model
 from engine.planner import GB, add_memory_arguments, make_plan
-from engine.io import Layout
 from engine.streaming import MODEL_TENSORS, CheckpointMap, StreamingSource, open_source
 from engine.synth import synthesize
 from engine.trunk import pack
 from engine.weights import ResidentSource
-
-from stream_helpers import copy_checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPT = [3, 7, 11, 5, 9, 200, 17]
@@ -218,10 +217,9 @@ def test_stream_expert_read_error_never_publishes_the_slot(small, tmp_path):
         lay = src.map.expert_layout(3, 15)
         os.truncate(lay.runs[0].file, lay.runs[0].start + 10)
         for attempt in range(2):  # the failed slot was not published as holding expert 15
-            with pytest.raises(ReadError):
-                with src.experts(3, [0, 15]) as ex:
-                    ex[0]
-                    ex[15]
+            with pytest.raises(ReadError), src.experts(3, [0, 15]) as ex:
+                ex[0]
+                ex[15]
         assert (3, 15) not in src.cache.resident()
         assert (3, 0) in src.cache.resident()
 

@@ -7,16 +7,14 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
+from stream_helpers import copy_checkpoint, write_safetensors
 
 from engine.errors import CheckpointError, EngineError
 from engine.io import ALIGN
 from engine.safetensors import SafetensorsIndex
 from engine.trunk import pack, trunk_specs
 from engine.weights import TensorNames
-
-from stream_helpers import copy_checkpoint, write_safetensors
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
