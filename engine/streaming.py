@@ -130,8 +130,17 @@ class CheckpointMap:
             checkpoint_bytes=sum(Path(f).stat().st_size for f in files),
             kv_bytes_per_token=n_mla * (c.kv_lora_rank + c.qk_rope_head_dim) * 4,
             state_bytes=kda_state + conv,
-            scratch_bytes=8 * biggest,  # a widened copy (u32 + f32) of the largest matrix
+            scratch_bytes=_scratch_bytes(biggest, c),
         )
+
+
+def _scratch_bytes(biggest: int, c: ModelConfig) -> int:
+    """Compute temporaries: activations, plus a widened copy (u32 + f32) of the largest
+    matrix when the numpy reference kernels run instead of the fused ones."""
+    from engine.kernels import FUSED
+
+    acts = 16 * 4 * max(c.vocab_size, c.intermediate_size, c.hidden_size * 4) + (32 << 20)
+    return acts if FUSED else acts + 8 * biggest
 
 
 @dataclass
