@@ -406,8 +406,9 @@ def _auto(g: Geometry, facts: MemoryFacts, context: int) -> tuple[int, int]:
     avail = facts.available
     fixed = (g.model_bytes + g.state_bytes + g.kv_bytes_per_token * context + g.scratch_bytes
              + RUNTIME_BYTES)
-    reserve = int(2 * GB + 0.02 * avail) + fixed
-    usable = avail - reserve
+    # Leave 2 GB + 2 % for the OS and page tables, and stay under the 95 % refusal line.
+    usable = int(min(avail - 2 * GB - 0.02 * avail, 0.94 * avail)) - fixed
+    reserve = avail - usable
     min_cache = g.min_expert_slots * g.expert_slot_bytes
     if usable < max(g.layer_bytes) + min_cache:
         raise PlanError(
