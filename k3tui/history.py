@@ -132,8 +132,9 @@ class History:
         return next((c for c in self.list_conversations() if c.id == conversation_id), None)
 
     def rename(self, conversation_id: int, title: str) -> None:
-        self._db.execute("UPDATE conversations SET title=?, updated=? WHERE id=?",
-                         (title.strip() or "Untitled", self._clock(), conversation_id))
+        # Not "updated": the list is ordered by the last message, not the last rename.
+        self._db.execute("UPDATE conversations SET title=? WHERE id=?",
+                         (title.strip() or "Untitled", conversation_id))
 
     def delete(self, conversation_id: int) -> None:
         self._db.execute("DELETE FROM conversations WHERE id=?", (conversation_id,))

@@ -105,11 +105,11 @@ class ChatScreen(Screen):
         Binding("ctrl+n", "new_chat", "New", priority=True),
         Binding("ctrl+y", "copy_answer", "Copy", priority=True),
         Binding("ctrl+g", "copy_code", "Copy code", show=False, priority=True),
-        Binding("f2", "toggle_panes", "Panes", show=False),
-        Binding("f3", "downloads", "Downloads", show=False),
-        Binding("f4", "packing", "Packing", show=False),
-        Binding("f5", "backend_log", "Backend", show=False),
-        Binding("f6", "machine", "Machine", show=False),
+        Binding("f2", "toggle_panes", "Panes", show=False, priority=True),
+        Binding("f3", "downloads", "Downloads", show=False, priority=True),
+        Binding("f4", "packing", "Packing", show=False, priority=True),
+        Binding("f5", "backend_log", "Backend", show=False, priority=True),
+        Binding("f6", "machine", "Machine", show=False, priority=True),
     ]
 
     def __init__(self, conversation_id: int | None = None) -> None:

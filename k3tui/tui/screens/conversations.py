@@ -55,7 +55,9 @@ class ConversationsScreen(ModalScreen[int | None]):
         self._fill()
         self.query_one(OptionList).focus()
 
-    def _fill(self) -> None:
+    def _fill(self, keep: int | None = None) -> None:
+        """(Re)list the conversations, highlighting `keep` (else the open one)."""
+        target = str(keep if keep is not None else self.current)
         options = self.query_one(OptionList)
         options.clear_options()
         for conv in self.history.list_conversations():
@@ -63,7 +65,7 @@ class ConversationsScreen(ModalScreen[int | None]):
             options.add_option(Option(f"{conv.title[:50]:<50} {conv.message_count:>3} msgs  {when}",
                                       id=str(conv.id)))
         for i in range(options.option_count):
-            if options.get_option_at_index(i).id == str(self.current):
+            if options.get_option_at_index(i).id == target:
                 options.highlighted = i
 
     def _selected(self) -> int | None:
@@ -100,7 +102,7 @@ class ConversationsScreen(ModalScreen[int | None]):
         if cid is not None:
             self.history.rename(cid, event.value)
         event.input.display = False
-        self._fill()
+        self._fill(keep=cid)
         self.query_one(OptionList).focus()
 
     def action_delete(self) -> None:

@@ -1,0 +1,129 @@
+"""Pilot tests of the other screens: conversations, downloads, packing, log, machine."""
+
+from __future__ import annotations
+
+from textual.widgets import Input, OptionList
+
+from k3tui.history import History
+from k3tui.paths import get_paths
+from k3tui.tui import scenes
+from k3tui.tui.scripted import ScriptedStream
+from k3tui.tui.screens.conversations import ConversationsScreen
+from k3tui.tui.screens.jobs import JobsScreen, format_eta
+from k3tui.tui.screens.machine import MachineScreen
+from k3tui.tui.screens.startup import LogScreen
+from k3tui.tui.widgets.messages import UserMessage
+
+from conftest import screen_text, settle, wait_until
+
+
+async def test_tui_screens_conversations_open_rename_delete_export(app_factory, tmp_path):
+    history = History(tmp_path / "h.db")
+    first = history.new_conversation("first chat")
+    history.add_message(first, "user", "old question")
+    history.add_message(first, "assistant", "old answer", reasoning="old thoughts")
+    second = history.new_conversation("second chat")
+    history.add_message(second, "user", "new question")
+    app = app_factory(ScriptedStream("x"), history=history)
+    async with app.run_test() as pilot:
+        await pilot.pause()
+        assert [u.text for u in app.chat.query(UserMessage)] == ["new question"]
+        await pilot.press("ctrl+o")
+        await pilot.pause()
+        assert isinstance(app.screen, ConversationsScreen)
+        options = app.screen.query_one(OptionList)
+        assert options.option_count == 2
+        await pilot.press("down")           # the older conversation
+        await pilot.press("x")              # export it
+        exported = list((get_paths().root / "exports").glob("*.md"))
+        assert len(exported) == 1
+        text = exported[0].read_text()
+        assert "old thoughts" in text and "old answer" in text
+        await pilot.press("r")
+        box = app.screen.query_one(Input)
+        box.value = "renamed chat"
+        await pilot.press("enter")
+        await pilot.pause()
+        assert {c.title for c in history.list_conversations()} == {"renamed chat", "second chat"}
+        await pilot.press("enter")          # open it
+        await pilot.pause()
+        assert app.chat.conversation_id == first
+        assert [u.text for u in app.chat.query(UserMessage)] == ["old question"]
+        await pilot.press("ctrl+o")
+        await pilot.pause()
+        highlighted = app.screen._selected()
+        await pilot.press("d")              # armed, not yet deleted
+        assert history.get_conversation(highlighted) is not None
+        await pilot.press("d")
+        assert history.get_conversation(highlighted) is None
+        await pilot.press("escape")
+        await pilot.pause()
+        assert app.screen is app.chat
+
+
+async def test_tui_screens_downloads_and_packing_read_job_states(app_factory):
+    scenes.write_jobs(get_paths().jobs_dir)
+    app = app_factory(ScriptedStream("x"))
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.press("f3")
+        await pilot.pause()
+        assert isinstance(app.screen, JobsScreen)
+        text = screen_text(app)
+        assert "536.4 / 1,560.9 GB" in text and "412.0 MB/s" in text and "ETA 41m27s" in text
+        assert "30 done · 61 queued · 1 failed" in text
+        assert "model-00032-of-00096.safetensors" in text  # an active file row
+        assert "model-00020-of-00096" not in text           # done files get no row
+        await pilot.press("escape", "f4")
+        await pilot.pause()
+        text = screen_text(app)
+        assert "17.9 / 41.2 GB" in text and "layer 41" in text and "905.0 MB/s" in text
+
+
+async def test_tui_screens_stalled_and_empty_jobs(app_factory):
+    app = app_factory(ScriptedStream("x"))
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.press("f3")
+        await pilot.pause()
+        assert "No download jobs yet" in screen_text(app)
+    assert format_eta(400 * 3600) == "99h+" and format_eta(125) == "2m05s"
+
+
+async def test_tui_screens_backend_log_and_machine(app_factory, tmp_path):
+    log = tmp_path / "engine.log"
+    log.write_text("listening on http://127.0.0.1:1\nmodel ready in 0.5 s\n")
+    app = app_factory(ScriptedStream("x"))
+    app.backend.log_path = str(log)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.press("f5")
+        await wait_until(pilot, lambda: "model ready" in screen_text(app))
+        assert isinstance(app.screen, LogScreen)
+        await pilot.press("escape", "f6")
+        await pilot.pause()
+        assert isinstance(app.screen, MachineScreen)
+        await wait_until(pilot, lambda: "Backend:" in screen_text(app), timeout=30)
+        assert "CPU" in screen_text(app)
+
+
+async def test_tui_screens_startup_then_chat(app_factory):
+    """A backend that starts: the start-up screen gives way to the chat, header updated."""
+    started = []
+
+    class Running:
+        kind, model, base_url, pid, log_path = "bundled", "kimi-k3", "http://x", None, None
+
+    def starter(on_progress):
+        on_progress("loading the trunk")
+        return Running()
+
+    def on_started(running):
+        started.append(running)
+        app.backend.model = "started-model"
+
+    app = app_factory(ScriptedStream("hi"), starter=starter, on_started=on_started)
+    async with app.run_test() as pilot:
+        await wait_until(pilot, lambda: app.screen is app.chat and started)
+        await pilot.pause()
+        assert "started-model" in screen_text(app)
+        await pilot.press(*"q", "enter")
+        await settle(app, pilot)
+        assert app.chat.current.content == "hi"
