@@ -309,6 +309,11 @@ def trunk_specs(trunk_dir: Path, index: SafetensorsIndex, names: TensorNames, n_
                 checkpoint_dir: Path) -> dict[int, list[TensorSpec]]:
     """Per layer, where its tensors live in a packed trunk (checked against the checkpoint)."""
     meta_path = trunk_dir / TRUNK_JSON
+    if not meta_path.is_file() and (trunk_dir / PROGRESS).is_file():
+        raise CheckpointError(
+            f"packing into {trunk_dir} is not finished; rerun `python -m engine pack "
+            f"{checkpoint_dir} {trunk_dir}` to resume it."
+        )
     if not meta_path.is_file():
         raise CheckpointError(
             f"{trunk_dir} has no {TRUNK_JSON}; pack one with `python -m engine pack "

@@ -176,3 +176,24 @@ def test_stream_plan_spreads_pinned_layers():
     gaps = [b - a for a, b in zip(p.pinned[1:], p.pinned[2:])]
     assert max(gaps) - min(gaps) <= 1
     assert "layers 0," in p.describe()
+
+
+def test_stream_plan_auto_on_the_real_shape_stays_under_95_percent():
+    mla = {3 + 4 * i for i in range(23)} | {92}
+    sizes = tuple(2_341_216_112 if L == 0 else 845_200_000 if L in mla else 1_268_600_000
+                  for L in range(93))
+    g = Geometry(n_layers=93, layer_bytes=sizes, expert_slot_bytes=17_555_456,
+                 expert_bytes=17_547_264, n_experts=896, top_k=16, moe_layers=92,
+                 model_bytes=4_700_000_000, checkpoint_bytes=1_560_936_091_448,
+                 kv_bytes_per_token=24 * 576 * 4, state_bytes=69 * 96 * 128 * 128 * 4,
+                 scratch_bytes=50 * MB)
+    for gib in (228, 121, 30):
+        facts = MemoryFacts(256 * 2**30, gib * 2**30, None, None)
+        p = make_plan(g, preset="auto", facts=facts)  # would raise above 95 %
+        assert p.budget_bytes + p.overhead_bytes <= 0.95 * facts.available
+    big = make_plan(g, preset="auto", facts=MemoryFacts(256 * 2**30, 228 * 2**30, None, None))
+    assert len(big.pinned) == 93 and big.expert_slots > 1000  # trunk first, then experts
+    mid = make_plan(g, preset="auto", facts=MemoryFacts(64 * 2**30, 30 * 2**30, None, None))
+    assert 0 < len(mid.pinned) < 93 and mid.ring_slots == 2
+    with pytest.raises(PlanError, match="must stay free"):
+        make_plan(g, preset="auto", facts=MemoryFacts(8 * 2**30, 8 * 2**30, None, None))

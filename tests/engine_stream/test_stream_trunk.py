@@ -60,6 +60,9 @@ def test_stream_pack_resumes_after_interruption(tiny_a, tmp_path):
     with pytest.raises(Stop):
         pack(tiny_a, tmp_path / "t", progress=stop_at_layer_5)
     assert not (tmp_path / "t" / "trunk.json").exists()
+    index = SafetensorsIndex.open(tiny_a)
+    with pytest.raises(CheckpointError, match="not finished; rerun .* to resume"):
+        trunk_specs(tmp_path / "t", index, TensorNames.detect(index), 13, tiny_a)
     state = json.loads((tmp_path / "t" / "trunk.progress.json").read_text())
     assert state["done"] == [0, 1, 2, 3, 4]
     layers = []
