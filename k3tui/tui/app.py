@@ -125,6 +125,7 @@ class ChatScreen(Screen):
         self.current_id: int | None = None
         self.turns_finished = 0
         self.sampling = True  # the benchmark switches it off to measure its share
+        self._told_dead = False
 
     @property
     def k3app(self) -> ChatApp:
@@ -413,11 +414,24 @@ class ChatScreen(Screen):
 
     # panes -------------------------------------------------------------------------------
     def sample_now(self) -> None:
+        self._check_backend()
         monitor = self.k3app.monitor
         if monitor is None or not self.sampling:
             return
         self.last_sample = monitor.sample()
         self.query_one(IOPane).show(self.last_sample, self.k3, self.k3app.backend.budget_gb)
+
+    def _check_backend(self) -> None:
+        """A backend we started that died while idle: say so once, offer the restart."""
+        app = self.k3app
+        alive = app.backend_alive()
+        if not alive and not self._told_dead and app.starter is not None:
+            self._told_dead = True
+            self.notify("The backend process has stopped. Your history is saved; press "
+                        "ctrl+r to restart it and retry, or F5 for its log.",
+                        title="backend stopped", severity="error", timeout=30)
+        elif alive:
+            self._told_dead = False
 
     def refresh_panes(self, force: bool = False) -> None:
         """At most 4 Hz (the timer, never per token), and only when the numbers moved."""

@@ -127,3 +127,32 @@ async def test_tui_screens_startup_then_chat(app_factory):
         await pilot.press(*"q", "enter")
         await settle(app, pilot)
         assert app.chat.current.content == "hi"
+
+
+async def test_tui_screens_dead_backend_while_idle_offers_restart(app_factory):
+    alive = {"value": True}
+    starts = []
+
+    class Running:
+        kind, model, base_url, pid, log_path = "bundled", "kimi-k3", "http://x", None, None
+
+    def starter(on_progress):
+        starts.append(1)
+        alive["value"] = True
+        return Running()
+
+    app = app_factory(ScriptedStream("back again"), starter=starter,
+                      backend_alive=lambda: alive["value"])
+    async with app.run_test() as pilot:
+        await wait_until(pilot, lambda: app.screen is app.chat and starts)
+        await pilot.press(*"q", "enter")
+        await settle(app, pilot)
+        alive["value"] = False       # the engine was OOM-killed while we read
+        app.chat.sample_now()
+        await pilot.pause()
+        assert any("backend process has stopped" in n.message for n in app._notifications)
+        await pilot.press("ctrl+r")  # restarts the backend, then regenerates
+        await wait_until(pilot, lambda: len(starts) == 2 and app.screen is app.chat)
+        await settle(app, pilot)
+        assert app.chat.current.content == "back again"
+        assert len(app.history.messages(app.chat.conversation_id)) == 2
