@@ -164,7 +164,7 @@ class StreamingSource:
     """A `WeightSource` that reads trunk and experts from disk under `plan`."""
 
     def __init__(self, cmap: CheckpointMap, plan: Plan,
-                 policy: str | EvictionPolicy = "lru"):
+                 policy: str | EvictionPolicy = "cyclic"):
         self.map = cmap
         self.index = cmap.index  # load_model checks the tensors against it
         self.plan = plan
@@ -174,7 +174,8 @@ class StreamingSource:
         self.n = g.n_layers
         self.files = FileTable()
         self.pool = ReadPool(plan.threads)
-        self.cache = ExpertCache(plan.expert_slots, g.expert_slot_bytes, policy)
+        self.cache = ExpertCache(plan.expert_slots, g.expert_slot_bytes, policy,
+                                 n_layers=g.n_layers, working_set=g.top_k * g.moe_layers)
         self._ring = [_RingSlot(aligned_buffer(plan.ring_slot_bytes))
                       for _ in range(plan.ring_slots)]
         self._pinned_set = set(plan.pinned)
@@ -351,7 +352,7 @@ class StreamingSource:
             else:
                 missing.append(e)
         try:
-            slots = cache.reserve(len(missing))
+            slots = cache.reserve(len(missing), layer)
         except Exception:
             for slot, _ in got.values():
                 cache.unpin(slot)
