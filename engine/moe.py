@@ -50,7 +50,7 @@ def expert_mlp(z: np.ndarray, ex: Expert, cfg: ModelConfig) -> np.ndarray:
                         ex.w2_scale, parallel=False)
 
 
-_POOL: ThreadPoolExecutor | None = None
+_POOL: tuple[int, ThreadPoolExecutor] | None = None  # (workers, pool)
 
 
 def run_experts(z: np.ndarray, tokens: list[np.ndarray], ids: list[int],
@@ -59,7 +59,8 @@ def run_experts(z: np.ndarray, tokens: list[np.ndarray], ids: list[int],
 
     A source's mapping may hand experts out in groups that stay valid only until a later
     one is asked for, so by default each expert is fetched and used at once, in order.
-    When every expert is already in memory (a plain dict, e.g. ResidentSource) and there
+    When the mapping is a dict (ResidentSource's, or the streaming source's when the whole
+    set fits its cache; it may fill lazily and be read from several threads) and there
     are several compute threads, experts run side by side instead (the fused kernels
     release the GIL): one fork-join per layer rather than one per matrix. The same
     kernels run either way, so results do not depend on it."""
@@ -67,9 +68,10 @@ def run_experts(z: np.ndarray, tokens: list[np.ndarray], ids: list[int],
     threads = compute_threads()
     if threads <= 1 or len(ids) <= 1 or not isinstance(experts, dict):
         return [expert_mlp(z[tok], experts[e], cfg) for tok, e in zip(tokens, ids)]
-    if _POOL is None or _POOL._max_workers != threads:
-        _POOL = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="k3-expert")
-    return list(_POOL.map(lambda i: expert_mlp(z[tokens[i]], experts[ids[i]], cfg), range(len(ids))))
+    if _POOL is None or _POOL[0] != threads:
+        _POOL = (threads, ThreadPoolExecutor(max_workers=threads, thread_name_prefix="k3-expert"))
+    return list(_POOL[1].map(lambda i: expert_mlp(z[tokens[i]], experts[ids[i]], cfg),
+                             range(len(ids))))
 
 
 def route(x: np.ndarray, gate: np.ndarray, bias: np.ndarray, top_k: int,
