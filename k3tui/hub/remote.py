@@ -48,12 +48,15 @@ def hub_endpoint() -> str:
 
 
 def hub_token() -> str | None:
-    """HF_TOKEN, then the token stored by `hf auth login` (same order as huggingface_hub)."""
+    """HF_TOKEN, then `hf auth login`'s token (huggingface_hub's order), then the token
+    `k3tui setup` stored in credentials.toml."""
     if os.environ.get("HF_HUB_DISABLE_IMPLICIT_TOKEN"):
         return None
     from huggingface_hub import get_token
 
-    return get_token()
+    from k3tui.config import load_credentials
+
+    return get_token() or load_credentials().get("hf_token") or None
 
 
 def redact(text: str) -> str:
