@@ -99,6 +99,10 @@ CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("engine", "preset"): PRESETS,
     ("chat", "thinking_effort"): EFFORTS,
 }
+# Inclusive bounds of the numeric keys that have them (negatives are refused for all others).
+RANGES: dict[tuple[str, str], tuple[int, int]] = {
+    ("backend", "port"): (0, 65535),
+}
 
 _HEADER = """\
 # k3tui configuration. `k3tui setup` writes it; edit freely, comments are kept.
@@ -108,6 +112,11 @@ _HEADER = """\
 
 def _copy(value: Any) -> Any:
     return list(value) if isinstance(value, list) else value
+
+
+def _example(tp: Any) -> str:
+    return {"str": "TEXT", "int": "4", "float": "2.5", "bool": "true",
+            "list[str]": "'[\"a\", \"b\"]'"}[str(tp)]
 
 
 def _type_name(tp: Any) -> str:
@@ -133,8 +142,13 @@ def _line_of(text: str, section: str, key: str | None) -> int | None:
 
 
 def _where(path: Path, text: str, section: str, key: str | None = None) -> str:
+    if path == COMMAND_LINE:
+        return "k3tui config set"
     line = _line_of(text, section, key) or _line_of(text, section, None)
     return f"{path}, line {line}" if line else str(path)
+
+
+COMMAND_LINE = Path("<command line>")  # the "file" of `k3tui config set`
 
 
 def _check_value(section: str, key: str, expected: Any, value: Any) -> Any | None:
@@ -161,16 +175,19 @@ def config_from_dict(data: dict[str, Any], *, path: Path | None = None,
                      text: str = "") -> Config:
     """Validate a parsed TOML mapping strictly and build a Config."""
     where_path = path or Path("<config>")
+    cli = where_path == COMMAND_LINE
     cfg = Config()
     for section, values in data.items():
         if section not in SECTIONS:
             raise K3Error(
                 f"{_where(where_path, text, section)}: unknown section [{section}] "
                 f"(known: {', '.join(SECTIONS)}).",
+                "use one of those sections" if cli else
                 "fix or remove it, then run `k3tui config show`", 2)
         if not isinstance(values, dict):
-            raise K3Error(f"{_where(where_path, text, section)}: `{section}` must be a "
-                          f"[{section}] table.", "fix the file, or run `k3tui setup`", 2)
+            raise K3Error(f"{_where(where_path, text, section)}: `{section}` must be a table "
+                          f"([{section}] with keys under it).",
+                          "fix the file, or run `k3tui setup`", 2)
         target = getattr(cfg, section)
         known = {f.name: f.type for f in fields(target)}
         for key, value in values.items():
@@ -178,12 +195,14 @@ def config_from_dict(data: dict[str, Any], *, path: Path | None = None,
                 raise K3Error(
                     f"{_where(where_path, text, section, key)}: unknown key `{key}` in "
                     f"[{section}] (known: {', '.join(known)}).",
-                    "fix the spelling or remove the line", 2)
+                    "use one of those keys" if cli else "fix the spelling or remove the line", 2)
             converted = _check_value(section, key, known[key], value)
             if converted is None:
                 raise K3Error(
                     f"{_where(where_path, text, section, key)}: [{section}] {key} must be "
-                    f"{_type_name(known[key])}, not {value!r}.", "fix the value", 2)
+                    f"{_type_name(known[key])}, not {value!r}.",
+                    f"e.g. `k3tui config set {section}.{key} {_example(known[key])}`" if cli
+                    else "fix the value", 2)
             allowed = CHOICES.get((section, key))
             if allowed and converted not in allowed:
                 raise K3Error(
@@ -194,6 +213,11 @@ def config_from_dict(data: dict[str, Any], *, path: Path | None = None,
                 raise K3Error(
                     f"{_where(where_path, text, section, key)}: [{section}] {key} must not "
                     f"be negative.", "fix the value", 2)
+            low, high = RANGES.get((section, key), (None, None))
+            if high is not None and not low <= converted <= high:
+                raise K3Error(
+                    f"{_where(where_path, text, section, key)}: [{section}] {key} = "
+                    f"{converted!r} is outside {low}..{high}.", "fix the value", 2)
             setattr(target, key, converted)
     return cfg
 
@@ -209,8 +233,13 @@ def load_config(path: Path | None = None) -> Config:
         return Config()
     try:
         text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise K3Error(f"cannot read {path}: {exc}.", "check the file's permissions", 1) from None
+    except UnicodeDecodeError as exc:
+        raise K3Error(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}).",
+                      "fix the file in a text editor, or delete it and run `k3tui setup`",
+                      2) from None
+    except OSError as exc:
+        raise K3Error(f"cannot read {path}: {exc.strerror or exc}.",
+                      "check the file's permissions", 1) from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -258,11 +287,15 @@ def set_value(cfg: Config, dotted: str, raw: str) -> Config:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw
+    if section in SECTIONS and isinstance(value, str):
+        kinds = {f.name: str(f.type) for f in fields(SECTIONS[section])}
+        if kinds.get(key) == "list[str]":
+            value = [value]  # `config set model.include '*IQ1_S*'`: one glob is a list of one
     data = cfg.to_dict()
     data.setdefault(section, {})
     data[section] = dict(data[section]) if section in SECTIONS else {}
     data[section][key] = value
-    return config_from_dict(data, path=Path("<command line>"), text="")
+    return config_from_dict(data, path=COMMAND_LINE, text="")
 
 
 # --- credentials -----------------------------------------------------------------------------

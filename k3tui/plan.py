@@ -131,7 +131,7 @@ def _storage_findings(report: MachineReport, need: int, extra: int, have: int,
         out.append(Finding(
             "blocker", "disk_space",
             f"not enough disk: {where} has {disk_size(s.free_bytes)} free, the checkpoint "
-            f"needs {disk_size(missing)} more",
+            f"still needs {disk_size(missing)} ({disk_size(missing - s.free_bytes)} short)",
             "pick a bigger disk with `k3tui setup` (or `k3tui doctor --dir PATH` to check one)"))
     elif extra and s.free_bytes and s.free_bytes < missing + extra:
         out.append(Finding(
@@ -228,7 +228,8 @@ def _plan_bundled(report: MachineReport, plan: Plan) -> None:
             "warn", "below_laptop_floor",
             f"{usable / GB:.1f} GB usable is below the laptop preset's measured peak "
             f"({preset.peak_rss_gb:g} GB): expect swapping or set a smaller trunk",
-            "close other programs, or `k3tui config set engine.trunk_gb 2.0`"))
+            "close other programs, or `k3tui config set engine.trunk_gb 2.0` "
+            "(that switches engine.preset to custom)"))
     if report.gpu.unified_memory:
         plan.findings.append(Finding(
             "info", "unified_memory",
@@ -376,8 +377,11 @@ def format_plan(plan: Plan, report: MachineReport) -> str:
         out.append("Why these flags:")
         out += [f"  {flag:<24} {why}" for flag, why in plan.flag_reasons]
     if plan.download_bytes:
+        trunk = plan.disk_needed_bytes - (SAFETENSORS_BYTES if plan.model_kind == "safetensors"
+                                          else GGUF_BYTES)
         out.append(f"Disk:    {plan.disk_needed_bytes / GB:,.1f} GB needed "
-                   f"({plan.download_bytes / GB:,.1f} GB to download)")
+                   f"({plan.download_bytes / GB:,.1f} GB to download"
+                   + (f", {trunk / GB:,.1f} GB for the packed trunk)" if trunk > 0 else ")"))
     if plan.findings:
         out.append("Findings:")
         for f in plan.findings:

@@ -27,10 +27,12 @@ def memory_flags(engine_cfg: Any) -> list[str]:
     args: list[str] = []
     preset = getattr(engine_cfg, "preset", "auto") or "auto"
     if preset == "custom":
-        if engine_cfg.trunk_gb:
-            args += ["--trunk-gb", f"{engine_cfg.trunk_gb:g}"]
-        if engine_cfg.cache_gb:
-            args += ["--cache-gb", f"{engine_cfg.cache_gb:g}"]
+        if not (engine_cfg.trunk_gb and engine_cfg.cache_gb):
+            raise K3Error("The custom engine preset needs both engine.trunk_gb and "
+                          "engine.cache_gb.", "set both with `k3tui config set engine.trunk_gb "
+                          "GB` and `… engine.cache_gb GB`, or pick a named preset", 2)
+        args += ["--trunk-gb", f"{engine_cfg.trunk_gb:g}",
+                 "--cache-gb", f"{engine_cfg.cache_gb:g}"]
     else:
         args += ["--preset", preset]
     if getattr(engine_cfg, "threads", 0):

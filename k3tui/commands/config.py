@@ -31,9 +31,24 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config()
     if action == "set":
         cfg = set_value(cfg, args.key, args.value)
-        path = save_config(cfg)
         section, _, key = args.key.partition(".")
-        print(f"{args.key} = {getattr(getattr(cfg, section), key)!r} saved in {path}")
+        switched = (section == "engine" and key in ("trunk_gb", "cache_gb")
+                    and getattr(cfg.engine, key) > 0 and cfg.engine.preset != "custom")
+        other = "cache_gb" if key == "trunk_gb" else "trunk_gb"
+        if switched:  # explicit sizes are only used by the custom preset, which needs both
+            from k3tui.plan import PRESETS
+
+            named = PRESETS.get(cfg.engine.preset)
+            if named is not None and not getattr(cfg.engine, other):
+                setattr(cfg.engine, other, getattr(named, other))
+            cfg.engine.preset = "custom"
+        path = save_config(cfg)
+        print(f"{args.key} = {json.dumps(getattr(getattr(cfg, section), key))} saved in {path}")
+        if switched:
+            print(f"engine.preset = \"custom\" too (trunk_gb and cache_gb are used only by the "
+                  f"custom preset); engine.{other} = {getattr(cfg.engine, other):g}.")
+            if not getattr(cfg.engine, other):
+                print(f"Set it too: `k3tui config set engine.{other} GB`.")
         return 0
     if action == "show":
         if getattr(args, "json", False):

@@ -1,0 +1,92 @@
+"""What a new user hit running the real CLI: config set, plan wording, setup --yes remote."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from k3tui.config import load_config, save_config, set_value
+from k3tui.errors import K3Error
+from k3tui.paths import get_paths
+from k3tui.plan import GB, format_plan, make_plan
+from k3tui.probe import load_report
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def k3(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "k3tui", *args], cwd=REPO, text=True,
+                          capture_output=True, input=stdin, timeout=120, env=dict(os.environ))
+
+
+def test_config_set_trunk_switches_to_the_custom_preset_that_uses_it():
+    cfg = load_config()
+    cfg.engine.preset = "laptop"
+    save_config(cfg)
+    res = k3("config", "set", "engine.trunk_gb", "2")
+    assert res.returncode == 0, res.stderr
+    cfg = load_config()
+    # the laptop preset's cache size is kept, so the engine gets both flags
+    assert (cfg.engine.preset, cfg.engine.trunk_gb, cfg.engine.cache_gb) == ("custom", 2.0, 1.0)
+    assert 'engine.preset = "custom"' in res.stdout
+
+
+def test_custom_preset_without_both_sizes_is_refused_before_start():
+    from k3tui.backends.bundled import memory_flags
+
+    cfg = load_config()
+    cfg.engine.preset, cfg.engine.trunk_gb = "custom", 2.0
+    with pytest.raises(K3Error, match="needs both"):
+        memory_flags(cfg.engine)
+    cfg.engine.cache_gb = 1.0
+    assert memory_flags(cfg.engine)[:4] == ["--trunk-gb", "2", "--cache-gb", "1"]
+
+
+def test_config_set_errors_speak_of_the_command_not_a_file_line():
+    with pytest.raises(K3Error) as info:
+        set_value(load_config(), "engine.foo", "1")
+    assert "<command line>" not in info.value.message
+    assert "remove the line" not in info.value.next_step
+    with pytest.raises(K3Error) as info:
+        set_value(load_config(), "engine.threads", "many")
+    assert "k3tui config set engine.threads 4" in info.value.next_step
+
+
+def test_port_outside_the_tcp_range_is_refused():
+    with pytest.raises(K3Error, match="0..65535"):
+        set_value(load_config(), "backend.port", "99999")
+    assert set_value(load_config(), "backend.port", "8080").backend.port == 8080
+
+
+def test_one_glob_is_a_list_of_one():
+    cfg = set_value(load_config(), "model.include", "*IQ1_S*")
+    assert cfg.model.include == ["*IQ1_S*"]
+
+
+def test_config_that_is_not_utf8_names_the_cause_not_permissions():
+    get_paths().config_file.parent.mkdir(parents=True, exist_ok=True)
+    get_paths().config_file.write_bytes(b"\xff\xfe[model]\n")
+    res = k3("config", "show")
+    assert res.returncode == 2
+    assert "not UTF-8" in res.stderr and "permissions" not in res.stderr
+
+
+def test_not_enough_disk_says_how_much_is_short_and_what_the_disk_line_counts():
+    r = load_report("server-228g")
+    r.storage.free_bytes = 77 * GB
+    plan = make_plan(r, "safetensors")
+    msg = plan.blockers[0].message
+    assert "77.0 GB free" in msg and "1.56 TB" in msg and "1.48 TB short" in msg
+    text = format_plan(plan, r)
+    assert "113.5 GB for the packed trunk" in text
+
+
+def test_laptop_floor_advice_names_a_command_that_takes_effect():
+    r = load_report("laptop-8g")
+    plan = make_plan(r, "safetensors")
+    floor = [f for f in plan.findings if f.code == "below_laptop_floor"]
+    assert floor and "custom" in floor[0].next
