@@ -403,7 +403,8 @@ def answers_from_flags(report: MachineReport, existing: Config, *, model: str | 
                        backend: str | None, preset: str | None, model_dir: str | None,
                        remote_url: str | None = None, api_key_env: str | None = None,
                        storage_probe: Callable[[str], StorageInfo] | None = None,
-                       force: bool = False) -> SetupResult:
+                       force: bool = False,
+                       endpoint_checker: Callable[..., Any] | None = None) -> SetupResult:
     """`k3tui setup --yes`: the same decisions from flags and the recommendation."""
     if model and backend and BACKEND_FOR[model] != backend:
         raise K3Error(f"--model {model} runs on the {BACKEND_FOR[model]} backend, not {backend}.",
@@ -419,7 +420,7 @@ def answers_from_flags(report: MachineReport, existing: Config, *, model: str | 
         cfg.remote.url = url
         if api_key_env is not None:
             cfg.remote.api_key_env = api_key_env
-        return SetupResult(cfg, None)
+        return _checked_remote(cfg, force, endpoint_checker or _endpoint_checker())
     directory = str(Path(model_dir or _default_dir(existing, kind)).expanduser().absolute())
     report.storage = (storage_probe or Wizard._probe_storage)(directory)
     plan = make_plan(report, kind, ctx_size=existing.llama_server.ctx_size,
@@ -435,6 +436,28 @@ def answers_from_flags(report: MachineReport, existing: Config, *, model: str | 
         cfg.engine.preset = preset
     result = SetupResult(cfg, plan)
     result.notes = [f"{f.level}: {f.message}" for f in plan.findings if f.level != "info"]
+    return result
+
+
+def _checked_remote(cfg: Config, force: bool, checker: Callable[..., Any] | None) -> SetupResult:
+    """`--yes` for a remote: the same health and one-token test as the wizard, before saving."""
+    result = SetupResult(cfg, None)
+    if checker is None:
+        result.notes.append("not tested: the remote client is not installed")
+        return result
+    from k3tui.backends.remote import resolve_api_key
+
+    key, _ = resolve_api_key(cfg.remote.api_key_env)
+    check = checker(cfg.remote.url, key, cfg.remote.verify_tls)
+    if not check.ok and not force:
+        raise K3Error(f"{check.message.rstrip('.')}; the config was not saved.",
+                      (check.next_step + "; " if check.next_step else "")
+                      + "or add --force to save it anyway", 1)
+    result.notes.append(f"{'tested' if check.ok else 'FAILED (saved with --force)'}: "
+                        f"{check.message}")
+    result.notes += [f"warning: {w}" for w in getattr(check, "warnings", []) or []]
+    if check.ok and check.models and cfg.remote.model not in check.models:
+        cfg.remote.model = check.models[0]
     return result
 
 

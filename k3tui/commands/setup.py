@@ -28,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key-env", metavar="NAME",
                         help="environment variable holding the remote API key (with --yes)")
     parser.add_argument("--force", action="store_true",
-                        help="with --yes: save even when the plan has blockers (e.g. disk)")
+                        help="with --yes: save even when the plan has blockers (e.g. disk) "
+                             "or the remote endpoint's test fails")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -90,3 +90,51 @@ def test_laptop_floor_advice_names_a_command_that_takes_effect():
     plan = make_plan(r, "safetensors")
     floor = [f for f in plan.findings if f.code == "below_laptop_floor"]
     assert floor and "custom" in floor[0].next
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_setup_yes_remote_tests_the_endpoint_before_saving():
+    from k3tui.config import config_exists
+
+    url = f"http://127.0.0.1:{_closed_port()}/v1"
+    res = k3("setup", "--yes", "--backend", "remote", "--remote-url", url)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "not saved" in res.stderr and "--force" in res.stderr and not config_exists()
+    res = k3("setup", "--yes", "--backend", "remote", "--remote-url", url, "--force")
+    assert res.returncode == 0 and "FAILED" in res.stdout
+    assert load_config().remote.url == url
+
+
+RMT_ENDPOINT = REPO / "tests" / "remote" / "rmt_fake_endpoint.py"
+
+
+@pytest.mark.skipif(not RMT_ENDPOINT.is_file(), reason="the remote area's test endpoint is absent")
+def test_setup_yes_remote_against_a_live_endpoint_picks_its_model(tmp_path, monkeypatch):
+    import time
+
+    port = _closed_port()
+    log = tmp_path / "endpoint.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen([sys.executable, str(RMT_ENDPOINT), "--port", str(port),
+                                 "--api-key", "sk-loopback-key-1234"], stdout=fh,
+                                stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while b"listening" not in log.read_bytes():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        monkeypatch.setenv("QA_K3_KEY", "sk-loopback-key-1234")
+        res = k3("setup", "--yes", "--backend", "remote", "--remote-url",
+                 f"http://127.0.0.1:{port}/v1", "--api-key-env", "QA_K3_KEY")
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert "tested" in res.stdout and load_config().remote.model == "fake-k3"
+    finally:
+        proc.terminate()
+        proc.wait(10)
