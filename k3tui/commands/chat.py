@@ -1,4 +1,4 @@
-"""`k3tui chat`: the chat TUI against the configured backend, any OpenAI-compatible URL, or the demo."""
+"""`k3tui chat`: the chat TUI on the configured backend, any OpenAI-compatible URL, or the demo."""
 
 from __future__ import annotations
 
@@ -73,6 +73,9 @@ class Session:
         self.info.url = running.base_url
         self.info.pid = running.pid
         self.info.log_path = str(running.log_path or "")
+        limit = getattr(running, "memory_limit_bytes", None)
+        if limit and not self.info.budget_gb:
+            self.info.budget_gb = limit / 1e9  # llama-server's enforced memory limit
 
     def alive(self) -> bool:
         return self.running is None or self.running.alive()

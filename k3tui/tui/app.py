@@ -24,8 +24,14 @@ from textual.widgets import Footer, Static
 from textual.worker import Worker, WorkerState
 
 from k3tui import clipboard
-from k3tui.backends.events import (BackendError, ContentDelta, Finished, ReasoningDelta,
-                                   StreamEvent, TokenStats)
+from k3tui.backends.events import (
+    BackendError,
+    ContentDelta,
+    Finished,
+    ReasoningDelta,
+    StreamEvent,
+    TokenStats,
+)
 from k3tui.history import History
 from k3tui.monitor import Monitor, Sample
 from k3tui.tui.stats import LatencyStats, format_gb
@@ -229,7 +235,6 @@ class ChatScreen(Screen):
     async def _generate(self, messages: list[dict[str, Any]], widget: AssistantMessage,
                         message_id: int) -> None:
         history = self.k3app.history
-        clock = self.k3app.clock
         status, note = "done", ""
         last_save = time.monotonic()
         stream = self.k3app.stream(messages)
@@ -243,6 +248,7 @@ class ChatScreen(Screen):
                     self.stats.on_token(ev)
                     if ev.k3:
                         self.k3 = ev.k3
+                        self._learn_budget(ev.k3.get("budget_gb"))
                 elif isinstance(ev, Finished):
                     self.stats.on_finished(ev)
                     note = ev.note
@@ -269,12 +275,19 @@ class ChatScreen(Screen):
                 pass
             history.update_message(message_id, content=widget.content,
                                    reasoning=widget.reasoning, status=status,
-                                   meta=self._turn_meta(clock))
+                                   meta=self._turn_meta())
             await widget.finish(status, note)
             self.refresh_panes(force=True)
             self.turns_finished += 1
 
-    def _turn_meta(self, clock: Callable[[], float]) -> dict[str, Any]:
+    def _learn_budget(self, budget_gb: Any) -> None:
+        """The engine reports the budget it runs under; the header shows it."""
+        backend = self.k3app.backend
+        if isinstance(budget_gb, (int, float)) and budget_gb > 0 and not backend.budget_gb:
+            backend.budget_gb = float(budget_gb)
+            self.query_one("#header", Static).update(backend.header())
+
+    def _turn_meta(self) -> dict[str, Any]:
         snap = self.stats.snapshot()
         return {"tokens": snap.tokens, "ttft_ms": snap.ttft_ms,
                 "ms_per_token": snap.gen_ms_per_token, "p50_ms": snap.p50_ms,

@@ -11,8 +11,14 @@ import re
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
-from k3tui.backends.events import (BackendError, ContentDelta, Finished, ReasoningDelta,
-                                   StreamEvent, TokenStats)
+from k3tui.backends.events import (
+    BackendError,
+    ContentDelta,
+    Finished,
+    ReasoningDelta,
+    StreamEvent,
+    TokenStats,
+)
 
 
 class FakeClock:
@@ -90,7 +96,8 @@ class ScriptedStream:
             if self.error is not None:
                 yield self.error
                 return
-            yield Finished("stop", usage={"prompt_tokens": self.prompt_tokens, "completion_tokens": len(pieces)})
+            yield Finished("stop", usage={"prompt_tokens": self.prompt_tokens,
+                                          "completion_tokens": len(pieces)})
         finally:
             self.closed += 1
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
+from conftest import K3, build_app, screen_text, settle, wait_until
+
 from k3tui.backends.events import BackendError
 from k3tui.history import History
 from k3tui.tui.scripted import FakeClock, ScriptedStream
 from k3tui.tui.widgets.messages import AssistantMessage, UserMessage
 from k3tui.tui.widgets.prompt import Prompt
-
-from conftest import K3, build_app, screen_text, settle, wait_until
 
 ANSWER = "Here is the code:\n\n```python\nprint('hi')\n```\n\nDone."
 

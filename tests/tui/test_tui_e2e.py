@@ -13,8 +13,8 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
-
 from conftest import REPO_ROOT
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
@@ -43,6 +43,16 @@ def engine_server(demo_checkpoint, tmp_path):
         if line.startswith("listening on "):
             url = line.split()[-1]
             break
+    # "listening on" comes before the model is loaded (/health says 503 until then).
+    while url is not None and time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    else:
+        url = None
     if url is None:
         proc.kill()
         log.seek(0)

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
+from conftest import screen_text, settle, wait_until
 from textual.widgets import Input, OptionList
 
 from k3tui.history import History
 from k3tui.paths import get_paths
 from k3tui.tui import scenes
-from k3tui.tui.scripted import ScriptedStream
 from k3tui.tui.screens.conversations import ConversationsScreen
 from k3tui.tui.screens.jobs import JobsScreen, format_eta
 from k3tui.tui.screens.machine import MachineScreen
 from k3tui.tui.screens.startup import LogScreen
+from k3tui.tui.scripted import ScriptedStream
 from k3tui.tui.widgets.messages import UserMessage
-
-from conftest import screen_text, settle, wait_until
 
 
 async def test_tui_screens_conversations_open_rename_delete_export(app_factory, tmp_path):

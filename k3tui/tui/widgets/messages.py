@@ -52,8 +52,8 @@ class AssistantMessage(Vertical):
 
     def compose(self) -> ComposeResult:
         streaming = self.status == "streaming"
-        with Collapsible(title=self._reasoning_title(), collapsed=not streaming or bool(self.content),
-                         classes="reasoning"):
+        collapsed = not streaming or bool(self.content)
+        with Collapsible(title=self._reasoning_title(), collapsed=collapsed, classes="reasoning"):
             yield StreamedMarkdown(self.reasoning, classes="reasoning-md")
         yield StreamedMarkdown(self.content, classes="answer-md")
         yield Static("", classes="status-line")
