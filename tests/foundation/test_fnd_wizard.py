@@ -208,8 +208,8 @@ def test_yes_uses_flags_and_refuses_blockers(tmp_path):
     res = subprocess.run(base + ["--model", "gguf", "--backend", "bundled"], capture_output=True,
                          text=True, stdin=subprocess.DEVNULL)
     assert res.returncode == 2 and "llama-server" in res.stderr
-    res = subprocess.run(base + ["--remote-url", "http://127.0.0.1:8000/v1",
-                                 "--api-key-env", "MY_KEY"],
+    res = subprocess.run(base + ["--remote-url", "http://127.0.0.1:8000/v1",  # nothing there:
+                                 "--api-key-env", "MY_KEY", "--force"],        # saved anyway
                          capture_output=True, text=True, stdin=subprocess.DEVNULL)
     assert res.returncode == 0, res.stderr
     cfg = load_config()
