@@ -204,7 +204,8 @@ def _run_in_job(reporter, repo, revision, target, include, args, check) -> int:
         code = _conclude(result, target, lines.append)
         for line in lines:
             log(line)
-        reporter.finish("done" if code == 0 else "cancelled", lines[-1] if lines else "done")
+        # every line: a --verify run must say which files it refetched, not only "Done"
+        reporter.finish("done" if code == 0 else "cancelled", " ".join(lines) or "done")
         return code
     except K3Error as exc:
         log(f"failed: {exc}")

@@ -75,15 +75,19 @@ def _list() -> int:
     if not rows:
         print("No jobs. Start one with `k3tui download` or `k3tui pack`.")
         return 0
-    for s in rows:
+    for s in rows:  # three short lines a job: an 80-column SSH window does not wrap them
         started = time.strftime("%Y-%m-%d %H:%M", time.localtime(s.get("started", 0)))
-        print(f"{s['id']:<32} {s['status']:<9} {started}  {summary_line(s)}")
-        print(f"{'':32} {s.get('target', '')}  {s.get('message', '')}"[:160])
+        print(f"{s['id']}  {s['status']:<9}  {started}")
+        print(f"  {summary_line(s)}")
+        print(f"  {s.get('target', '')}")
+        if s.get("message"):
+            print(f"  {s['message']}"[:240])
     return 0
 
 
-def render_state(state: dict):
-    """A Rich renderable for one job's state (also used by `download --foreground`)."""
+def render_state(state: dict, width: int = 80):
+    """A Rich renderable for one job's state (also used by `download --foreground`),
+    fitted to `width` columns."""
     from rich.console import Group
     from rich.progress_bar import ProgressBar
     from rich.table import Table
@@ -92,7 +96,9 @@ def render_state(state: dict):
     total, done = state.get("total_bytes") or 0, state.get("done_bytes") or 0
     head = Text.assemble((f"{state.get('kind', 'job')} {state.get('id', '')}", "bold"),
                          f"  {state.get('status', '')}  ", (state.get("message") or "", "dim"))
-    bar = ProgressBar(total=max(total, 1), completed=done, width=60)
+    bar = Table.grid()  # a grid row ends the line; a bare ProgressBar would not
+    bar.add_row(ProgressBar(total=max(total, 1), completed=done,
+                            width=max(10, min(60, width - 1))))
     parts = [head, bar, Text(summary_line(state),
                              style="bold red" if state.get("stalled") else "")]
     files = state.get("files") or []
@@ -125,15 +131,16 @@ def attach(job_id: str) -> int:
     state = jobs.read_state(job_id)
     try:
         if console.is_terminal:
-            with Live(render_state(state), console=console, refresh_per_second=4) as live:
+            with Live(render_state(state, console.width), console=console,
+                      refresh_per_second=4) as live:
                 while state["status"] == "running":
                     time.sleep(0.25)
                     state = jobs.read_state(job_id)
-                    live.update(render_state(state))
+                    live.update(render_state(state, console.width))
         else:                     # piped / logged: one plain line every few seconds
             last = 0.0
             while state["status"] == "running":
-                if time.monotonic() - last >= 5:
+                if time.monotonic() - last >= 5 and state.get("total_bytes"):
                     print(f"{job_id} {summary_line(state)}", flush=True)
                     last = time.monotonic()
                 time.sleep(0.25)
@@ -142,7 +149,9 @@ def attach(job_id: str) -> int:
         console.print(f"\nDetached; job {job_id} keeps running. "
                       f"Reattach with `k3tui jobs attach {job_id}`.")
         return 0
-    print(f"{job_id}: {state['status']}: {state.get('message', '')}")
+    message = state.get("message") or ""
+    print(f"{job_id}: {message}" if message.lower().startswith(state["status"])
+          else f"{job_id}: {state['status']}: {message}")
     if state["status"] != "done":
         print(f"  log: `k3tui jobs log {job_id}`", file=sys.stderr)
     return 0 if state["status"] == "done" else 1

@@ -74,7 +74,8 @@ class DownloadPlan:
         lines = [f"{s.repo} @ {s.commit[:12]} ({s.revision}): {len(s.files)} files, "
                  f"{gb(s.total_bytes)} → {self.target}",
                  f"  complete: {len(self.complete)}   to check: {len(self.to_check)}   "
-                 f"partial: {len(self.partial)}   missing: {len(self.missing)}",
+                 f"partial: {len(self.partial)}   "
+                 f"missing: {len(self.missing) - len(self.partial)}",  # partials are in missing
                  f"  to download: {gb(self.remaining_bytes)}   free: {gb(self.free)}"]
         return "\n".join(lines)
 

@@ -58,7 +58,7 @@ def test_dl_sigkill_then_rerun_resends_at_most_one_chunk(hub, repo_dir, tmp_path
     job2 = newest_job()
     assert job2["id"] != state["id"]
     p = k3("jobs", "attach", job2["id"])
-    assert "done" in p.stdout
+    assert "Done: every file" in p.stdout
     for f in repo_dir.rglob("*"):
         if f.is_file():
             assert (out / f.relative_to(repo_dir)).read_bytes() == f.read_bytes()
@@ -96,7 +96,9 @@ def test_dl_one_job_per_folder_and_cancel_keeps_partial(hub, repo_dir, tmp_path)
     assert "Cancelled; partial files are kept" in open(st["log"]).read()   # said by the job
     assert (out / ".k3tui" / "partial" / f"{BIG}.part").stat().st_size > CHUNK_BYTES
     # the lock went with the process: the same folder can be downloaded again
-    k3("download", REPO_ID, "--dir", str(out), "--detach")
+    rerun = k3("download", REPO_ID, "--dir", str(out), "--detach").stdout
+    # the partial file is counted once (as partial, not also as missing)
+    assert "partial: 1   missing: 0" in rerun, rerun
     assert k3("jobs", "attach").returncode == 0          # newest running job
     assert (out / BIG).read_bytes() == (repo_dir / BIG).read_bytes()
 
