@@ -362,7 +362,7 @@ def check_shards(model: Path) -> list[Path]:
 
 REASONS: dict[str, str] = {
     "--host": "loopback only: nothing else on the network can reach the server",
-    "--port": "a port that was free just now (the built-in default 8080 is about to change)",
+    "--port": "a port that was free just now (so it cannot clash with another server)",
     "--alias": "the model name the API reports",
     "--ctx-size": "set explicitly, so --fit cannot silently shrink the context",
     "--parallel": "one slot gets the whole context (auto would make 4 slots)",
@@ -477,6 +477,7 @@ def build_command(info: BinaryInfo, shards: list[Path], *, plan_args: Sequence[s
         risk = MISSING_RISK.get(canon)
         warnings.append(risk or f"left out {flag}: this llama-server ({info.version}) does not "
                                 f"know it")
+    asked_port = bool(port)
     if not port:
         port = free_port(host)
     loopback = host in LOOPBACK
@@ -509,6 +510,8 @@ def build_command(info: BinaryInfo, shards: list[Path], *, plan_args: Sequence[s
         reason = own_reasons.get(canon)
         if canon == "--host" and not loopback:
             reason = "binds beyond loopback: protected by --api-key"
+        if canon == "--port" and asked_port:
+            reason = "the port asked for (--port, or [backend] port in the config)"
         if reason:
             reasons.append((f"{flag} {'***' if canon == '--api-key' else val or ''}".strip(),
                             reason))

@@ -49,9 +49,12 @@ def run(args: argparse.Namespace) -> int:
     if args.machine and not args.dry_run:
         raise K3Error("--machine only describes another machine; it cannot start a server "
                       "here.", "add --dry-run", 2)
+    if args.dry_run and args.machine and not (args.model or cfg.model.dir):
+        return _plan_without_model(args)
     ready = prepare_launch(cfg, kind=kind, model=args.model, port=args.port, force=args.force,
                            machine=args.machine)
-    print(ready.describe(), flush=True)
+    shown = ready.describe()
+    print(shown, flush=True)
     if args.dry_run:
         return 0
     tty = sys.stderr.isatty()
@@ -69,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
         if tty:
             print(file=sys.stderr)
         for note in backend.notes:
-            print(note, file=sys.stderr)
+            if note not in shown:  # the memory-limit warning was already in the description
+                print(note, file=sys.stderr)
         key = " (API key: see credentials.toml, `server_api_key`)" if backend.api_key else ""
         print(f"{backend.kind} ready: {backend.base_url}/v1 (model {backend.model}){key}\n"
               f"log: {backend.log_path}\nCtrl-C stops it.", flush=True)
@@ -84,3 +88,20 @@ def run(args: argparse.Namespace) -> int:
         backend.stop()
         if backend.process is not None and backend.process.returncode is not None:
             print(f"{backend.kind} stopped.", file=sys.stderr)
+
+
+def _plan_without_model(args: argparse.Namespace) -> int:
+    """`serve --dry-run --machine NAME` before any model is here: the plan for that machine,
+    with a placeholder for the model path, instead of refusing."""
+    from k3tui.config import config_exists
+    from k3tui.plan import format_plan, make_plan, recommend_model_kind
+    from k3tui.probe import load_report
+
+    report = load_report(args.machine)
+    backend = args.backend or (_config().backend.kind if config_exists() else None)
+    kind = {"bundled": "safetensors", "llama-server": "gguf"}.get(backend or "") \
+        or recommend_model_kind(report)
+    print(f"No model is configured here; this is what k3tui would run on {args.machine} "
+          f"(the model path is a placeholder; `--model PATH` checks real files).")
+    print(format_plan(make_plan(report, kind), report))
+    return 0

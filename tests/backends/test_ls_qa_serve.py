@@ -1,0 +1,20 @@
+"""`k3tui serve --dry-run --machine NAME` as a user runs it before any model is here."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_ls_dry_run_for_a_profile_without_a_model_shows_the_plan():
+    res = subprocess.run([sys.executable, "-m", "k3tui", "serve", "--dry-run", "--machine",
+                          "dgx-spark"], cwd=REPO, capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ), stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "placeholder" in out and "--cpu-moe --no-host --load-mode mmap" in out
+    assert "96.7 GiB" in out and "--reasoning-budget 2048" in out
