@@ -520,6 +520,9 @@ class Service:
             Route("/models", self.models, methods=["GET"]),
             Route("/metrics", self.metrics_route, methods=["GET"]),
             Route("/props", self.props, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/apply-template", self.apply_template, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/chat/completions", self.chat, methods=["POST"]),
         ]
@@ -611,14 +614,46 @@ class Service:
         }
         return JSONResponse(body)
 
+    async def _json(self, request: Request) -> Any:
+        try:
+            return json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise BadRequest(f"the request body is not valid JSON ({exc})") from exc
+
+    async def tokenize(self, request: Request) -> Response:
+        """llama-server's /tokenize: {"content"} -> {"tokens"} (specials stay text)."""
+        try:
+            body = await self._json(request)
+            if not isinstance(body, dict) or not isinstance(body.get("content"), str):
+                raise BadRequest("'content' must be a string")
+        except BadRequest as exc:
+            return error_response(exc.code, str(exc))
+        return JSONResponse({"tokens": self.loaded.tok.encode(body["content"])})
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            body = await self._json(request)
+            tokens = body.get("tokens") if isinstance(body, dict) else None
+            if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+                raise BadRequest("'tokens' must be an array of integers")
+        except BadRequest as exc:
+            return error_response(exc.code, str(exc))
+        return JSONResponse({"content": self.loaded.tok.decode(tokens)})
+
+    async def apply_template(self, request: Request) -> Response:
+        """The XTML prompt a chat request would be given, as text (llama-server's route)."""
+        try:
+            req = parse_chat_request(await self._json(request), self.reasoning_budget)
+            ids = self.template.render(req.messages, thinking=req.thinking, effort=req.effort)
+        except BadRequest as exc:
+            return error_response(exc.code, str(exc))
+        except TemplateError as exc:
+            return error_response(400, str(exc))
+        return JSONResponse({"prompt": self.loaded.tok.decode(ids), "n_tokens": len(ids)})
+
     async def chat(self, request: Request) -> Response:
         try:
-            raw = await request.body()
-            try:
-                body = json.loads(raw)
-            except (ValueError, UnicodeDecodeError) as exc:
-                raise BadRequest(f"the request body is not valid JSON ({exc})") from exc
-            req = parse_chat_request(body, self.reasoning_budget)
+            req = parse_chat_request(await self._json(request), self.reasoning_budget)
             loaded, template = self.loaded, self.template
             try:
                 prompt = template.render(req.messages, thinking=req.thinking, effort=req.effort)

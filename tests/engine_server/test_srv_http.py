@@ -335,3 +335,17 @@ def test_srv_non_streamed_client_timeout_cancels(inproc):
     steps = len(counter)
     time.sleep(0.3)
     assert len(counter) == steps < 100
+
+
+def test_srv_tokenize_detokenize_apply_template(inproc, test_tok):
+    srv = inproc()
+    text = "Hello <|open|> 你好"
+    tokens = httpx.post(srv.url + "/tokenize", json={"content": text}).json()["tokens"]
+    assert tokens == test_tok.encode(text) and all(t < test_tok.n_ranks for t in tokens)
+    assert httpx.post(srv.url + "/detokenize", json={"tokens": tokens}).json() == {"content": text}
+    out = httpx.post(srv.url + "/apply-template", json={"messages": HI, "reasoning_effort": "low"}).json()
+    assert out["prompt"].startswith('<|open|>message role="system" type="thinking-effort"<|sep|>')
+    assert out["prompt"].endswith('<|open|>message role="assistant"<|sep|><|open|>think<|sep|>')
+    assert "thinking_effort=low" in out["prompt"] and out["n_tokens"] > 50
+    r = httpx.post(srv.url + "/detokenize", json={"tokens": ["x"]})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
