@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from k3tui.errors import K3Error
+from k3tui.plan import GGUF_BYTES, SAFETENSORS_BYTES
 
 HOURS_PER_DAY = 8.0
 TARGET_UTILISATION = 0.7
@@ -34,8 +35,8 @@ TARGET_UTILISATION = 0.7
 # real draw while decoding is lower, so power and energy figures are upper bounds.
 WATTS_PER_MACHINE = 240.0
 # Every machine keeps a whole checkpoint: the safetensors release (bundled engine).
-CHECKPOINT_GB = 1560.0
-GGUF_GB = 539 * 1.073741824  # the 539 GiB GGUF llama-server runs, in GB
+CHECKPOINT_GB = round(SAFETENSORS_BYTES / 1e9, 1)  # 1,560.9 GB, as `k3tui plan` says
+GGUF_GB = GGUF_BYTES / 1e9  # the IQ1_S GGUF llama-server runs (579.5 GB = 539.7 GiB)
 
 FORMULA = (
     "machines = ceil(users × requests_per_user_day × tokens_per_answer / tok_per_s"
@@ -316,7 +317,7 @@ def render_text(s: Sizing) -> str:
             f"storage             {s.storage_tb:.1f} TB: {s.machines} × "
             f"{s.checkpoint_gb_per_machine:g} GB, a whole checkpoint on every machine"
         ),
-        f"  (with the {GGUF_GB:.0f} GB GGUF instead: {s.machines * GGUF_GB / 1000:.1f} TB)",
+        f"  (with the {GGUF_GB:.1f} GB GGUF instead: {s.machines * GGUF_GB / 1000:.1f} TB)",
         "",
         WHY_LATENCY,
         "",

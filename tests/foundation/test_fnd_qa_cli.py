@@ -138,3 +138,13 @@ def test_setup_yes_remote_against_a_live_endpoint_picks_its_model(tmp_path, monk
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_sizing_stores_the_checkpoint_size_plan_reports():
+    import json
+
+    res = k3("plan", "--users", "50", "--requests-per-user-day", "20", "--tokens-per-answer",
+             "500", "--tok-per-s", "0.37", "--json")
+    data = json.loads(res.stdout)
+    assert data["machines"] == 68
+    assert data["checkpoint_gb_per_machine"] == 1560.9  # `k3tui plan`: 1,560.9 GB in 96 files
