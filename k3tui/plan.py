@@ -131,7 +131,9 @@ def _storage_findings(report: MachineReport, need: int, extra: int, have: int,
         out.append(Finding(
             "blocker", "disk_space",
             f"not enough disk: {where} has {disk_size(s.free_bytes)} free, the checkpoint "
-            f"still needs {disk_size(missing)} ({disk_size(missing - s.free_bytes)} short)",
+            f"still needs {disk_size(missing)}"
+            + (f" and its packed trunk {disk_size(extra)}" if extra else "")
+            + f" ({disk_size(missing + extra - s.free_bytes)} short)",
             "pick a bigger disk with `k3tui setup` (or `k3tui doctor --dir PATH` to check one)"))
     elif extra and s.free_bytes and s.free_bytes < missing + extra:
         out.append(Finding(

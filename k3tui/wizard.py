@@ -303,7 +303,8 @@ class Wizard:
             s = self.report.storage
             disk = f"{s.disk_kind} disk {s.device}".strip() if s.disk_kind != "unknown" else "?"
             self.say(f"  {directory}: {disk_size(s.free_bytes)} free, {s.fs_class} {s.fstype} "
-                     f"on {disk}; needs {disk_size(plan.disk_needed_bytes)}")
+                     f"on {disk}; needs {disk_size(plan.disk_needed_bytes)}"
+                     + (" with the packed trunk" if kind == "safetensors" else ""))
             storage = [f for f in plan.findings if f.code in (
                 "disk_space", "disk_space_trunk", "network_fs", "fuse_fs", "tmpfs",
                 "overlay_fs", "pseudo_fs", "no_o_direct", "not_writable", "rotational")]

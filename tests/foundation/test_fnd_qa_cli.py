@@ -80,7 +80,8 @@ def test_not_enough_disk_says_how_much_is_short_and_what_the_disk_line_counts():
     r.storage.free_bytes = 77 * GB
     plan = make_plan(r, "safetensors")
     msg = plan.blockers[0].message
-    assert "77.0 GB free" in msg and "1.56 TB" in msg and "1.48 TB short" in msg
+    assert "77.0 GB free" in msg and "1.56 TB" in msg and "113.5 GB" in msg
+    assert "1.60 TB short" in msg  # 1,560.9 + 113.5 - 77.0 GB
     text = format_plan(plan, r)
     assert "113.5 GB for the packed trunk" in text
 
