@@ -222,8 +222,11 @@ class Wizard:
         self.say("Summary")
         cfg = result.config
         self.say(f"  model    {MODEL_LABELS[cfg.model.kind]}")
+        preset = f", preset {cfg.engine.preset}"
+        if cfg.engine.preset == "custom":
+            preset += f" (trunk {cfg.engine.trunk_gb:g} GB, cache {cfg.engine.cache_gb:g} GB)"
         self.say(f"  backend  {cfg.backend.kind}"
-                 + (f", preset {cfg.engine.preset}" if cfg.backend.kind == "bundled" else ""))
+                 + (preset if cfg.backend.kind == "bundled" else ""))
         if cfg.model.kind != "remote":
             self.say(f"  folder   {cfg.model.dir}")
         else:
@@ -364,9 +367,10 @@ class Wizard:
             choices.append(("custom       my own trunk and cache sizes", "custom"))
             preset = self.select("Engine memory preset:", choices, default=plan.preset)
             cfg.engine.preset = preset
-            if preset == "custom":
-                cfg.engine.trunk_gb = self._ask_float("Trunk GB:", plan.trunk_gb)
-                cfg.engine.cache_gb = self._ask_float("Expert cache GB:", plan.cache_gb)
+            if preset == "custom":  # the engine needs both sizes, each above zero
+                cfg.engine.trunk_gb = self._ask_float("Trunk GB:", plan.trunk_gb, positive=True)
+                cfg.engine.cache_gb = self._ask_float("Expert cache GB:", plan.cache_gb,
+                                                      positive=True)
         elif plan.backend == "llama-server":
             if not self.confirm("Use these llama-server settings?", default=True):
                 cfg.llama_server.reasoning_budget = int(self._ask_float(
@@ -375,12 +379,15 @@ class Wizard:
                 cfg.llama_server.memory_limit_gb = self._ask_float(
                     "Memory limit for llama-server (GiB):", round(limit, 1))
 
-    def _ask_float(self, message: str, default: float) -> float:
+    def _ask_float(self, message: str, default: float, positive: bool = False) -> float:
         def ok(v: str) -> bool | str:
             try:
-                return float(v) >= 0 or "a number >= 0"
+                x = float(v)
             except ValueError:
                 return "a number, e.g. 16"
+            if positive:
+                return x > 0 or "a number above 0"
+            return x >= 0 or "a number >= 0"
         return float(self.text(message, default=f"{default:g}", validate=ok))
 
     def ask_llama_install(self, result: SetupResult) -> None:

@@ -309,3 +309,15 @@ def test_remote_path_against_a_real_loopback_endpoint(tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_custom_preset_refuses_a_zero_size_and_shows_the_sizes():
+    report = load_report("laptop-8g")
+    # a 0 GB cache is refused by the prompt (the engine could not start); 0.5 is taken
+    keys = ENTER + ENTER + ENTER + DOWN * 6 + ENTER + CLEAR + "2.5" + ENTER + CLEAR + "0" \
+        + ENTER + CLEAR + "0.5" + ENTER + "y"
+    rc, out = drive(keys, report)
+    cfg = load_config()
+    assert rc == 0, out
+    assert (cfg.engine.preset, cfg.engine.trunk_gb, cfg.engine.cache_gb) == ("custom", 2.5, 0.5)
+    assert "preset custom (trunk 2.5 GB, cache 0.5 GB)" in out
