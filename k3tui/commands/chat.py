@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 from k3tui.errors import K3Error
 
@@ -95,7 +96,7 @@ def _url_session(url: str, api_key_env: str | None, model: str | None) -> Sessio
                           f"export {api_key_env}=<your key>, then run this again", 2)
     s.info.kind = "remote"
     s.info.url = url
-    s.info.model = model or _first_model(url, s.api_key) or "?"
+    s.info.model = model or _first_model(url, s.api_key) or urlsplit(url).netloc or "?"
     return s
 
 

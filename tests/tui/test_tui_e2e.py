@@ -1,6 +1,7 @@
 """End to end: the real `k3tui chat` in tmux against a real `python -m engine serve`.
 
-The engine serves a synthesised demo-size checkpoint (random weights steered to words).
+The engine serves a synthesised demo-size checkpoint (random weights steered to words)
+under a small budget, so it streams experts at a pace a test can interrupt.
 Type a prompt, see tokens stream, Esc stops, quit, restart: the conversation is still there.
 Also the demo's smoke mode, which CI runs from a fresh clone.
 """
@@ -32,7 +33,8 @@ def demo_checkpoint(tmp_path_factory):
 def engine_server(demo_checkpoint, tmp_path):
     log = open(tmp_path / "engine.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", str(demo_checkpoint),
-                             "--port", "0", "--steer-demo"], stdout=subprocess.PIPE,
+                             "--port", "0", "--steer-demo", "--budget-gb", "0.021"],
+                            stdout=subprocess.PIPE,
                             stderr=log, text=True, cwd=REPO_ROOT)
     url = None
     deadline = time.monotonic() + 120
@@ -109,7 +111,6 @@ def test_tui_e2e_chat_against_engine_server(engine_server, tmp_path):
         tmux.keys("Enter")
         # Tokens stream: the latency pane counts them while the answer grows.
         first = tmux.wait_for(lambda s: "tokens" in s and "TTFT –" not in s)
-        time.sleep(1.5)
         tmux.keys("Escape")
         stopped = tmux.wait_for(lambda s: "stopped (Esc)" in s, timeout=30)
         assert "Tell me about the sea" in stopped or "reasoning" in stopped
@@ -126,6 +127,16 @@ def test_tui_e2e_chat_against_engine_server(engine_server, tmp_path):
         chats = tmux.wait_for(lambda s: "conversations" in s, timeout=15)
         assert "Tell me about the sea" in chats
         tmux.keys("Escape")
+        tmux.wait_for(lambda s: "conversations" not in s, timeout=15)
+        # Kill the TUI mid-answer: the prompt and the partial answer survive.
+        tmux.keys("And about rivers?", literal=True)
+        tmux.keys("Enter")
+        tmux.wait_for(lambda s: "And about rivers?" in s and "tokens" in s)
+        time.sleep(1.5)  # the streaming answer is saved about once a second
+        tmux.kill()
+        tmux.start(command)
+        after = tmux.wait_for(lambda s: "interrupted" in s, timeout=20)
+        assert "And about rivers?" in after
         tmux.keys("C-q")
     finally:
         tmux.kill()
