@@ -4,6 +4,8 @@
   MXFP4 matmul throughput as fractions of the memory bandwidth measured in the same run
   (engine/bench_forward.py).
 * stream — I/O: the streaming source under memory budgets (engine/bench_stream.py).
+* serve — the HTTP server's cost per token against calling generate directly
+  (engine/bench_serve.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import importlib
 BENCHES = {
     "forward": "engine.bench_forward",
     "stream": "engine.bench_stream",
+    "serve": "engine.bench_serve",
 }
 
 
