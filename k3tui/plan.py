@@ -47,6 +47,8 @@ MIN_USABLE_BYTES = 3 * GB  # the peer's `--preset auto` refuses below this
 DRIVER_RESERVE_BYTES = 25 * GiB  # unified memory: left to the GPU driver and the system
 LLAMA_MIN_BYTES = 4 * GiB  # below this even the mmap'd trunk thrashes
 DEFAULT_CTX = 8192
+ISOLATION_NEXT = ("on systemd: `loginctl enable-linger $USER` and a cgroup v2 boot with user "
+                  "memory delegation")
 DEFAULT_REASONING_BUDGET = 2048
 
 
@@ -304,7 +306,7 @@ def _plan_llama(report: MachineReport, plan: Plan, ctx: int, budget: int) -> Non
             "warn", "no_isolation",
             "no way to enforce the memory limit here (no systemd user scope with MemoryMax, no "
             "writable cgroup v2): k3tui can only watch llama-server's memory",
-            "on systemd: `loginctl enable-linger $USER` and a cgroup v2 boot"))
+            ISOLATION_NEXT))
 
 
 def make_plan(report: MachineReport, model_kind: str, *, ctx_size: int = DEFAULT_CTX,
@@ -391,4 +393,24 @@ def format_plan(plan: Plan, report: MachineReport) -> str:
             if f.next:
                 line += f"\n          next: {f.next}"
             out.append(line)
+    return "\n".join(out)
+
+
+def fit_to_width(text: str, width: int | None) -> str:
+    """Wrap long lines for a terminal `width` columns wide, each continuation indented under
+    its line's text column (after the label), so an 80-column SSH window stays readable."""
+    import re
+    import textwrap
+
+    if not width:
+        return text
+    out: list[str] = []
+    for line in text.splitlines():
+        if len(line) <= width:
+            out.append(line)
+            continue
+        gaps = [m.end() for m in re.finditer(r" {2,}", line[:26]) if m.end() < len(line)]
+        hang = " " * min(gaps[-1] if gaps else 0, width // 2)
+        out += textwrap.wrap(line, width, subsequent_indent=hang, break_on_hyphens=False,
+                             drop_whitespace=True) or [line]
     return "\n".join(out)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -51,7 +52,7 @@ def _model_bytes_present(directory: Path, kind: str) -> int:
 def run_checks(target: str | None, measure: bool) -> tuple[list[Check], dict]:
     from k3tui.config import Config, config_exists, load_config
     from k3tui.paths import get_paths
-    from k3tui.plan import describe_machine, disk_size, fmt_gib, make_plan
+    from k3tui.plan import ISOLATION_NEXT, describe_machine, disk_size, fmt_gib, make_plan
     from k3tui.probe import probe_machine
 
     checks: list[Check] = []
@@ -109,7 +110,7 @@ def run_checks(target: str | None, measure: bool) -> tuple[list[Check], dict]:
         checks.append(Check("isolation", "ok", f"memory limits via {iso.method}: {iso.detail}"))
     elif cfg.backend.kind == "llama-server":
         checks.append(Check("isolation", "warn", f"no enforceable memory limit: {iso.detail}",
-                            "on systemd: a cgroup v2 boot with user memory delegation"))
+                            ISOLATION_NEXT))
     else:
         checks.append(Check("isolation", "ok", "no enforceable memory limit here; only "
                             f"llama-server needs one ({iso.detail})"))
@@ -119,12 +120,12 @@ def run_checks(target: str | None, measure: bool) -> tuple[list[Check], dict]:
             continue  # the isolation line above says it
         checks.append(Check(f.code, FINDING_STATUS[f.level], f.message, f.next))
 
-    checks += _model_checks(cfg, model_dir, have)
+    checks += _model_checks(cfg, model_dir, have, explicit_dir=bool(target))
     return checks, {"machine": report.to_dict(), "plan": plan.to_dict(),
                     "model_dir": str(model_dir), "model_bytes_present": have}
 
 
-def _model_checks(cfg, model_dir: Path, have: int) -> list[Check]:
+def _model_checks(cfg, model_dir: Path, have: int, explicit_dir: bool = False) -> list[Check]:
     from k3tui.plan import GGUF_BYTES, SAFETENSORS_BYTES, disk_size
 
     out: list[Check] = []
@@ -143,7 +144,9 @@ def _model_checks(cfg, model_dir: Path, have: int) -> list[Check]:
     else:
         detail = (f"{kind} checkpoint not downloaded yet ({disk_size(have)} of "
                   f"{disk_size(need)} in {model_dir})")
-        out.append(Check("model", "warn", detail, "k3tui download"))
+        # `doctor --dir X` checked X, so the download it suggests goes there too
+        out.append(Check("model", "warn", detail, f"k3tui download --dir {model_dir}"
+                         if explicit_dir else "k3tui download"))
     if kind == "safetensors" and cfg.backend.kind == "bundled":
         trunk = Path(cfg.model.trunk_dir or (model_dir / "trunk")).expanduser()
         if (trunk / "trunk.json").is_file():
@@ -170,9 +173,9 @@ def _model_checks(cfg, model_dir: Path, have: int) -> list[Check]:
 def format_checks(checks: list[Check], title: str) -> str:
     out = [f"k3tui doctor: {title}"]
     for c in checks:
-        out.append(f"  {MARK[c.status]}  {c.name:<12} {c.detail}")
+        out.append(f"  {MARK[c.status]}  {c.name:<13} {c.detail}")
         if c.next:
-            out.append(f"  {'':4}  {'':<12} next: {c.next}")
+            out.append(f"  {'':4}  {'':<13} next: {c.next}")
     fails = sum(c.status == "fail" for c in checks)
     warns = sum(c.status == "warn" for c in checks)
     if fails:
@@ -192,5 +195,8 @@ def run(args: argparse.Namespace) -> int:
         data["ok"] = not failed
         print(json.dumps(data, indent=2))
     else:
-        print(format_checks(checks, data["machine"]["description"]))
+        from k3tui.plan import fit_to_width
+
+        width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None
+        print(fit_to_width(format_checks(checks, data["machine"]["description"]), width))
     return 1 if failed else 0

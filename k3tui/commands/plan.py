@@ -66,5 +66,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"machine": report.to_dict(), "plan": plan.to_dict()}, indent=2))
     else:
-        print(format_plan(plan, report))
+        import shutil
+        import sys
+
+        from k3tui.plan import fit_to_width
+
+        width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None
+        print(fit_to_width(format_plan(plan, report), width))
     return 0

