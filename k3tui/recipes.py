@@ -321,19 +321,25 @@ def _vllm() -> Recipe:
         "--nnodes",
         str(nodes),
     )
+    def node(rank: str) -> tuple[str, ...]:
+        """Every node runs the same serve command; only its rank differs."""
+        return (
+            "vllm",
+            "serve",
+            "moonshotai/Kimi-K3",
+            *common,
+            "--node-rank",
+            rank,
+            "--master-addr",
+            "<node0-ip>",
+            "--master-port",
+            "29501",
+            "--gpu-memory-utilization",
+            "0.85",
+        )
+
     head = (
-        "vllm",
-        "serve",
-        "moonshotai/Kimi-K3",
-        *common,
-        "--node-rank",
-        "0",
-        "--master-addr",
-        "<node0-ip>",
-        "--master-port",
-        "29501",
-        "--gpu-memory-utilization",
-        "0.85",
+        *node("0"),
         "--reasoning-parser",
         "kimi_k3",
         "--tool-call-parser",
@@ -344,21 +350,7 @@ def _vllm() -> Recipe:
         "--port",
         "8000",
     )
-    worker = (
-        "vllm",
-        "serve",
-        "moonshotai/Kimi-K3",
-        *common,
-        "--node-rank",
-        "<1, 2 or 3>",
-        "--master-addr",
-        "<node0-ip>",
-        "--master-port",
-        "29501",
-        "--gpu-memory-utilization",
-        "0.85",
-        "--headless",
-    )
+    worker = (*node("<1, 2 or 3>"), "--headless")
     return Recipe(
         route="vllm",
         title="vLLM: the safetensors checkpoint on 4 nodes × 8 H200 (TP8 × PP4)",
