@@ -18,10 +18,10 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange
-from numba.core import types
+from numba.core import cgutils, types
 from numba.core.extending import intrinsic
 
-from engine.kernels import MX_GROUP, MX_SCALE
+from engine.kernels import E2M1, MX_GROUP, MX_SCALE
 
 # OpenMP workers spin while idle by default: on a shared 2-core machine that burns the CPU
 # the other thread (or another process) needs. Must be set before the first parallel run.
@@ -61,45 +61,138 @@ def _f32_matmul(w, x, out):  # w f32 [R, C]
             out[t, r] = acc
 
 
-@intrinsic
-def _half_to_f32(typingctx, bits):
-    """IEEE half bits (an integer) → float32, exactly (F16C vcvtph2ps on x86)."""
-    sig = types.float32(bits)
+# ---- MXFP4 row dot product, written as LLVM vector IR ------------------------------------------
+# Auto-vectorised scalar code decoded with many integer ops per nibble and summed each
+# 32-group horizontally; spelling the loop out as 16-lane vectors keeps the partial sums in
+# registers and fixes the summation order in the code (no fast-math reassociation), so it
+# is the same on every machine, thread count and batch size.
+_LANES = 16
+_F32 = ir.FloatType()
+_VF = ir.VectorType(_F32, _LANES)
+_VI8 = ir.VectorType(ir.IntType(8), _LANES)
+_VI16 = ir.VectorType(ir.IntType(16), _LANES)
+_VI32 = ir.VectorType(ir.IntType(32), _LANES)
+# E2M1 times 2^-14 (exact): what the generic decode below produces via IEEE-half bits.
+_E2M1_2M14 = ir.Constant(_VF, [float(v) * 2.0**-14 for v in E2M1])
 
-    def codegen(context, builder, signature, args):
-        v = args[0]
-        if v.type.width > 16:
-            v = builder.trunc(v, ir.IntType(16))
-        return builder.fpext(builder.bitcast(v, ir.HalfType()), ir.FloatType())
 
-    return sig, codegen
+def _host_has_avx512() -> bool:
+    """vpermps on 16 floats is one instruction that looks up all 16 E2M1 codes; only when
+    numba compiles for this very CPU (NUMBA_CPU_NAME unset)."""
+    if numba.config.CPU_NAME or numba.config.CPU_FEATURES:
+        return False
+    try:
+        from llvmlite import binding
+
+        return bool(binding.get_host_cpu_features().get("avx512f"))
+    except Exception:  # an unknown platform: the generic decode is always correct
+        return False
 
 
-_U = np.uint16
+def _splat(ty: ir.VectorType, v) -> ir.Constant:
+    return ir.Constant(ty, [v] * _LANES)
+
+
+def _vfma(builder, a, b, c):
+    """a·b + c rounded once: a defined result on every machine (FMA hardware or not)."""
+    fnty = ir.FunctionType(_VF, [_VF, _VF, _VF])
+    return builder.call(cgutils.get_or_insert_function(builder.module, fnty, "llvm.fma.v16f32"),
+                        [a, b, c])
+
+
+def _decode_generic(builder, b):
+    """16 packed bytes → (low-nibble, high-nibble) float vectors of E2M1·2^-14. Code n
+    placed as IEEE-half bits (magnitude n&7 at bit 9, sign n&8 at bit 15) is exactly
+    E2M1[n]·2^-14: E2M1's subnormals land on half subnormals, which convert exactly. The
+    high byte of that half is built per byte, widened and converted."""
+    lo = builder.or_(builder.shl(builder.and_(b, _splat(_VI8, 0x08)), _splat(_VI8, 4)),
+                     builder.shl(builder.and_(b, _splat(_VI8, 0x07)), _splat(_VI8, 1)))
+    hi = builder.or_(builder.and_(b, _splat(_VI8, 0x80)),
+                     builder.and_(builder.lshr(b, _splat(_VI8, 3)), _splat(_VI8, 0x0E)))
+
+    def to_f32(hb):
+        h = builder.shl(builder.zext(hb, _VI16), _splat(_VI16, 8))
+        return builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), _LANES)), _VF)
+
+    return to_f32(lo), to_f32(hi)
+
+
+def _decode_avx512(builder, b):
+    """The same values by table lookup: vpermps reads only an index's low 4 bits."""
+    fnty = ir.FunctionType(_VF, [_VF, _VI32])
+    perm = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.permvar.sf.512")
+    idx = builder.zext(b, _VI32)
+    return (builder.call(perm, [_E2M1_2M14, idx]),
+            builder.call(perm, [_E2M1_2M14, builder.lshr(idx, _splat(_VI32, 4))]))
+
+
+def _make_row_dot(decode):
+    @intrinsic
+    def row_dot(typingctx, packed, r, xe, xo, t, scale, scales):
+        """Σ_i W[r, i]·x[t, i] / 2^14 for MXFP4 row r (x split into even/odd columns).
+        Lane k of two 16-lane accumulators (even / odd 32-groups) sums, group after
+        group, fma(hi_k, xo_k, lo_k·xe_k)·scale; then acc_even + acc_odd and a fixed
+        halving tree over the lanes."""
+        sig = types.float32(packed, r, xe, xo, t, scale, scales)
+
+        def codegen(context, builder, signature, args):
+            pk, r, xe, xo, t, sc, tab = args
+            pkty, _, xety, xoty, _, scty, tabty = signature.args
+            zero, one, two = (ir.Constant(r.type, v) for v in (0, 1, 2))
+
+            def row(ty, val, i):
+                arr = context.make_array(ty)(context, builder, val)
+                return cgutils.get_item_pointer(context, builder, ty, arr, [i, zero])
+
+            half = cgutils.unpack_tuple(builder, context.make_array(pkty)(context, builder, pk).shape, 2)[1]
+            n_groups = builder.udiv(half, ir.Constant(r.type, 16))
+            prow, erow, orow, srow = row(pkty, pk, r), row(xety, xe, t), row(xoty, xo, t), row(scty, sc, r)
+            table = context.make_array(tabty)(context, builder, tab).data
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(_VF, None)) for _ in range(2)]
+
+            def group(g, acc):
+                off = builder.mul(g, ir.Constant(g.type, 16))
+                b = builder.load(builder.bitcast(builder.gep(prow, [off]), _VI8.as_pointer()), align=1)
+                lo, hi = decode(builder, b)
+                xev = builder.load(builder.bitcast(builder.gep(erow, [off]), _VF.as_pointer()), align=4)
+                xov = builder.load(builder.bitcast(builder.gep(orow, [off]), _VF.as_pointer()), align=4)
+                part = _vfma(builder, hi, xov, builder.fmul(lo, xev))
+                s = builder.load(builder.gep(table, [builder.zext(builder.load(builder.gep(srow, [g])), g.type)]))
+                sv = builder.insert_element(ir.Constant(_VF, ir.Undefined), s, ir.Constant(ir.IntType(32), 0))
+                sv = builder.shuffle_vector(sv, sv, ir.Constant(_VI32, [0] * _LANES))
+                builder.store(_vfma(builder, part, sv, builder.load(acc)), acc)
+
+            with cgutils.for_range(builder, builder.udiv(n_groups, two)) as loop:  # two chains
+                g0 = builder.mul(loop.index, two)
+                group(g0, accs[0])
+                group(builder.add(g0, one), accs[1])
+            with builder.if_then(builder.icmp_unsigned("!=", builder.urem(n_groups, two), zero)):
+                group(builder.sub(n_groups, one), accs[0])
+            v = builder.fadd(builder.load(accs[0]), builder.load(accs[1]))
+            width = _LANES
+            while width > 1:  # lane i += lane i + width/2
+                width //= 2
+                lanes = [ir.Constant(ir.VectorType(ir.IntType(32), width), list(range(k, k + width)))
+                         for k in (0, width)]
+                v = builder.fadd(builder.shuffle_vector(v, v, lanes[0]), builder.shuffle_vector(v, v, lanes[1]))
+            return builder.extract_element(v, ir.Constant(ir.IntType(32), 0))
+
+        return sig, codegen
+
+    return row_dot
+
+
+_mxfp4_row_dot = _make_row_dot(_decode_avx512 if _host_has_avx512() else _decode_generic)
 
 
 def _mxfp4_matmul(packed, scale, xe, xo, out, scales):
-    """E2M1 code n, placed as IEEE-half bits (magnitude n&7 at bit 9, sign n&8 at bit 15),
-    is exactly E2M1[n]·2^-14 — E2M1's subnormals land on half subnormals, which the
-    conversion handles exactly — so decoding is a few integer ops and one conversion, no
-    table lookup. x arrives split into even (low nibble) and odd (high nibble) columns;
-    each 32-group's dot product is scaled once; 2^14 is restored at the end."""
-    rows, half = packed.shape
+    """x arrives split into even (low nibble) and odd (high nibble) columns; 2^14 (the
+    decode's offset) is restored at the end."""
+    rows = packed.shape[0]
     tokens = xe.shape[0]
-    n_groups = half // 16
     for r in prange(rows):
         for t in range(tokens):
-            acc = np.float32(0.0)
-            for g in range(n_groups):
-                base = g * 16
-                part = np.float32(0.0)
-                for k in range(16):
-                    b = _U(packed[r, base + k])
-                    lo = _U(_U(_U(b & _U(0x07)) << _U(9)) | _U(_U(b & _U(0x08)) << _U(12)))
-                    hi = _U(_U(_U(b & _U(0x70)) << _U(5)) | _U(_U(b & _U(0x80)) << _U(8)))
-                    part += _half_to_f32(lo) * xe[t, base + k] + _half_to_f32(hi) * xo[t, base + k]
-                acc += part * scales[scale[r, g]]
-            out[t, r] = acc * np.float32(16384.0)
+            out[t, r] = _mxfp4_row_dot(packed, r, xe, xo, t, scale, scales) * np.float32(16384.0)
 
 
 def _build(fn, parallel: bool):
@@ -110,7 +203,9 @@ def _build(fn, parallel: bool):
     name = f"{fn.__name__}_{'parallel' if parallel else 'serial'}"
     clone = pytypes.FunctionType(fn.__code__, fn.__globals__, name, fn.__defaults__, fn.__closure__)
     clone.__qualname__ = name
-    return njit(parallel=parallel, **_FLAGS)(clone)
+    # the MXFP4 kernel's order is spelled out in its IR: no fast-math licence around it
+    flags = dict(_FLAGS, fastmath=False) if fn is _mxfp4_matmul else _FLAGS
+    return njit(parallel=parallel, **flags)(clone)
 
 
 _KERNELS = {

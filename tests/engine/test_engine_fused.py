@@ -1,0 +1,116 @@
+"""The fused MXFP4 kernel: its summation order is spelled out in code, so its bits are
+checked exactly against a numpy emulation of that order, across batch sizes, threads,
+the serial/parallel builds and the two decoders (table lookup vs IEEE-half bits)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine import kernels
+
+fused = pytest.importorskip("engine.fused")
+numba = pytest.importorskip("numba")
+
+
+def _fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """float32 a·b + c rounded once (a·b is exact in float64; the float64 sum rounds to
+    float32 the same way except at ~2^-29-rare double-rounding ties)."""
+    return (a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64)).astype(np.float32)
+
+
+def emulate(x: np.ndarray, packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The kernel's documented order: per 32-group g, lane k (0..15) of the group's bytes:
+    part = fma(hi_k, xo_k, lo_k·xe_k) with E2M1·2^-14 values; acc[g % 2] = fma(part, s_g,
+    acc[g % 2]); then acc0 + acc1, a halving tree over the 16 lanes, × 2^14."""
+    rows, half = packed.shape
+    e2m1 = kernels.E2M1 * np.float32(2.0**-14)
+    lo = e2m1[packed & 0x0F].reshape(rows, -1, 16)
+    hi = e2m1[packed >> 4].reshape(rows, -1, 16)
+    s = kernels.MX_SCALE[scale]  # [rows, groups]
+    out = np.empty((x.shape[0], rows), np.float32)
+    for t in range(x.shape[0]):
+        xe = x[t, 0::2].reshape(-1, 16)
+        xo = x[t, 1::2].reshape(-1, 16)
+        acc = np.zeros((2, rows, 16), np.float32)
+        for g in range(half // 16):
+            part = _fma32(hi[:, g], xo[g], (lo[:, g] * xe[g]).astype(np.float32))
+            acc[g % 2] = _fma32(part, s[:, g, None], acc[g % 2])
+        v = acc[0] + acc[1]
+        while v.shape[1] > 1:
+            w = v.shape[1] // 2
+            v = v[:, :w] + v[:, w:]
+        out[t] = v[:, 0] * np.float32(16384.0)
+    return out
+
+
+def random_mxfp4(rng, rows: int, cols: int, lo: int = 115, hi: int = 135):
+    packed = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
+    scale = rng.integers(lo, hi, (rows, cols // 32), dtype=np.uint8)
+    scale[0, 0] = 255  # NaN in OCP MX: decodes to 0
+    return packed, scale
+
+
+@pytest.mark.parametrize("rows,cols,tokens", [(3, 32, 1), (17, 96, 2), (40, 1024, 3), (9, 3584, 1)])
+def test_mxfp4_bits_follow_the_documented_order(rows, cols, tokens):
+    rng = np.random.default_rng(rows * cols)
+    packed, scale = random_mxfp4(rng, rows, cols)
+    x = rng.standard_normal((tokens, cols)).astype(np.float32)
+    for parallel in (False, True):
+        got = fused.mxfp4_linear(x, packed, scale, parallel)
+        assert np.array_equal(got, emulate(x, packed, scale))
+    want = kernels.mxfp4_linear_ref(x, packed, scale)
+    assert np.allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_mxfp4_every_code_and_tiny_scales():
+    """All 256 bytes in every position, scales down to the smallest (subnormal products)."""
+    rng = np.random.default_rng(3)
+    packed = np.tile(np.arange(256, dtype=np.uint8), 8).reshape(64, 32)
+    scale = np.repeat(np.array([0, 1, 20, 100, 127, 140, 200, 255], np.uint8), 16).reshape(64, 2)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    got = fused.mxfp4_linear(x, packed, scale, False)
+    assert np.array_equal(got, emulate(x, packed, scale))
+    want = kernels.mxfp4_linear_ref(x, packed, scale)
+    # any float32 order is off by a few ulps of Σ|w·x| (rows here cancel heavily), and
+    # results below float32's normal range keep only a subnormal's absolute precision
+    bound = 1e-6 * np.abs(x) @ np.abs(kernels.mxfp4_decode(packed, scale)).T
+    assert (np.abs(got - want) <= bound + np.finfo(np.float32).tiny).all()
+
+
+def test_mxfp4_same_bits_for_any_batch_threads_or_build():
+    rng = np.random.default_rng(11)
+    packed, scale = random_mxfp4(rng, 700, 2048)
+    x = rng.standard_normal((5, 2048)).astype(np.float32)
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = fused.mxfp4_linear(x, packed, scale, True)
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+        many = fused.mxfp4_linear(x, packed, scale, True)
+    finally:
+        numba.set_num_threads(before)
+    serial = fused.mxfp4_linear(x, packed, scale, False)
+    assert np.array_equal(one, many) and np.array_equal(one, serial)
+    for t in range(5):
+        assert np.array_equal(fused.mxfp4_linear(x[t:t + 1], packed, scale, False)[0], one[t])
+
+
+def test_table_and_bit_decoders_agree_bit_for_bit():
+    """The AVX-512 table lookup (when this CPU has it) and the portable IEEE-half decoder
+    give identical results, so the engine's tokens do not depend on the CPU's features."""
+    generic = fused._make_row_dot(fused._decode_generic)
+
+    @numba.njit
+    def generic_matmul(packed, scale, xe, xo, out, scales):
+        for r in range(packed.shape[0]):
+            for t in range(xe.shape[0]):
+                out[t, r] = generic(packed, r, xe, xo, t, scale, scales) * np.float32(16384.0)
+
+    rng = np.random.default_rng(4)
+    packed, scale = random_mxfp4(rng, 50, 512, 0, 255)
+    x = rng.standard_normal((2, 512)).astype(np.float32)
+    out = np.empty((2, 50), np.float32)
+    generic_matmul(packed, scale, np.ascontiguousarray(x[:, 0::2]), np.ascontiguousarray(x[:, 1::2]),
+                   out, kernels.MX_SCALE)
+    assert np.array_equal(out, fused.mxfp4_linear(x, packed, scale, False), equal_nan=True)
