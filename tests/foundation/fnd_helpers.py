@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from k3tui.probe.env import ProbeEnv
@@ -23,3 +25,31 @@ def env_for(tree: str, gpu: str | None = None) -> ProbeEnv:
     return ProbeEnv(proc=DATA / tree / "proc", sys=DATA / tree / "sys", nvidia_smi=smi(gpu),
                     systemd_run=[str(HERE / "no-such-dir" / "systemd-run")], use_nvml=False,
                     timeout_s=10.0)
+
+
+RMT_ENDPOINT = HERE.parent / "remote" / "rmt_fake_endpoint.py"
+
+
+@contextlib.contextmanager
+def fake_endpoint(tmp_path: Path, api_key: str) -> Iterator[tuple[int, Path]]:
+    """The remote area's loopback OpenAI-compatible server: (port, its log file)."""
+    import socket
+    import subprocess
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "endpoint.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen([sys.executable, str(RMT_ENDPOINT), "--port", str(port),
+                                 "--api-key", api_key], stdout=fh, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while b"listening" not in log.read_bytes():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        yield port, log
+    finally:
+        proc.terminate()
+        proc.wait(10)

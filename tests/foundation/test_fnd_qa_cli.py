@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from fnd_helpers import RMT_ENDPOINT, fake_endpoint
 
 from k3tui.config import load_config, save_config, set_value
 from k3tui.errors import K3Error
@@ -113,32 +114,14 @@ def test_setup_yes_remote_tests_the_endpoint_before_saving():
     assert load_config().remote.url == url
 
 
-RMT_ENDPOINT = REPO / "tests" / "remote" / "rmt_fake_endpoint.py"
-
-
 @pytest.mark.skipif(not RMT_ENDPOINT.is_file(), reason="the remote area's test endpoint is absent")
 def test_setup_yes_remote_against_a_live_endpoint_picks_its_model(tmp_path, monkeypatch):
-    import time
-
-    port = _closed_port()
-    log = tmp_path / "endpoint.log"
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen([sys.executable, str(RMT_ENDPOINT), "--port", str(port),
-                                 "--api-key", "sk-loopback-key-1234"], stdout=fh,
-                                stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 30
-        while b"listening" not in log.read_bytes():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)
+    with fake_endpoint(tmp_path, "sk-loopback-key-1234") as (port, _):
         monkeypatch.setenv("QA_K3_KEY", "sk-loopback-key-1234")
         res = k3("setup", "--yes", "--backend", "remote", "--remote-url",
                  f"http://127.0.0.1:{port}/v1", "--api-key-env", "QA_K3_KEY")
         assert res.returncode == 0, res.stdout + res.stderr
         assert "tested" in res.stdout and load_config().remote.model == "fake-k3"
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def test_sizing_stores_the_checkpoint_size_plan_reports():

@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from fnd_helpers import RMT_ENDPOINT, fake_endpoint
 from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
 
@@ -274,26 +275,9 @@ def test_setup_in_tmux(tmp_path, _isolated_home, cancel):
         _tmux("kill-session", "-t", session)
 
 
-RMT_ENDPOINT = Path(__file__).resolve().parents[1] / "remote" / "rmt_fake_endpoint.py"
-
-
 @pytest.mark.skipif(not RMT_ENDPOINT.is_file(), reason="the remote area's test endpoint is absent")
 def test_remote_path_against_a_real_loopback_endpoint(tmp_path):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = tmp_path / "endpoint.log"
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen([sys.executable, str(RMT_ENDPOINT), "--port", str(port),
-                                 "--api-key", "sk-loopback-key-1234"], stdout=fh,
-                                stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 30
-        while b"listening" not in log.read_bytes():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)
+    with fake_endpoint(tmp_path, "sk-loopback-key-1234") as (port, log):
         url = f"http://127.0.0.1:{port}/v1"
         # a wrong key first: the real check fails, the user declines, nothing is written
         rc, out = drive(DOWN * 2 + ENTER + url + ENTER + "wrong" + ENTER + "n",
@@ -306,9 +290,6 @@ def test_remote_path_against_a_real_loopback_endpoint(tmp_path):
         assert (cfg.backend.kind, cfg.remote.url, cfg.remote.model) == ("remote", url, "fake-k3")
         assert load_credentials()["remote_api_key"] == "sk-loopback-key-1234"
         assert "sk-loopback-key-1234" not in log.read_text()
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def test_custom_preset_refuses_a_zero_size_and_shows_the_sizes():
