@@ -111,6 +111,7 @@ class ChatScreen(Screen):
         Binding("ctrl+n", "new_chat", "New", priority=True),
         Binding("ctrl+y", "copy_answer", "Copy", priority=True),
         Binding("ctrl+g", "copy_code", "Copy code", show=False, priority=True),
+        Binding("f1", "keys", "Keys", priority=True),
         Binding("f2", "toggle_panes", "Panes", show=False, priority=True),
         Binding("f3", "downloads", "Downloads", show=False, priority=True),
         Binding("f4", "packing", "Packing", show=False, priority=True),
@@ -400,6 +401,11 @@ class ChatScreen(Screen):
 
         self.app.push_screen(ConversationsScreen(self.k3app.history, self.conversation_id),
                              opened)
+
+    def action_keys(self) -> None:
+        from k3tui.tui.screens.keys import KeysScreen
+
+        self.app.push_screen(KeysScreen())
 
     def action_toggle_panes(self) -> None:
         side = self.query_one("#side")

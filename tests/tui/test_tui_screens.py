@@ -155,3 +155,18 @@ async def test_tui_screens_dead_backend_while_idle_offers_restart(app_factory):
         await settle(app, pilot)
         assert app.chat.current.content == "back again"
         assert len(app.history.messages(app.chat.conversation_id)) == 2
+
+
+async def test_tui_screens_keys_help(app_factory):
+    from k3tui.tui.screens.keys import KeysScreen
+
+    app = app_factory(ScriptedStream("x"))
+    async with app.run_test() as pilot:
+        await pilot.press("f1")
+        await pilot.pause()
+        assert isinstance(app.screen, KeysScreen)
+        text = screen_text(app)
+        assert "Ctrl+J" in text and "Esc" in text and "F6" in text
+        await pilot.press("escape")
+        await pilot.pause()
+        assert app.screen is app.chat
