@@ -30,7 +30,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 ROWS_PER_TASK = 16
 # Waking the thread pool costs ~0.1-5 ms on a busy 2-core machine: small products run serial.
 PARALLEL_MIN_WEIGHTS = 1 << 20
-_FLAGS = dict(fastmath=True, cache=True, nogil=True, error_model="numpy")
+_FLAGS = {"fastmath": True, "cache": True, "nogil": True, "error_model": "numpy"}
 
 
 def _bf16_matmul(w, x, out):  # w uint16 [R, C], x f32 [T, C], out f32 [T, R]
@@ -67,6 +67,9 @@ def _f32_matmul(w, x, out):  # w f32 [R, C]
 # registers and fixes the summation order in the code (no fast-math reassociation), so it
 # is the same on every machine, thread count and batch size.
 _LANES = 16
+# Software prefetch this far ahead of the bytes being decoded (about two expert rows):
+# without it a core waits on memory between bursts of decoding, +40% from RAM measured.
+PREFETCH_BYTES = 4096
 _F32 = ir.FloatType()
 _VF = ir.VectorType(_F32, _LANES)
 _VI8 = ir.VectorType(ir.IntType(8), _LANES)
@@ -85,7 +88,7 @@ def _host_has_avx512() -> bool:
         from llvmlite import binding
 
         return bool(binding.get_host_cpu_features().get("avx512f"))
-    except Exception:  # an unknown platform: the generic decode is always correct
+    except RuntimeError:  # features unknown on this platform: the generic decode is always right
         return False
 
 
@@ -126,6 +129,15 @@ def _decode_avx512(builder, b):
             builder.call(perm, [_E2M1_2M14, builder.lshr(idx, _splat(_VI32, 4))]))
 
 
+_PREFETCH_READ_L1 = [ir.Constant(ir.IntType(32), v) for v in (0, 3, 1)]  # read, keep, data
+
+
+def _prefetch_fn(builder):
+    """llvm.prefetch: a hint, never a fault, so it may point past the matrix's end."""
+    fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer()] + [ir.IntType(32)] * 3)
+    return cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+
+
 def _make_row_dot(decode):
     @intrinsic
     def row_dot(typingctx, packed, r, xe, xo, t, scale, scales):
@@ -162,8 +174,11 @@ def _make_row_dot(decode):
                 sv = builder.shuffle_vector(sv, sv, ir.Constant(_VI32, [0] * _LANES))
                 builder.store(_vfma(builder, part, sv, builder.load(acc)), acc)
 
+            prefetch = _prefetch_fn(builder)
             with cgutils.for_range(builder, builder.udiv(n_groups, two)) as loop:  # two chains
                 g0 = builder.mul(loop.index, two)
+                ahead = builder.add(builder.mul(g0, ir.Constant(r.type, 16)), ir.Constant(r.type, PREFETCH_BYTES))
+                builder.call(prefetch, [builder.gep(prow, [ahead]), *_PREFETCH_READ_L1])
                 group(g0, accs[0])
                 group(builder.add(g0, one), accs[1])
             with builder.if_then(builder.icmp_unsigned("!=", builder.urem(n_groups, two), zero)):
