@@ -20,7 +20,8 @@ from k3tui.config import Config, load_credentials, save_config, save_credential
 from k3tui.errors import K3Error
 from k3tui.paths import get_paths
 from k3tui.plan import (GGUF_BYTES, MODEL_LABELS, PRESETS, SAFETENSORS_BYTES, Plan,
-                        describe_machine, disk_size, make_plan, recommend_model_kind)
+                        describe_machine, disk_size, make_plan, recommend_model_kind,
+                        usable_bytes)
 from k3tui.probe.report import MachineReport
 from k3tui.probe.storage import StorageInfo
 
@@ -444,6 +445,13 @@ def answers_from_flags(report: MachineReport, existing: Config, *, model: str | 
         cfg.engine.preset = preset
     result = SetupResult(cfg, plan)
     result.notes = [f"{f.level}: {f.message}" for f in plan.findings if f.level != "info"]
+    chosen, usable = PRESETS.get(cfg.engine.preset), usable_bytes(report)
+    if kind == "safetensors" and chosen and chosen.name != plan.preset \
+            and chosen.peak_rss_gb * 1e9 > usable:  # the plan already warns about its own
+        result.notes.append(
+            f"warn: the {chosen.name} preset peaks at ~{chosen.peak_rss_gb:g} GB but "
+            f"{usable / 1e9:.1f} GB is usable here: expect swapping (recommended: "
+            f"{plan.preset}; `k3tui config set engine.preset {plan.preset}`)")
     return result
 
 

@@ -169,3 +169,18 @@ def test_isolation_advice_is_the_same_in_doctor_and_plan():
     r.isolation.method = "none"
     iso = [f for f in make_plan(r, "gguf").findings if f.code == "no_isolation"]
     assert iso and iso[0].next == ISOLATION_NEXT
+
+
+def test_setup_yes_warns_when_the_chosen_preset_outgrows_this_machine():
+    from k3tui.config import Config
+    from k3tui.wizard import answers_from_flags
+
+    r = load_report("laptop-8g")
+    probe = lambda d: r.storage  # noqa: E731 (the profile's 1.8 TB disk)
+    res = answers_from_flags(r, Config(), model="safetensors", backend=None, preset="server",
+                             model_dir="/srv/m", storage_probe=probe)
+    assert res.config.engine.preset == "server"
+    assert any("server preset peaks at ~128 GB" in n and "swapping" in n for n in res.notes)
+    res = answers_from_flags(r, Config(), model="safetensors", backend=None, preset="laptop",
+                             model_dir="/srv/m", storage_probe=probe)
+    assert not any("peaks at" in n for n in res.notes)
