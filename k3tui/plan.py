@@ -221,7 +221,7 @@ def _plan_bundled(report: MachineReport, plan: Plan) -> None:
     plan.preset_reason = (f"{preset.name} (trunk {preset.trunk_gb:g} GB, cache "
                           f"{preset.cache_gb:g} GB, peak ~{preset.peak_rss_gb:g} GB): "
                           f"{usable / GB:.1f} GB usable of {report.memory.total_bytes / GB:.1f} GB "
-                          f"RAM; {preset.note}")
+                          f"RAM (= {fmt_gib(report.memory.total_bytes)}); {preset.note}")
     if usable < MIN_USABLE_BYTES:
         plan.findings.append(Finding(
             "blocker", "memory_floor",

@@ -92,6 +92,8 @@ def test_laptop_floor_advice_names_a_command_that_takes_effect():
     plan = make_plan(r, "safetensors")
     floor = [f for f in plan.findings if f.code == "below_laptop_floor"]
     assert floor and "custom" in floor[0].next
+    # the machine line says GiB, the presets GB: the preset line gives both for the total
+    assert "of 8.2 GB RAM (= 7.6 GiB)" in plan.preset_reason
 
 
 def _closed_port() -> int:
