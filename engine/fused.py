@@ -1,10 +1,12 @@
 """Fused matrix kernels compiled by numba: widen/decode inside the dot product.
 
-A BF16 weight row is widened once into a small per-thread buffer that stays in L1, then
-dotted with every token's activations; an MXFP4 row is decoded inside the dot product
-(see `_mxfp4_matmul`). Rows are split across threads; each output element is produced
-by the same instruction sequence whatever the number of tokens or threads, so results
-do not depend on either.
+The BF16 and MXFP4 row dot products are written as 16-lane LLVM vector IR (numba
+intrinsics): the weight row is widened/decoded in registers and multiplied at once, so
+each weight byte is read from memory once, and the summation order is spelled out in the
+code rather than left to fast-math reassociation. Rows are split across threads; each
+output element is produced by the same instruction sequence whatever the number of tokens
+or threads, so results depend on neither (tests/engine/test_engine_fused.py checks the
+bits against a numpy emulation of each documented order).
 Importing this module raises ImportError when numba is missing; kernels.py then uses
 the numpy reference.
 """
@@ -31,23 +33,6 @@ ROWS_PER_TASK = 16
 # Waking the thread pool costs ~0.1-5 ms on a busy 2-core machine: small products run serial.
 PARALLEL_MIN_WEIGHTS = 1 << 20
 _FLAGS = {"fastmath": True, "cache": True, "nogil": True, "error_model": "numpy"}
-
-
-def _bf16_matmul(w, x, out):  # w uint16 [R, C], x f32 [T, C], out f32 [T, R]
-    rows, cols = w.shape
-    tokens = x.shape[0]
-    n_tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
-    for task in prange(n_tasks):
-        buf = np.empty(cols, np.float32)
-        bits = buf.view(np.uint32)
-        for r in range(task * ROWS_PER_TASK, min(rows, (task + 1) * ROWS_PER_TASK)):
-            for j in range(cols):
-                bits[j] = np.uint32(w[r, j]) << np.uint32(16)
-            for t in range(tokens):
-                acc = np.float32(0.0)
-                for j in range(cols):
-                    acc += buf[j] * x[t, j]
-                out[t, r] = acc
 
 
 def _f32_matmul(w, x, out):  # w f32 [R, C]
@@ -210,6 +195,82 @@ def _mxfp4_matmul(packed, scale, xe, xo, out, scales):
             out[t, r] = _mxfp4_row_dot(packed, r, xe, xo, t, scale, scales) * np.float32(16384.0)
 
 
+# ---- BF16 row dot product, the same way ------------------------------------------------------
+_BF16_CHAINS = 4  # independent 16-lane accumulators: enough to hide the FMA latency
+
+
+@intrinsic
+def _bf16_row_dot(typingctx, w, r, x, t):
+    """Σ_j W[r, j]·x[t, j] for a BF16 row (uint16 bits, widened exactly by a 16-bit shift).
+    Chunk c of 16 columns goes to accumulator c mod 4 for the whole 64-column blocks;
+    leftover 16-column chunks go to accumulator 0; then (acc0 + acc1) + (acc2 + acc3), a
+    halving tree over the lanes, and the last < 16 columns one by one."""
+    sig = types.float32(w, r, x, t)
+
+    def codegen(context, builder, signature, args):
+        wv, r, xv, t = args
+        wty, _, xty, _ = signature.args
+        ity = r.type
+        zero = ir.Constant(ity, 0)
+        warr = context.make_array(wty)(context, builder, wv)
+        cols = cgutils.unpack_tuple(builder, warr.shape, 2)[1]
+        wrow = cgutils.get_item_pointer(context, builder, wty, warr, [r, zero])
+        xrow = cgutils.get_item_pointer(context, builder, xty, context.make_array(xty)(context, builder, xv),
+                                        [t, zero])
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(_VF, None)) for _ in range(_BF16_CHAINS)]
+        prefetch = _prefetch_fn(builder)
+
+        def chunk(j, acc):  # 16 columns from column j
+            bits = builder.load(builder.bitcast(builder.gep(wrow, [j]), _VI16.as_pointer()), align=2)
+            wf = builder.bitcast(builder.shl(builder.zext(bits, _VI32), _splat(_VI32, 16)), _VF)
+            xf = builder.load(builder.bitcast(builder.gep(xrow, [j]), _VF.as_pointer()), align=4)
+            builder.store(_vfma(builder, wf, xf, builder.load(acc)), acc)
+
+        block = ir.Constant(ity, _LANES * _BF16_CHAINS)
+        with cgutils.for_range(builder, builder.udiv(cols, block)) as loop:
+            j0 = builder.mul(loop.index, block)
+            for c in (0, 32):  # two cache lines of bits per block
+                ahead = builder.add(j0, ir.Constant(ity, PREFETCH_BYTES // 2 + c))
+                pf = builder.bitcast(builder.gep(wrow, [ahead]), ir.IntType(8).as_pointer())
+                builder.call(prefetch, [pf, *_PREFETCH_READ_L1])
+            for c, acc in enumerate(accs):
+                chunk(builder.add(j0, ir.Constant(ity, c * _LANES)), acc)
+        done = builder.mul(builder.udiv(cols, block), block)
+        lanes16 = ir.Constant(ity, _LANES)
+        n_chunks = builder.udiv(builder.sub(cols, done), lanes16)
+        with cgutils.for_range(builder, n_chunks) as loop:
+            chunk(builder.add(done, builder.mul(loop.index, lanes16)), accs[0])
+        v = builder.fadd(builder.fadd(builder.load(accs[0]), builder.load(accs[1])),
+                         builder.fadd(builder.load(accs[2]), builder.load(accs[3])))
+        width = _LANES
+        while width > 1:
+            width //= 2
+            lanes = [ir.Constant(ir.VectorType(ir.IntType(32), width), list(range(k, k + width)))
+                     for k in (0, width)]
+            v = builder.fadd(builder.shuffle_vector(v, v, lanes[0]), builder.shuffle_vector(v, v, lanes[1]))
+        total = cgutils.alloca_once_value(builder, builder.extract_element(v, ir.Constant(ir.IntType(32), 0)))
+        rest = builder.add(done, builder.mul(n_chunks, lanes16))
+        fma1 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fma.f32")
+        with cgutils.for_range(builder, builder.sub(cols, rest)) as loop:
+            j = builder.add(rest, loop.index)
+            wf = builder.bitcast(builder.shl(builder.zext(builder.load(builder.gep(wrow, [j])), ir.IntType(32)),
+                                             ir.Constant(ir.IntType(32), 16)), _F32)
+            builder.store(builder.call(fma1, [wf, builder.load(builder.gep(xrow, [j])), builder.load(total)]), total)
+        return builder.load(total)
+
+    return sig, codegen
+
+
+def _bf16_matmul(w, x, out):  # w uint16 [R, C], x f32 [T, C], out f32 [T, R]
+    rows = w.shape[0]
+    tokens = x.shape[0]
+    n_tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in prange(n_tasks):
+        for r in range(task * ROWS_PER_TASK, min(rows, (task + 1) * ROWS_PER_TASK)):
+            for t in range(tokens):
+                out[t, r] = _bf16_row_dot(w, r, x, t)
+
+
 def _build(fn, parallel: bool):
     """Compile `fn` serial or parallel (`prange` is a plain range in the serial build, so
     both compute every output element with the same instruction sequence). Each build
@@ -218,8 +279,8 @@ def _build(fn, parallel: bool):
     name = f"{fn.__name__}_{'parallel' if parallel else 'serial'}"
     clone = pytypes.FunctionType(fn.__code__, fn.__globals__, name, fn.__defaults__, fn.__closure__)
     clone.__qualname__ = name
-    # the MXFP4 kernel's order is spelled out in its IR: no fast-math licence around it
-    flags = dict(_FLAGS, fastmath=False) if fn is _mxfp4_matmul else _FLAGS
+    # the BF16 and MXFP4 kernels' order is spelled out in their IR: no fast-math licence
+    flags = dict(_FLAGS, fastmath=False) if fn in (_mxfp4_matmul, _bf16_matmul) else _FLAGS
     return njit(parallel=parallel, **flags)(clone)
 
 

@@ -114,3 +114,67 @@ def test_table_and_bit_decoders_agree_bit_for_bit():
     generic_matmul(packed, scale, np.ascontiguousarray(x[:, 0::2]), np.ascontiguousarray(x[:, 1::2]),
                    out, kernels.MX_SCALE)
     assert np.array_equal(out, fused.mxfp4_linear(x, packed, scale, False), equal_nan=True)
+
+
+# ---- BF16 ------------------------------------------------------------------------------------
+def emulate_bf16(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The BF16 kernel's documented order: 16-column chunk c of each whole 64-column block
+    into accumulator c % 4, leftover chunks into accumulator 0, (a0 + a1) + (a2 + a3), a
+    halving tree over the 16 lanes, then the last < 16 columns one fma at a time."""
+    wf = kernels.widen_bf16(w)
+    rows, cols = w.shape
+    out = np.empty((x.shape[0], rows), np.float32)
+    blocks, chunks = cols // 64, (cols % 64) // 16
+    for t in range(x.shape[0]):
+        acc = np.zeros((4, rows, 16), np.float32)
+        for b in range(blocks):
+            for c in range(4):
+                j = b * 64 + c * 16
+                acc[c] = _fma32(wf[:, j:j + 16], x[t, j:j + 16], acc[c])
+        for c in range(chunks):
+            j = blocks * 64 + c * 16
+            acc[0] = _fma32(wf[:, j:j + 16], x[t, j:j + 16], acc[0])
+        v = (acc[0] + acc[1]) + (acc[2] + acc[3])
+        while v.shape[1] > 1:
+            h = v.shape[1] // 2
+            v = v[:, :h] + v[:, h:]
+        total = v[:, 0]
+        for j in range(blocks * 64 + chunks * 16, cols):
+            total = _fma32(wf[:, j], x[t, j], total)
+        out[t] = total
+    return out
+
+
+def to_bf16(a: np.ndarray) -> np.ndarray:
+    return (a.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+@pytest.mark.parametrize("rows,cols,tokens", [(5, 7, 1), (33, 96, 2), (40, 200, 3), (300, 1024, 1),
+                                              (20, 7168, 2)])
+def test_bf16_bits_follow_the_documented_order(rows, cols, tokens):
+    rng = np.random.default_rng(rows + cols)
+    w = to_bf16(rng.standard_normal((rows, cols)))
+    x = rng.standard_normal((tokens, cols)).astype(np.float32)
+    got = fused.linear(x, w)
+    assert np.array_equal(got, emulate_bf16(x, w))
+    want = kernels.linear_ref(x, w)
+    assert np.allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_bf16_same_bits_for_any_batch_threads_or_build():
+    rng = np.random.default_rng(12)
+    w = to_bf16(rng.standard_normal((1500, 1000)))  # above the parallel threshold
+    x = rng.standard_normal((4, 1000)).astype(np.float32)
+    out = {}
+    before = numba.get_num_threads()
+    try:
+        for n in (1, numba.config.NUMBA_NUM_THREADS):
+            numba.set_num_threads(n)
+            out[n] = fused.linear(x, w)
+    finally:
+        numba.set_num_threads(before)
+    serial = np.empty_like(out[1])
+    fused._KERNELS[("_bf16_matmul", False)](w, x, serial)
+    assert all(np.array_equal(o, serial) for o in out.values())
+    for t in range(4):
+        assert np.array_equal(fused.linear(x[t:t + 1], w)[0], serial[t])
