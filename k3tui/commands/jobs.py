@@ -56,7 +56,7 @@ def _eta(s: float | None) -> str:
 
 def summary_line(state: dict) -> str:
     total, done = state.get("total_bytes") or 0, state.get("done_bytes") or 0
-    pct = f"{100 * done / total:5.1f}%" if total else "   --"
+    pct = f"{100 * done / total:.1f}%" if total else "--"
     rate = state.get("rate_bps") or 0.0
     bits = [f"{pct}  {_gb(done)} / {_gb(total)}"]
     if state.get("status") == "running":
