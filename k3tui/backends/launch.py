@@ -136,7 +136,7 @@ def _prepare_bundled(cfg: Any, checkpoint: Path, host: str, port: int) -> Launch
         args += ["--trunk", cfg.model.trunk_dir]
     key = _api_key(host)
     summary = (f"bundled engine: python -m engine serve {checkpoint} --host {host} "
-               f"{' '.join(args)}".rstrip())
+               f"--port {port or '<free port>'} {' '.join(args)}".rstrip())
 
     def run(on_progress: ProgressCallback | None) -> RunningBackend:
         return bundled.start_engine(checkpoint, args=args, host=host, port=port, api_key=key,

@@ -877,7 +877,7 @@ def _load_phase(body: object) -> str:
     prog = body.get("progress") if isinstance(body, dict) else None
     if not isinstance(prog, dict):
         return ""
-    text = str(prog.get("phase") or "")
+    text = f"now: {prog['phase']}" if prog.get("phase") else ""  # "model" alone reads oddly
     if prog.get("n_layers"):
         text += f" (layers {prog.get('layers_bound') or 0}/{prog['n_layers']})"
     return text
