@@ -84,9 +84,13 @@ class Progress:
 
     def status(self, name: str, status: str) -> None:
         with self._lock:
-            self.files[name].status = status
-            if status in ("downloading", "verifying"):
+            f = self.files[name]
+            # a file starting (or re-hashing) gets a grace period; a retry's reconnect does
+            # not, or a hub that refuses every connection would never show as stalled
+            if status in ("downloading", "verifying") and f.status not in ("downloading",
+                                                                            "retrying"):
                 self._last_byte = max(self._last_byte, self._clock() - 1.0)
+            f.status = status
 
     def error(self, text: str, retry: bool = True) -> None:
         with self._lock:

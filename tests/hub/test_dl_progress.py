@@ -39,3 +39,18 @@ def test_dl_progress_rate_eta_and_stall():
     p.reset_file("b")                           # a corrupt file starts over
     ev = p.snapshot()
     assert ev.done_bytes == 1000 and ev.initial_bytes == 1000
+
+
+def test_dl_progress_reconnects_that_fetch_nothing_still_stall():
+    """A hub that is down: every retry reconnects (status downloading) and fails at once."""
+    clock = Clock()
+    p = Progress([("a", 1000)], stall_after_s=15.0, clock=clock)
+    p.status("a", "downloading")
+    p.add("a", 100)
+    for _ in range(10):                         # 20 s of refused connections, no bytes
+        clock.t += 1
+        p.status("a", "retrying")
+        clock.t += 1
+        p.status("a", "downloading")
+    ev = p.snapshot()
+    assert ev.stalled and ev.eta_s is None
