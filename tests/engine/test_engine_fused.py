@@ -178,3 +178,11 @@ def test_bf16_same_bits_for_any_batch_threads_or_build():
     assert all(np.array_equal(o, serial) for o in out.values())
     for t in range(4):
         assert np.array_equal(fused.linear(x[t:t + 1], w)[0], serial[t])
+
+
+def test_widen_bf16_is_exact_for_every_bit_pattern():
+    raw = np.arange(1 << 16, dtype=np.uint16).reshape(256, 256)
+    got = kernels.widen_bf16(raw)
+    assert got.dtype == np.float32 and got.shape == raw.shape
+    assert np.array_equal(got.view(np.uint32), raw.astype(np.uint32) << 16)  # NaN payloads too
+    assert kernels.widen_bf16(np.array(0x3F80, np.uint16)) == 1.0  # 0-d arrays work
