@@ -257,8 +257,10 @@ def download(snapshot: RepoSnapshot, target: Path, *, workers: int = 4,
                     pass
     result.ok = not result.failed and not result.cancelled
     if result.failed and result.error is None:
+        last = progress.errors[-1] if progress.errors else ""
         result.error = K3Error(
             f"{len(result.failed)} of {len(snapshot.files)} files could not be downloaded "
-            f"({', '.join(result.failed[:3])}{'…' if len(result.failed) > 3 else ''}).",
-            "rerun `k3tui download`: finished and partial files are kept")
+            f"({', '.join(result.failed[:3])}{'…' if len(result.failed) > 3 else ''})"
+            + (f"; last error: {last.split(': ', 1)[-1]}" if last else "") + ".",
+            "rerun the same `k3tui download` command: finished and partial files are kept")
     return result

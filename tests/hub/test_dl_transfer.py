@@ -87,6 +87,7 @@ def test_dl_permanent_503_gives_up_keeps_partial(hub, tmp_path):
     _, res = fetch(hub, out, opts={"max_failures": 3})
     assert not res.ok and res.failed == [BIG]
     assert "could not be downloaded" in res.error.message and "rerun" in res.error.next_step
+    assert "last error: gave up" in res.error.message and "503" in res.error.message  # why
     part = LocalStore(out).part(BIG)
     assert part.stat().st_size == 1_500_000          # the prefix survives for the rerun
     hub.faults[BIG] = []
