@@ -106,7 +106,9 @@ def ensure_checkpoint(workdir: Path, checkpoint_gb: float | None) -> Path:
 
 
 def raw_throughput(src, rng: np.random.Generator, passes: int = 2) -> dict[str, float]:
-    """The disk's O_DIRECT speed for this plan's per-token pattern, through the same pool."""
+    """The disk's O_DIRECT speed for this plan's per-token pattern, through the same pool.
+    The disk is shared and its speed drifts, so the bench samples it before, between and
+    after the timed decode blocks."""
     from engine.io import aligned_buffer
     from engine.streaming import EXPERT_CHUNK, EXPERT_PRIORITY, TRUNK_PRIORITY
 
@@ -221,6 +223,7 @@ def run_rung(ck: Path, budget: str, tokens: int, threads: int, trunk: str | None
             while src.pool.busy():
                 time.sleep(0.0005)
             drained += time.perf_counter() - t0
+            raw.append(raw_throughput(src, rng, passes=1))  # sample the disk meanwhile too
         if [t.id for t in runs[0]] != ids or [t.id for t in runs[1]] != ids:
             raise EngineError("the resident and streamed decodes disagree; this is a bug.")
         twin_toks, streamed = runs[0][1:], runs[1][1:]
