@@ -15,7 +15,7 @@ COMMANDS = {
     "synth": ("engine.synth", "write a random-weight Kimi-K3-architecture checkpoint"),
     "pack": ("engine.trunk", "pack a checkpoint's trunk into trunk.bin + trunk.json"),
     "serve": ("engine.server", "serve a checkpoint over an OpenAI-compatible HTTP API"),
-    "bench": ("engine.bench", "benchmarks: forward, stream"),
+    "bench": ("engine.bench", "benchmarks: forward, stream, serve"),
 }
 
 
