@@ -123,76 +123,98 @@ def _prefetch_fn(builder):
     return cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
 
 
-def _make_row_dot(decode):
+def _lane_sum(builder, v):
+    """Fixed halving tree over a vector's lanes: lane i += lane i + width/2."""
+    width = v.type.count
+    while width > 1:
+        width //= 2
+        lanes = [ir.Constant(ir.VectorType(ir.IntType(32), width), list(range(k, k + width)))
+                 for k in (0, width)]
+        v = builder.fadd(builder.shuffle_vector(v, v, lanes[0]), builder.shuffle_vector(v, v, lanes[1]))
+    return builder.extract_element(v, ir.Constant(ir.IntType(32), 0))
+
+
+def _make_row_dot(decode, block: int):
     @intrinsic
-    def row_dot(typingctx, packed, r, xe, xo, t, scale, scales):
-        """Σ_i W[r, i]·x[t, i] / 2^14 for MXFP4 row r (x split into even/odd columns).
-        Lane k of two 16-lane accumulators (even / odd 32-groups) sums, group after
-        group, fma(hi_k, xo_k, lo_k·xe_k)·scale; then acc_even + acc_odd and a fixed
-        halving tree over the lanes."""
-        sig = types.float32(packed, r, xe, xo, t, scale, scales)
+    def row_dot(typingctx, packed, r, xe, xo, t0, scale, scales, out):
+        """out[t, r] = Σ_i W[r, i]·x[t, i] for MXFP4 row r and the `block` tokens from t0
+        (x split into even/odd columns). Each 32-group is decoded once for all of them.
+        Per token, lane k of two 16-lane accumulators (even / odd 32-groups) sums, group
+        after group, fma(fma(hi_k, xo_k, lo_k·xe_k), scale, acc) with E2M1·2^-14 values;
+        then acc_even + acc_odd, a fixed halving tree over the lanes, × 2^14. A token's
+        bits do not depend on which block it was computed in."""
+        sig = types.none(packed, r, xe, xo, t0, scale, scales, out)
 
         def codegen(context, builder, signature, args):
-            pk, r, xe, xo, t, sc, tab = args
-            pkty, _, xety, xoty, _, scty, tabty = signature.args
+            pk, r, xe, xo, t0, sc, tab, res = args
+            pkty, _, xety, xoty, _, scty, tabty, resty = signature.args
             zero, one, two = (ir.Constant(r.type, v) for v in (0, 1, 2))
 
-            def row(ty, val, i):
+            def ptr(ty, val, i, j):
                 arr = context.make_array(ty)(context, builder, val)
-                return cgutils.get_item_pointer(context, builder, ty, arr, [i, zero])
+                return cgutils.get_item_pointer(context, builder, ty, arr, [i, j])
 
             half = cgutils.unpack_tuple(builder, context.make_array(pkty)(context, builder, pk).shape, 2)[1]
             n_groups = builder.udiv(half, ir.Constant(r.type, 16))
-            prow, erow, orow, srow = row(pkty, pk, r), row(xety, xe, t), row(xoty, xo, t), row(scty, sc, r)
+            prow, srow = ptr(pkty, pk, r, zero), ptr(scty, sc, r, zero)
+            toks = [builder.add(t0, ir.Constant(r.type, i)) for i in range(block)]
+            erows = [ptr(xety, xe, t, zero) for t in toks]
+            orows = [ptr(xoty, xo, t, zero) for t in toks]
             table = context.make_array(tabty)(context, builder, tab).data
-            accs = [cgutils.alloca_once_value(builder, ir.Constant(_VF, None)) for _ in range(2)]
+            accs = [[cgutils.alloca_once_value(builder, ir.Constant(_VF, None)) for _ in range(2)]
+                    for _ in range(block)]
 
-            def group(g, acc):
+            def group(g, chain):
                 off = builder.mul(g, ir.Constant(g.type, 16))
                 b = builder.load(builder.bitcast(builder.gep(prow, [off]), _VI8.as_pointer()), align=1)
                 lo, hi = decode(builder, b)
-                xev = builder.load(builder.bitcast(builder.gep(erow, [off]), _VF.as_pointer()), align=4)
-                xov = builder.load(builder.bitcast(builder.gep(orow, [off]), _VF.as_pointer()), align=4)
-                part = _vfma(builder, hi, xov, builder.fmul(lo, xev))
                 s = builder.load(builder.gep(table, [builder.zext(builder.load(builder.gep(srow, [g])), g.type)]))
                 sv = builder.insert_element(ir.Constant(_VF, ir.Undefined), s, ir.Constant(ir.IntType(32), 0))
                 sv = builder.shuffle_vector(sv, sv, ir.Constant(_VI32, [0] * _LANES))
-                builder.store(_vfma(builder, part, sv, builder.load(acc)), acc)
+                for erow, orow, acc in zip(erows, orows, accs):
+                    xev = builder.load(builder.bitcast(builder.gep(erow, [off]), _VF.as_pointer()), align=4)
+                    xov = builder.load(builder.bitcast(builder.gep(orow, [off]), _VF.as_pointer()), align=4)
+                    part = _vfma(builder, hi, xov, builder.fmul(lo, xev))
+                    builder.store(_vfma(builder, part, sv, builder.load(acc[chain])), acc[chain])
 
             prefetch = _prefetch_fn(builder)
             with cgutils.for_range(builder, builder.udiv(n_groups, two)) as loop:  # two chains
                 g0 = builder.mul(loop.index, two)
                 ahead = builder.add(builder.mul(g0, ir.Constant(r.type, 16)), ir.Constant(r.type, PREFETCH_BYTES))
                 builder.call(prefetch, [builder.gep(prow, [ahead]), *_PREFETCH_READ_L1])
-                group(g0, accs[0])
-                group(builder.add(g0, one), accs[1])
+                group(g0, 0)
+                group(builder.add(g0, one), 1)
             with builder.if_then(builder.icmp_unsigned("!=", builder.urem(n_groups, two), zero)):
-                group(builder.sub(n_groups, one), accs[0])
-            v = builder.fadd(builder.load(accs[0]), builder.load(accs[1]))
-            width = _LANES
-            while width > 1:  # lane i += lane i + width/2
-                width //= 2
-                lanes = [ir.Constant(ir.VectorType(ir.IntType(32), width), list(range(k, k + width)))
-                         for k in (0, width)]
-                v = builder.fadd(builder.shuffle_vector(v, v, lanes[0]), builder.shuffle_vector(v, v, lanes[1]))
-            return builder.extract_element(v, ir.Constant(ir.IntType(32), 0))
+                group(builder.sub(n_groups, one), 0)
+            for t, acc in zip(toks, accs):
+                total = _lane_sum(builder, builder.fadd(builder.load(acc[0]), builder.load(acc[1])))
+                builder.store(builder.fmul(total, ir.Constant(_F32, 16384.0)), ptr(resty, res, t, r))
+            return context.get_dummy_value()
 
         return sig, codegen
 
     return row_dot
 
 
-_mxfp4_row_dot = _make_row_dot(_decode_avx512 if _host_has_avx512() else _decode_generic)
+_DECODE = _decode_avx512 if _host_has_avx512() else _decode_generic
+_mxfp4_row_dot1, _mxfp4_row_dot2, _mxfp4_row_dot4 = (_make_row_dot(_DECODE, b) for b in (1, 2, 4))
 
 
 def _mxfp4_matmul(packed, scale, xe, xo, out, scales):
-    """x arrives split into even (low nibble) and odd (high nibble) columns; 2^14 (the
-    decode's offset) is restored at the end."""
+    """x arrives split into even (low nibble) and odd (high nibble) columns; tokens go
+    four, then two, then one at a time through each row (same bits either way)."""
     rows = packed.shape[0]
     tokens = xe.shape[0]
     for r in prange(rows):
-        for t in range(tokens):
-            out[t, r] = _mxfp4_row_dot(packed, r, xe, xo, t, scale, scales) * np.float32(16384.0)
+        t = 0
+        while t + 4 <= tokens:
+            _mxfp4_row_dot4(packed, r, xe, xo, t, scale, scales, out)
+            t += 4
+        if t + 2 <= tokens:
+            _mxfp4_row_dot2(packed, r, xe, xo, t, scale, scales, out)
+            t += 2
+        if t < tokens:
+            _mxfp4_row_dot1(packed, r, xe, xo, t, scale, scales, out)
 
 
 # ---- BF16 row dot product, the same way ------------------------------------------------------
@@ -242,13 +264,7 @@ def _bf16_row_dot(typingctx, w, r, x, t):
             chunk(builder.add(done, builder.mul(loop.index, lanes16)), accs[0])
         v = builder.fadd(builder.fadd(builder.load(accs[0]), builder.load(accs[1])),
                          builder.fadd(builder.load(accs[2]), builder.load(accs[3])))
-        width = _LANES
-        while width > 1:
-            width //= 2
-            lanes = [ir.Constant(ir.VectorType(ir.IntType(32), width), list(range(k, k + width)))
-                     for k in (0, width)]
-            v = builder.fadd(builder.shuffle_vector(v, v, lanes[0]), builder.shuffle_vector(v, v, lanes[1]))
-        total = cgutils.alloca_once_value(builder, builder.extract_element(v, ir.Constant(ir.IntType(32), 0)))
+        total = cgutils.alloca_once_value(builder, _lane_sum(builder, v))
         rest = builder.add(done, builder.mul(n_chunks, lanes16))
         fma1 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fma.f32")
         with cgutils.for_range(builder, builder.sub(cols, rest)) as loop:

@@ -79,9 +79,10 @@ def test_mxfp4_every_code_and_tiny_scales():
 
 
 def test_mxfp4_same_bits_for_any_batch_threads_or_build():
+    """7 tokens run as blocks of 4, 2 and 1; alone each token must give the same bits."""
     rng = np.random.default_rng(11)
     packed, scale = random_mxfp4(rng, 700, 2048)
-    x = rng.standard_normal((5, 2048)).astype(np.float32)
+    x = rng.standard_normal((7, 2048)).astype(np.float32)
     before = numba.get_num_threads()
     try:
         numba.set_num_threads(1)
@@ -92,25 +93,27 @@ def test_mxfp4_same_bits_for_any_batch_threads_or_build():
         numba.set_num_threads(before)
     serial = fused.mxfp4_linear(x, packed, scale, False)
     assert np.array_equal(one, many) and np.array_equal(one, serial)
-    for t in range(5):
+    for t in range(7):
         assert np.array_equal(fused.mxfp4_linear(x[t:t + 1], packed, scale, False)[0], one[t])
+    assert np.array_equal(fused.mxfp4_linear(x[1:4], packed, scale, False), one[1:4])
 
 
 def test_table_and_bit_decoders_agree_bit_for_bit():
     """The AVX-512 table lookup (when this CPU has it) and the portable IEEE-half decoder
     give identical results, so the engine's tokens do not depend on the CPU's features."""
-    generic = fused._make_row_dot(fused._decode_generic)
+    generic1 = fused._make_row_dot(fused._decode_generic, 1)
+    generic4 = fused._make_row_dot(fused._decode_generic, 4)
 
     @numba.njit
     def generic_matmul(packed, scale, xe, xo, out, scales):
         for r in range(packed.shape[0]):
-            for t in range(xe.shape[0]):
-                out[t, r] = generic(packed, r, xe, xo, t, scale, scales) * np.float32(16384.0)
+            generic4(packed, r, xe, xo, 0, scale, scales, out)
+            generic1(packed, r, xe, xo, 4, scale, scales, out)
 
     rng = np.random.default_rng(4)
     packed, scale = random_mxfp4(rng, 50, 512, 0, 255)
-    x = rng.standard_normal((2, 512)).astype(np.float32)
-    out = np.empty((2, 50), np.float32)
+    x = rng.standard_normal((5, 512)).astype(np.float32)
+    out = np.empty((5, 50), np.float32)
     generic_matmul(packed, scale, np.ascontiguousarray(x[:, 0::2]), np.ascontiguousarray(x[:, 1::2]),
                    out, kernels.MX_SCALE)
     assert np.array_equal(out, fused.mxfp4_linear(x, packed, scale, False), equal_nan=True)
