@@ -95,7 +95,12 @@ def load_report(name_or_path: str) -> MachineReport:
                           f"`k3tui doctor --json`", 2)
     try:
         data = json.loads(p.read_text(encoding="utf-8"))
+        if not isinstance(data, dict):
+            raise ValueError(f"it holds a JSON {type(data).__name__}, not an object")
         data = data.get("machine", data)  # accept the whole doctor --json output too
+        missing = [k for k in ("cpu", "memory") if k not in data]
+        if missing:  # e.g. `{}`: an empty machine would plan with 0 GB and 1 core
+            raise ValueError(f"it has no {' or '.join(missing)} section")
         report = MachineReport.from_dict(data)
     except (OSError, ValueError, TypeError) as exc:
         raise K3Error(f"{p} is not a machine report: {exc}.",

@@ -186,3 +186,15 @@ def test_setup_yes_warns_when_the_chosen_preset_outgrows_this_machine():
     res = answers_from_flags(r, Config(), model="safetensors", backend=None, preset="laptop",
                              model_dir="/srv/m", storage_probe=probe)
     assert not any("peaks at" in n for n in res.notes)
+
+
+def test_a_json_file_that_is_not_a_machine_report_is_refused(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    res = k3("plan", "--machine", str(bad))
+    assert res.returncode == 2 and "not a machine report" in res.stderr, res.stdout
+    assert "no cpu or memory section" in res.stderr
+    bad.write_text("[1, 2]")
+    res = k3("plan", "--machine", str(bad))
+    assert res.returncode == 2 and "not a machine report" in res.stderr
+    assert "Traceback" not in res.stderr
