@@ -129,6 +129,9 @@ def _storage_findings(report: MachineReport, need: int, extra: int, have: int,
     out: list[Finding] = []
     where = s.path or "the model directory"
     missing = max(0, need - have)
+    if s.not_a_dir:
+        return [Finding("blocker", "not_a_dir", f"{s.probed_path or where} is a file, not a folder",
+                        "choose a folder for the checkpoint (`k3tui setup`)")]
     if s.free_bytes and s.free_bytes < missing:
         out.append(Finding(
             "blocker", "disk_space",

@@ -310,7 +310,7 @@ class Wizard:
                      f"on {disk}; needs {disk_size(plan.disk_needed_bytes)}"
                      + (" with the packed trunk" if kind == "safetensors" else ""))
             storage = [f for f in plan.findings if f.code in (
-                "disk_space", "disk_space_trunk", "network_fs", "fuse_fs", "tmpfs",
+                "not_a_dir", "disk_space", "disk_space_trunk", "network_fs", "fuse_fs", "tmpfs",
                 "overlay_fs", "pseudo_fs", "no_o_direct", "not_writable", "rotational")]
             for f in storage:
                 self.say(f"  {f.level}: {f.message}")

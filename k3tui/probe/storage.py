@@ -44,6 +44,7 @@ class StorageInfo:
     read_mb_s_qd1: float | None = None
     read_mb_s_qd8: float | None = None
     measure_note: str = ""
+    not_a_dir: bool = False  # the path (or one of its parents) is a file
 
 
 def fs_class(fstype: str) -> str:
@@ -164,7 +165,7 @@ def probe_storage(env: ProbeEnv, target: str | Path, mounts: list[Mount] | None 
     target = target if target.is_absolute() else Path.cwd() / target
     existing = _existing(target)
     real = _resolve(existing)
-    info = StorageInfo(path=str(target), probed_path=real)
+    info = StorageInfo(path=str(target), probed_path=real, not_a_dir=not existing.is_dir())
     mounts = read_mounts(env) if mounts is None else mounts
     # the mount the target will live on (its missing tail is created on that filesystem)
     m = mount_for(_resolve(target), mounts)

@@ -198,3 +198,12 @@ def test_a_json_file_that_is_not_a_machine_report_is_refused(tmp_path):
     res = k3("plan", "--machine", str(bad))
     assert res.returncode == 2 and "not a machine report" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_a_file_given_as_the_model_folder_is_a_blocker(tmp_path):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    res = k3("setup", "--yes", "--model-dir", str(f))
+    assert res.returncode == 1 and "is a file, not a folder" in res.stderr
+    res = k3("doctor", "--dir", str(f / "sub"))
+    assert res.returncode == 1 and f"{f} is a file, not a folder" in res.stdout
