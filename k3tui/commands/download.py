@@ -149,11 +149,11 @@ def _run_here(snap, target: Path, args: argparse.Namespace, check: str) -> int:
     console = Console()
     state = {"id": "foreground", "kind": "download", "status": "running", "message": ""}
     try:
-        with Live(render_state(state), console=console, refresh_per_second=4,
+        with Live(render_state(state, console.width), console=console, refresh_per_second=4,
                   transient=False) as live:
             def on_progress(ev):
                 state.update(_event_fields(ev))
-                live.update(render_state(state))
+                live.update(render_state(state, console.width))
             result = download(snap, target, workers=args.workers, opts=_options(args),
                               on_progress=on_progress, check=check,
                               log=lambda m: live.console.print(f"[dim]{m}[/]"))
