@@ -425,6 +425,9 @@ def answers_from_flags(report: MachineReport, existing: Config, *, model: str | 
         if not url:
             raise K3Error("a remote setup needs the endpoint's URL.",
                           "add --remote-url https://HOST:PORT/v1", 2)
+        if not url.startswith(("http://", "https://")):  # --force cannot make it usable
+            raise K3Error(f"--remote-url {url} is not an http:// or https:// address.",
+                          "e.g. --remote-url https://cluster.example:8000/v1", 2)
         cfg = _configure(existing, "remote", "", None)
         cfg.remote.url = url
         if api_key_env is not None:

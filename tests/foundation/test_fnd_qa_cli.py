@@ -114,6 +114,9 @@ def test_setup_yes_remote_tests_the_endpoint_before_saving():
     res = k3("setup", "--yes", "--backend", "remote", "--remote-url", url, "--force")
     assert res.returncode == 0 and "FAILED" in res.stdout
     assert load_config().remote.url == url
+    res = k3("setup", "--yes", "--remote-url", "ftp://host/v1", "--force")  # never usable
+    assert res.returncode == 2 and "not an http:// or https://" in res.stderr
+    assert load_config().remote.url == url
 
 
 @pytest.mark.skipif(not RMT_ENDPOINT.is_file(), reason="the remote area's test endpoint is absent")
