@@ -68,21 +68,30 @@ def engine_server(demo_checkpoint, tmp_path):
 
 
 class Tmux:
+    """tmux on a private socket: other tests' tmux servers come and go meanwhile."""
+
     def __init__(self, name: str, env: dict[str, str]):
         self.name = name
         self.env = env
+        self.base = ["tmux", "-L", name]
 
     def start(self, command: str) -> None:
+        # A keeper session keeps the private server up while the app's session restarts
+        # (a server exiting after its last session races with the next new-session).
+        if subprocess.run([*self.base, "has-session", "-t", "keeper"],
+                          capture_output=True).returncode != 0:
+            subprocess.run([*self.base, "new-session", "-d", "-s", "keeper", "sleep 900"],
+                           check=True)
         exports = " ".join(f"{k}={v}" for k, v in self.env.items())
-        subprocess.run(["tmux", "new-session", "-d", "-s", self.name, "-x", "80", "-y", "24",
+        subprocess.run([*self.base, "new-session", "-d", "-s", self.name, "-x", "80", "-y", "24",
                         f"cd {REPO_ROOT} && env {exports} {command}; sleep 60"], check=True)
 
     def keys(self, *keys: str, literal: bool = False) -> None:
-        subprocess.run(["tmux", "send-keys", "-t", self.name, *(["-l"] if literal else []),
+        subprocess.run([*self.base, "send-keys", "-t", self.name, *(["-l"] if literal else []),
                         *keys], check=True)
 
     def screen(self) -> str:
-        return subprocess.run(["tmux", "capture-pane", "-p", "-t", self.name], check=True,
+        return subprocess.run([*self.base, "capture-pane", "-p", "-t", self.name], check=True,
                               capture_output=True, text=True).stdout
 
     def wait_for(self, predicate, timeout: float = 60.0) -> str:
@@ -95,7 +104,15 @@ class Tmux:
         raise AssertionError(f"screen never matched:\n{self.screen()}")
 
     def kill(self) -> None:
-        subprocess.run(["tmux", "kill-session", "-t", self.name], capture_output=True)
+        """Kill the session (SIGHUP to the app), keeping the private server for a restart."""
+        subprocess.run([*self.base, "kill-session", "-t", self.name], capture_output=True)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and subprocess.run(
+                [*self.base, "has-session", "-t", self.name], capture_output=True).returncode == 0:
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        subprocess.run([*self.base, "kill-server"], capture_output=True)
 
 
 def test_tui_e2e_chat_against_engine_server(engine_server, tmp_path):
@@ -139,7 +156,7 @@ def test_tui_e2e_chat_against_engine_server(engine_server, tmp_path):
         assert "And about rivers?" in after
         tmux.keys("C-q")
     finally:
-        tmux.kill()
+        tmux.close()
 
 
 def test_tui_e2e_demo_smoke(tmp_path):
