@@ -112,6 +112,8 @@ class Model:
                              w["block_sparse_moe.gate.e_score_correction_bias"],
                              cfg.num_experts_per_token, cfg.routed_scaling_factor)
         needed = [int(e) for e in np.unique(ids)]
+        # Entering issues the reads; latent_moe computes the shared experts before it
+        # touches a routed one, so that compute overlaps the disk.
         with self.source.experts(layer, needed) as experts:
             return latent_moe(x, w, experts, ids, weights, cfg)
 

@@ -89,8 +89,17 @@ def route(x: np.ndarray, gate: np.ndarray, bias: np.ndarray, top_k: int,
 def latent_moe(x: np.ndarray, w: Mapping[str, np.ndarray], experts: Mapping[int, Expert],
                ids: np.ndarray, weights: np.ndarray, cfg: ModelConfig,
                prefix: str = "block_sparse_moe.") -> np.ndarray:
-    """x [T, hidden] (normalised), routing (ids, weights) [T, k], the chosen experts."""
+    """x [T, hidden] (normalised), routing (ids, weights) [T, k], the chosen experts.
+
+    The routed experts are touched last: a streaming source has their reads in flight
+    when this is called, so the shared experts and the latent down-projection compute
+    while the disk delivers them (each expert waits only for its own read)."""
     T, k = ids.shape
+    shared = None
+    if cfg.num_shared_experts:
+        shared = situ_mlp(x, w[f"{prefix}shared_experts.gate_proj.weight"],
+                          w[f"{prefix}shared_experts.up_proj.weight"],
+                          w[f"{prefix}shared_experts.down_proj.weight"], cfg)  # original x, unweighted
     z = linear(x, w[f"{prefix}routed_expert_down_proj.weight"])  # to the latent width
     y = np.zeros((T, k, z.shape[1]), np.float32)
     unique = [int(e) for e in np.unique(ids)]  # each expert once, over the tokens that chose it
@@ -103,12 +112,7 @@ def latent_moe(x: np.ndarray, w: Mapping[str, np.ndarray], experts: Mapping[int,
         acc += weights[:, j, None] * y[:, j]
     acc = rmsnorm(acc, w[f"{prefix}routed_expert_norm.weight"], cfg.rms_norm_eps)  # on the sum
     routed = linear(acc, w[f"{prefix}routed_expert_up_proj.weight"])
-    if cfg.num_shared_experts == 0:
-        return routed
-    shared = situ_mlp(x, w[f"{prefix}shared_experts.gate_proj.weight"],
-                      w[f"{prefix}shared_experts.up_proj.weight"],
-                      w[f"{prefix}shared_experts.down_proj.weight"], cfg)  # original x, unweighted
-    return routed + shared
+    return routed if shared is None else routed + shared
 
 
 def dense_ffn(x: np.ndarray, w: Mapping[str, np.ndarray], cfg: ModelConfig,
