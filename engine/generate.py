@@ -3,7 +3,6 @@ stop ids, max tokens, cancellation, per-token timing and engine statistics."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -13,7 +12,9 @@ from typing import Any
 import numpy as np
 
 from engine.model import Cancelled, Model
+from engine.planner import GB
 from engine.sampler import Sampler
+from engine.streaming import current_rss, peak_rss
 
 LogitsHook = Callable[[list[int], np.ndarray], np.ndarray]
 
@@ -87,7 +88,9 @@ def generate(model: Model, prompt_ids: Sequence[int], params: GenParams, *,
 
 
 class _StatsMeter:
-    """Per-token statistics (the interface's keys) from the source's running totals."""
+    """Per-token statistics (the interface's keys) from the source's running totals, plus
+    each token's expert hits/misses (so a run's hit rate can be totalled) and the RSS now
+    and at its peak, measured here when the source does not report them."""
 
     def __init__(self, model: Model):
         self.source = model.source
@@ -105,7 +108,7 @@ class _StatsMeter:
             return float(cur.get(key, 0) or 0) - float(prev.get(key, 0) or 0)
 
         gb = d("gb_read_trunk") + d("gb_read_experts")
-        asked = d("expert_hits") + d("expert_misses")
+        hits, misses = int(d("expert_hits")), int(d("expert_misses"))
         out = {
             "compute_s": max(0.0, seconds - d("wait_trunk_s") - d("wait_experts_s")),
             "wait_trunk_s": d("wait_trunk_s"),
@@ -113,19 +116,13 @@ class _StatsMeter:
             "gb_read_trunk": d("gb_read_trunk"),
             "gb_read_experts": d("gb_read_experts"),
             "mb_per_s": gb * 1000.0 / seconds if seconds > 0 else 0.0,
-            "true_hit_rate": d("expert_hits") / asked if asked else cur.get("true_hit_rate"),
+            "true_hit_rate": hits / (hits + misses) if hits + misses else None,
+            "expert_hits": hits,
+            "expert_misses": misses,
             "evictions": int(d("evictions")),
-            "rss_gb": cur.get("rss_gb", _rss_gb()),
+            "rss_gb": cur.get("rss_gb", current_rss() / GB),
+            "peak_rss_gb": cur.get("peak_rss_gb", peak_rss() / GB),
         }
         if "budget_gb" in cur:
             out["budget_gb"] = cur["budget_gb"]
         return out
-
-
-def _rss_gb() -> float | None:
-    try:
-        with open("/proc/self/statm") as f:
-            pages = int(f.read().split()[1])
-        return pages * os.sysconf("SC_PAGE_SIZE") / 1e9
-    except (OSError, ValueError, IndexError):
-        return None

@@ -13,10 +13,13 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from engine.errors import EngineError
+from engine.planner import GB, add_memory_arguments
+from engine.streaming import open_source, peak_rss
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,10 +35,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated stop ids (default: the config's eos_token_id)")
     parser.add_argument("--dump-logits", metavar="FILE", help="write first-step logits (.npy)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    try:
-        from engine.planner import add_memory_arguments
-    except ImportError:  # streaming not installed: everything resident
-        return
     add_memory_arguments(parser)
 
 
@@ -57,15 +56,6 @@ def default_stop_ids(eos_token_id: int | None, checkpoint: Path) -> list[int]:
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
     return sorted(ids)
-
-
-def open_source(checkpoint: str, args: argparse.Namespace):
-    """STR's planned source when memory flags were given; the resident one otherwise."""
-    try:
-        from engine.streaming import open_source as streaming_open_source
-    except ImportError:
-        return None
-    return streaming_open_source(checkpoint, args)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -96,10 +86,12 @@ def main(args: argparse.Namespace) -> int:
             return logits
 
         tokens = []
+        if not args.json:
+            print(STEP_HEADER, flush=True)
         for tok in generate(model, ids, params, logits_hook=keep_first if args.dump_logits else None):
             tokens.append(tok)
             if not args.json:
-                print(f"{tok.index:4d}  id {tok.id:7d}  {tok.seconds * 1000:9.1f} ms", flush=True)
+                print(step_line(tok), flush=True)
         if args.dump_logits:
             if not first:
                 first.append(model.prefill(ids, model.new_state()))
@@ -115,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
 
-    decode = [t.seconds for t in tokens[1:]]
+    totals = run_totals(tokens, peak_rss() / GB)
     result = {
         "prompt_ids": ids,
         "generated_ids": [t.id for t in tokens],
@@ -123,16 +115,95 @@ def main(args: argparse.Namespace) -> int:
         "load_seconds": round(load_s, 4),
         "prefill_seconds": tokens[0].prefill_seconds if tokens else None,
         "seconds_per_token": [round(t.seconds, 6) for t in tokens],
-        "decode_seconds_per_token_mean": float(np.mean(decode)) if decode else None,
+        "decode_seconds_per_token_mean": totals["s_per_token"],
         "stopped": bool(tokens and tokens[-1].stop),
         "stats": tokens[-1].stats if tokens else {},
+        "per_token": [{"index": t.index, "id": t.id, "seconds": t.seconds, **t.stats}
+                      for t in tokens],
+        "totals": totals,
     }
     if args.json:
         print(json.dumps(result))
     else:
-        mean = result["decode_seconds_per_token_mean"]
-        print(f"generated {len(tokens)} tokens: {','.join(str(t.id) for t in tokens)}")
-        if mean is not None:
-            print(f"decode {mean:.4f} s/token ({1 / mean:.1f} tokens/s), "
-                  f"prefill {result['prefill_seconds']:.3f} s, load {load_s:.2f} s")
+        print(summary(result))
     return 0
+
+
+# ---- the run report ---------------------------------------------------------------------
+
+STEP_HEADER = f"{'step':>4} {'token':>7} {'seconds':>8} {'hit %':>6} {'GB read':>8} {'tok/s':>6}"
+
+
+def step_line(tok) -> str:
+    st = tok.stats
+    hit = st.get("true_hit_rate")
+    gb = (st.get("gb_read_trunk") or 0.0) + (st.get("gb_read_experts") or 0.0)
+    rate = 1 / tok.seconds if tok.seconds > 0 else 0.0
+    return (f"{tok.index:>4} {tok.id:>7} {tok.seconds:>8.3f} "
+            f"{(f'{hit * 100:.1f}' if hit is not None else '-'):>6} {gb:>8.3f} {rate:>6.2f}"
+            + ("  (prompt)" if tok.index == 0 else ""))
+
+
+def run_totals(tokens: list, peak_rss_gb: float) -> dict[str, Any]:
+    """Run totals from the per-token stats. Per-token figures are means over the decode
+    steps (token 0 also carries the prompt's forward pass, reported apart as prefill);
+    hit rate, evictions and MB/s are totalled over the same steps."""
+    decode = tokens[1:]
+    n = len(decode)
+
+    def total(key: str, toks: list = decode) -> float:
+        return float(sum(t.stats.get(key) or 0 for t in toks))
+
+    def gb(toks: list) -> float:
+        return total("gb_read_trunk", toks) + total("gb_read_experts", toks)
+
+    secs = sum(t.seconds for t in decode)
+    hits, misses = int(total("expert_hits")), int(total("expert_misses"))
+    return {
+        "tokens": len(tokens),
+        "decode_tokens": n,
+        "s_per_token": secs / n if n else None,
+        "compute_s_per_token": total("compute_s") / n if n else None,
+        "wait_trunk_s_per_token": total("wait_trunk_s") / n if n else None,
+        "wait_experts_s_per_token": total("wait_experts_s") / n if n else None,
+        "gb_read_per_token": gb(decode) / n if n else None,
+        "gb_read_trunk_per_token": total("gb_read_trunk") / n if n else None,
+        "gb_read_experts_per_token": total("gb_read_experts") / n if n else None,
+        "mb_per_s": gb(decode) * 1000 / secs if secs > 0 else None,
+        "true_hit_rate": hits / (hits + misses) if hits + misses else None,
+        "expert_hits": hits,
+        "expert_misses": misses,
+        "evictions": int(total("evictions")),
+        "prefill_seconds": tokens[0].prefill_seconds if tokens else None,
+        "prefill_gb_read": gb(tokens[:1]),
+        "gb_read": gb(tokens),
+        "budget_gb": tokens[-1].stats.get("budget_gb") if tokens else None,
+        "peak_rss_gb": peak_rss_gb,
+    }
+
+
+def summary(result: dict[str, Any]) -> str:
+    t = result["totals"]
+    lines = [f"generated {t['tokens']} tokens: {','.join(map(str, result['generated_ids']))}"]
+    if t["s_per_token"]:
+        s = t["s_per_token"]
+        lines.append(
+            f"decode {s:.3f} s/token ({1 / s:.2f} tokens/s): compute {t['compute_s_per_token']:.3f}"
+            f" + waiting for trunk {t['wait_trunk_s_per_token']:.3f} + experts "
+            f"{t['wait_experts_s_per_token']:.3f} s")
+        if t["gb_read"] > 0:
+            lines.append(
+                f"read {t['gb_read_per_token']:.3f} GB/token (trunk "
+                f"{t['gb_read_trunk_per_token']:.3f} + experts {t['gb_read_experts_per_token']:.3f})"
+                f" at {t['mb_per_s'] or 0:.0f} MB/s")
+        if t["true_hit_rate"] is not None:
+            asked = t["expert_hits"] + t["expert_misses"]
+            lines.append(f"experts: true resident hit rate {t['true_hit_rate'] * 100:.1f}% "
+                         f"({t['expert_hits']} of {asked}), {t['evictions']} evictions")
+    if t["prefill_seconds"] is not None:
+        read = f", {t['prefill_gb_read']:.3f} GB read" if t["gb_read"] > 0 else ""
+        lines.append(f"prefill {t['prefill_seconds']:.3f} s ({len(result['prompt_ids'])} ids"
+                     f"{read}), load {result['load_seconds']:.2f} s")
+    budget = f" (budget {t['budget_gb']:.3g} GB)" if t["budget_gb"] else ""
+    lines.append(f"PEAK RSS for the whole run: {t['peak_rss_gb']:.2f} GB{budget}")
+    return "\n".join(lines)

@@ -22,7 +22,6 @@ no memory flag was given, else a plan (printed to stderr as a forecast) and this
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import sys
 import threading
@@ -557,29 +556,9 @@ def current_rss() -> int:
 
 
 def peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def token_stats(before: Mapping[str, Any], after: Mapping[str, Any], seconds: float
-                ) -> dict[str, Any]:
-    """Per-token statistics from two `stats()` snapshots around one token."""
-    def d(k: str) -> float:
-        return float(after.get(k, 0) or 0) - float(before.get(k, 0) or 0)
-
-    wt, we = d("wait_trunk_s"), d("wait_experts_s")
-    gb = d("gb_read_trunk") + d("gb_read_experts")
-    req = d("expert_hits") + d("expert_misses")
-    return {
-        "compute_s": max(seconds - wt - we, 0.0),
-        "wait_trunk_s": wt,
-        "wait_experts_s": we,
-        "gb_read_trunk": d("gb_read_trunk"),
-        "gb_read_experts": d("gb_read_experts"),
-        "mb_per_s": gb * 1000 / seconds if seconds > 0 else 0.0,
-        "true_hit_rate": d("expert_hits") / req if req else None,
-        "evictions": int(d("evictions")),
-        "rss_gb": after.get("rss_gb"),
-    }
+    """The kernel's high-water mark, never below the current RSS (the two counters are
+    synchronised lazily, so the mark can trail the current figure by a few pages)."""
+    return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, current_rss())
 
 
 def open_source(checkpoint_dir: str | Path, args: argparse.Namespace | None = None,
@@ -594,6 +573,3 @@ def open_source(checkpoint_dir: str | Path, args: argparse.Namespace | None = No
         print(plan.describe(), file=sys.stderr, flush=True)
     return StreamingSource(cmap, plan)
 
-
-def describe_stats(stats: Mapping[str, Any]) -> str:
-    return json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in stats.items()})
