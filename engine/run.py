@@ -2,8 +2,11 @@
 
 Greedy and incremental by default; `--full` recomputes the whole prefix every step.
 `--dump-logits FILE` writes the first step's last-position logits as float32 .npy;
-`--json` prints one JSON object on stdout. Memory flags (`--budget-gb`, `--preset`, ...)
-stream the model under a budget; without them everything is resident.
+`--json` prints one JSON object on stdout: the ids, per-token statistics (`per_token`) and
+run totals (`totals`: s/token, GB read/token, MB/s, true hit rate, evictions, peak RSS);
+without it, a per-step table and a summary ending in the run's peak RSS. Memory flags
+(`--budget-gb`, `--preset`, ...) stream the model under a budget; without them everything
+is resident.
 """
 
 from __future__ import annotations
@@ -184,7 +187,8 @@ def run_totals(tokens: list, peak_rss_gb: float) -> dict[str, Any]:
 
 def summary(result: dict[str, Any]) -> str:
     t = result["totals"]
-    lines = [f"generated {t['tokens']} tokens: {','.join(map(str, result['generated_ids']))}"]
+    ids = ",".join(map(str, result["generated_ids"]))
+    lines = [f"generated {t['tokens']} tokens" + (f": {ids}" if ids else "")]
     if t["s_per_token"]:
         s = t["s_per_token"]
         lines.append(
