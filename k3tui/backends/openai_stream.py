@@ -14,6 +14,7 @@ context, which closes the connection, which makes llama-server cancel the task.
 from __future__ import annotations
 
 import json
+import ssl
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -253,14 +254,18 @@ async def stream_chat(base_url: str, messages: list[dict[str, Any]], *,
                       api_key: str | None = None, model: str | None = None,
                       max_tokens: int | None = None, temperature: float | None = None,
                       extra: dict[str, Any] | None = None, client: httpx.AsyncClient | None = None,
+                      verify: bool | ssl.SSLContext = True,
                       clock: Callable[[], float] = time.monotonic) -> AsyncIterator[StreamEvent]:
-    """Stream one answer as events; the last event is `Finished` or `BackendError`."""
+    """Stream one answer as events; the last event is `Finished` or `BackendError`.
+
+    `verify` is the TLS policy of the client made here (ignored when `client` is given).
+    """
     url = api_base(base_url) + "/chat/completions"
     body = build_request(messages, model=model, max_tokens=max_tokens,
                          temperature=temperature, extra=extra)
     own = client is None
     http = client or httpx.AsyncClient(
-        timeout=httpx.Timeout(CONNECT_TIMEOUT_S, read=READ_TIMEOUT_S))
+        timeout=httpx.Timeout(CONNECT_TIMEOUT_S, read=READ_TIMEOUT_S), verify=verify)
     interp = ChunkInterpreter(max_tokens=body.get("max_tokens"), clock=clock)
     try:
         try:
@@ -286,7 +291,12 @@ async def stream_chat(base_url: str, messages: list[dict[str, Any]], *,
                         yield event
                         if isinstance(event, BackendError):
                             return
-        except httpx.ConnectError:
+        except httpx.ConnectError as exc:
+            if isinstance(_root_cause(exc), ssl.SSLError):  # not a dead server: say why
+                from k3tui.backends.remote import describe_transport_error
+
+                yield BackendError(*describe_transport_error(exc, server_root(base_url)))
+                return
             yield BackendError(f"Could not connect to the backend at {server_root(base_url)}.",
                                "start it with `k3tui serve`, or check the URL in the config")
             return
@@ -304,6 +314,12 @@ async def stream_chat(base_url: str, messages: list[dict[str, Any]], *,
     finally:
         if own:
             await http.aclose()
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    while exc.__cause__ is not None or exc.__context__ is not None:
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return exc
 
 
 def _http_error(status: int, raw: str) -> BackendError:

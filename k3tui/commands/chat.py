@@ -57,13 +57,14 @@ class Session:
         self.system_prompt = ""
         self.url = ""
         self.api_key: str | None = None
+        self.verify: Any = True                   # TLS policy for a remote URL
 
     def stream(self, messages: list[dict[str, Any]]):
         if self.running is not None:
             return self.running.chat(messages, **self.chat_kwargs)
         from k3tui.backends.openai_stream import stream_chat
 
-        return stream_chat(self.url, messages, api_key=self.api_key,
+        return stream_chat(self.url, messages, api_key=self.api_key, verify=self.verify,
                            model=self.info.model or None, **self.chat_kwargs)
 
     def attach(self, running: Any) -> None:
@@ -115,6 +116,22 @@ def _first_model(url: str, api_key: str | None) -> str | None:
     return str(models[0].get("id") or "") or None
 
 
+def _remote_session(cfg: Any, base: Session) -> Session:
+    """The configured endpoint: its key from the named variable or the one `k3tui setup`
+    stored, and its TLS policy."""
+    from k3tui.backends.remote import resolve_api_key, tls_verify
+
+    s = base
+    s.url = cfg.remote.url
+    s.api_key, _ = resolve_api_key(cfg.remote.api_key_env)
+    s.verify = tls_verify(cfg.remote.verify_tls)
+    s.info.kind = "remote"
+    s.info.url = s.url
+    s.info.model = (cfg.remote.model or _first_model(s.url, s.api_key)
+                    or urlsplit(s.url).netloc or "?")
+    return s
+
+
 def _config_session(cfg: Any) -> Session:
     s = Session()
     s.chat_kwargs = {"max_tokens": cfg.chat.max_tokens, "temperature": cfg.chat.temperature}
@@ -124,9 +141,7 @@ def _config_session(cfg: Any) -> Session:
         if not url:
             raise K3Error("The config names a remote backend but no URL.",
                           "run `k3tui setup`, or `k3tui config set remote.url URL`")
-        remote = _url_session(url, cfg.remote.api_key_env or None, cfg.remote.model or None)
-        remote.chat_kwargs, remote.system_prompt = s.chat_kwargs, s.system_prompt
-        return remote
+        return _remote_session(cfg, s)
     s.info.kind = cfg.backend.kind
     s.info.model = os.path.basename(str(cfg.model.dir).rstrip("/")) or cfg.model.repo
     if cfg.backend.kind == "bundled":
