@@ -20,7 +20,8 @@ Contract:
 * `source.stats()` — a flat dict of numbers. Keys in `CUMULATIVE_STATS` are running totals
   since the source opened; generate turns them into each token's `compute_s`, waits, GB
   read, `mb_per_s`, `true_hit_rate` (hits / (hits + misses)) and `evictions`, and passes
-  `rss_gb` and `budget_gb` through as they are.
+  `rss_gb`, `peak_rss_gb` and `budget_gb` through as they are (generate measures RSS
+  itself when a source does not report it).
 """
 
 from __future__ import annotations
