@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from conftest import K3, build_app, screen_text, settle, wait_until
+from tui_helpers import K3, build_app, screen_text, settle, wait_until
 
 from k3tui.backends.events import BackendError
 from k3tui.history import History

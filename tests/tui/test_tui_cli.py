@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO_ROOT
+from tui_helpers import REPO_ROOT
 
 
 def k3(*args: str, timeout: float = 120, stdin=subprocess.DEVNULL) -> subprocess.CompletedProcess:

@@ -16,7 +16,7 @@ import time
 
 import httpx
 import pytest
-from conftest import REPO_ROOT
+from tui_helpers import REPO_ROOT
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from conftest import screen_text, settle, wait_until
 from textual.widgets import Input, OptionList
+from tui_helpers import screen_text, settle, wait_until
 
 from k3tui.history import History
 from k3tui.paths import get_paths
