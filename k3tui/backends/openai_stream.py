@@ -292,9 +292,9 @@ async def stream_chat(base_url: str, messages: list[dict[str, Any]], *,
                         if isinstance(event, BackendError):
                             return
         except httpx.ConnectError as exc:
-            if isinstance(_root_cause(exc), ssl.SSLError):  # not a dead server: say why
-                from k3tui.backends.remote import describe_transport_error
+            from k3tui.backends.remote import describe_transport_error, ssl_error
 
+            if ssl_error(exc) is not None:  # not a dead server: say why
                 yield BackendError(*describe_transport_error(exc, server_root(base_url)))
                 return
             yield BackendError(f"Could not connect to the backend at {server_root(base_url)}.",
@@ -314,12 +314,6 @@ async def stream_chat(base_url: str, messages: list[dict[str, Any]], *,
     finally:
         if own:
             await http.aclose()
-
-
-def _root_cause(exc: BaseException) -> BaseException:
-    while exc.__cause__ is not None or exc.__context__ is not None:
-        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
-    return exc
 
 
 def _http_error(status: int, raw: str) -> BackendError:

@@ -113,7 +113,8 @@ def _fail(message: str, next_step: str, **kw: Any) -> EndpointCheck:
     return EndpointCheck(ok=False, message=message, next_step=next_step, **kw)
 
 
-def _ssl_error(exc: BaseException) -> ssl.SSLError | None:
+def ssl_error(exc: BaseException) -> ssl.SSLError | None:
+    """The TLS error anywhere in an exception's chain, if any."""
     seen: BaseException | None = exc
     while seen is not None:
         if isinstance(seen, ssl.SSLError):
@@ -133,7 +134,7 @@ def describe_transport_error(exc: BaseException, where: str) -> tuple[str, str]:
 
 
 def _transport_failure(exc: BaseException, where: str) -> EndpointCheck:
-    tls = _ssl_error(exc)
+    tls = ssl_error(exc)
     if isinstance(tls, ssl.SSLCertVerificationError):
         reason = tls.verify_message or "certificate verification failed"
         return _fail(f"The TLS certificate of {where} is not trusted ({reason}), so k3tui "

@@ -88,16 +88,22 @@ class Session:
 
 
 def _url_session(url: str, api_key_env: str | None, model: str | None) -> Session:
-    s = Session()
-    s.url = url
+    api_key = None
     if api_key_env:
-        s.api_key = os.environ.get(api_key_env)
-        if not s.api_key:
+        api_key = os.environ.get(api_key_env)
+        if not api_key:
             raise K3Error(f"The environment variable {api_key_env} is empty or not set.",
                           f"export {api_key_env}=<your key>, then run this again", 2)
+    return _point_at(Session(), url, api_key, model)
+
+
+def _point_at(s: Session, url: str, api_key: str | None, model: str | None,
+              verify: Any = True) -> Session:
+    """Aim a session at a running server: URL, key, TLS policy, and the model to ask for."""
+    s.url, s.api_key, s.verify = url, api_key, verify
     s.info.kind = "remote"
     s.info.url = url
-    s.info.model = model or _first_model(url, s.api_key) or urlsplit(url).netloc or "?"
+    s.info.model = model or _first_model(url, api_key) or urlsplit(url).netloc or "?"
     return s
 
 
@@ -121,15 +127,9 @@ def _remote_session(cfg: Any, base: Session) -> Session:
     stored, and its TLS policy."""
     from k3tui.backends.remote import resolve_api_key, tls_verify
 
-    s = base
-    s.url = cfg.remote.url
-    s.api_key, _ = resolve_api_key(cfg.remote.api_key_env)
-    s.verify = tls_verify(cfg.remote.verify_tls)
-    s.info.kind = "remote"
-    s.info.url = s.url
-    s.info.model = (cfg.remote.model or _first_model(s.url, s.api_key)
-                    or urlsplit(s.url).netloc or "?")
-    return s
+    api_key, _ = resolve_api_key(cfg.remote.api_key_env)
+    return _point_at(base, cfg.remote.url, api_key, cfg.remote.model or None,
+                     tls_verify(cfg.remote.verify_tls))
 
 
 def _config_session(cfg: Any) -> Session:
