@@ -28,7 +28,9 @@ class FakeParams:
 
 
 def fake_generate(vocab: int, delay: float = 0.0, counter: list | None = None, fail_at: int | None = None):
-    """Random logits per step (seeded), the hook, then argmax: generate()'s contract."""
+    """Random logits per step (seeded), the hook, then argmax: generate()'s contract.
+    The random logits never pick an end id by themselves (only a hook ends a reply), so
+    a test that cancels a long reply never races a reply that happened to stop early."""
 
     def gen(prompt_ids, params, cancel=None, logits_hook=None):
         rng = np.random.default_rng(params.seed)
@@ -42,6 +44,7 @@ def fake_generate(vocab: int, delay: float = 0.0, counter: list | None = None, f
             if counter is not None:
                 counter.append(index)
             logits = rng.standard_normal(vocab).astype(np.float32)
+            logits[list(params.stop_ids)] = -np.inf
             if logits_hook is not None:
                 logits = logits_hook(list(generated), logits)
             tok = int(np.argmax(logits))
