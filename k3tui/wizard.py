@@ -336,11 +336,16 @@ class Wizard:
 
     def ask_token(self, result: SetupResult) -> None:
         source = hf_token_source()
-        if source:
+        stored = str(get_paths().credentials_file)
+        if source and source != stored:
             self.say(f"Hugging Face: using the existing login from {source}.")
             return
-        token = self.password("Hugging Face token (Enter to skip; needed only if the repo is "
-                              "gated for you):").strip()
+        if source:   # k3tui's own stored token: the only place to replace it is here
+            token = self.password(f"Hugging Face token (Enter keeps the one stored in "
+                                  f"{stored}; paste a new one to replace it):").strip()
+        else:
+            token = self.password("Hugging Face token (Enter to skip; needed only if the "
+                                  "repo is gated for you):").strip()
         if token:
             result.credentials["hf_token"] = token
 

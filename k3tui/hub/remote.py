@@ -12,6 +12,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from k3tui.errors import K3Error
 
@@ -59,6 +60,41 @@ def hub_token() -> str | None:
     return get_token() or load_credentials().get("hf_token") or None
 
 
+def token_origin(token: str) -> str:
+    """Where `token` comes from, as words that follow "The Hugging Face token" (never the
+    token itself)."""
+    from huggingface_hub import constants
+
+    from k3tui.config import load_credentials
+    from k3tui.paths import get_paths
+
+    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        if (os.environ.get(var) or "").strip() == token:
+            return f"in {var}"
+    try:
+        if Path(constants.HF_TOKEN_PATH).read_text().strip() == token:
+            return f"saved by `hf auth login` ({constants.HF_TOKEN_PATH})"
+    except OSError:
+        pass
+    if load_credentials().get("hf_token") == token:
+        return f"that `k3tui setup` stored in {get_paths().credentials_file}"
+    return ""
+
+
+def _token_advice(origin: str) -> str:
+    """How to replace a refused token, depending on where it came from. HF_TOKEN wins over
+    the `hf auth login` file, which wins over the token `k3tui setup` stored."""
+    new = "export HF_TOKEN=<a new token from huggingface.co/settings/tokens>"
+    if origin.startswith("in "):
+        return new
+    if "hf auth login" in origin:
+        return f"run `hf auth login` with a new token, or {new}"
+    if "k3tui setup" in origin:
+        return (f"run `k3tui setup` and paste a new token when it asks, or {new} (it takes "
+                "precedence)")
+    return "use a valid token"
+
+
 def redact(text: str) -> str:
     """Drop URL query strings (signed CDN URLs) from anything we log or show."""
     return re.sub(r"(https?://[^\s'\"?]+)\?[^\s'\"]*", r"\1?…", text)
@@ -93,23 +129,35 @@ def _status(exc: BaseException) -> int | None:
 
 
 def explain(exc: BaseException, repo: str, revision: str = "main",
-            token_sent: bool = False) -> K3Error:
-    """Turn a huggingface_hub / httpx error into one sentence and the next step."""
+            token_sent: bool | str = False) -> K3Error:
+    """Turn a huggingface_hub / httpx error into one sentence and the next step.
+
+    `token_sent` is the token that was sent (or just True/False): with the token, the advice
+    names where it came from (HF_TOKEN, `hf auth login`, or the one `k3tui setup` stored)."""
     from huggingface_hub import errors as e
+
+    from k3tui.paths import get_paths
 
     page = f"{hub_endpoint()}/{repo}"
     status = _status(exc)
+    origin = token_origin(token_sent) if isinstance(token_sent, str) and token_sent else ""
+    from_origin = f" {origin}" if origin else ""
+    give_token = ("set HF_TOKEN, run `hf auth login`, or paste it into `k3tui setup` (stored "
+                  f"0600 in {get_paths().credentials_file})")
     if isinstance(exc, e.OfflineModeIsEnabled):
         return K3Error("HF_HUB_OFFLINE is set, so the Hub cannot be asked for the file list.",
                        "unset HF_HUB_OFFLINE to download", 2)
     if isinstance(exc, e.GatedRepoError):     # subclass of RepositoryNotFoundError: first
         if status == 403:
-            return K3Error(f"Your Hugging Face token has no access to {repo} yet.",
-                           f"request or accept access on {page} (manual approval can take "
-                           "time), then rerun")
+            return K3Error(f"The Hugging Face token{from_origin} has no access to {repo} yet.",
+                           f"request or accept access on {page} with the account that token "
+                           "belongs to (manual approval can take time), then rerun")
+        if token_sent:
+            return K3Error(f"The Hugging Face token{from_origin} was refused (invalid or "
+                           f"expired), and {repo} is gated.",
+                           _token_advice(origin) + ", then rerun")
         return K3Error(f"{repo} is gated: downloading it needs a Hugging Face token.",
-                       f"accept the terms on {page}, then set HF_TOKEN or run "
-                       "`hf auth login`, and rerun")
+                       f"accept the terms on {page}, then {give_token}, and rerun")
     if isinstance(exc, e.RevisionNotFoundError):
         return K3Error(f"{repo} has no revision '{revision}'.",
                        "check --revision (a branch, tag or 40-hex commit)")
@@ -121,13 +169,14 @@ def explain(exc: BaseException, repo: str, revision: str = "main",
                        "rerun `k3tui download` to pick up the repo's current file list")
     if status == 401:
         if token_sent:
-            return K3Error("The Hugging Face token was refused (invalid or expired).",
-                           "create a new token, then set HF_TOKEN or run `hf auth login`")
+            return K3Error(f"The Hugging Face token{from_origin} was refused (invalid or "
+                           "expired).", _token_advice(origin) + ", then rerun")
         return K3Error(f"The Hub refused access to {repo} without a token.",
-                       "set HF_TOKEN or run `hf auth login`, then rerun")
+                       f"{give_token}, then rerun")
     if status == 403:
         return K3Error(f"The Hub refused access to {repo} (403).",
-                       f"check your token's permissions and the repo page {page}")
+                       f"check the permissions of the token{from_origin} and the repo page "
+                       f"{page}")
     if is_transient(exc):
         return K3Error(f"Could not reach the Hub at {hub_endpoint()} ({type(exc).__name__}).",
                        "check the network (or HF_ENDPOINT) and rerun; nothing is lost")
@@ -156,7 +205,7 @@ def fetch_snapshot(repo: str, revision: str = "main", include: list[str] | None 
             break
         except Exception as exc:
             if not is_transient(exc) or attempt == attempts - 1:
-                raise explain(exc, repo, revision, token_sent=bool(token)) from None
+                raise explain(exc, repo, revision, token_sent=token or False) from None
             time.sleep(backoff_s * 2 ** attempt)
     files = []
     for s in info.siblings or []:
@@ -192,4 +241,5 @@ def check_access(snapshot: RepoSnapshot, *, token: str | None | bool = None,
     except Exception as exc:
         if is_transient(exc):
             return   # the download loop retries these; only refusals matter here
-        raise explain(exc, snapshot.repo, snapshot.revision, token_sent=bool(token)) from None
+        raise explain(exc, snapshot.repo, snapshot.revision,
+                      token_sent=token or False) from None

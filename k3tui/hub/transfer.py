@@ -233,7 +233,7 @@ class FileFetch:
                     raise                               # a local I/O problem, not the Hub's
                 if not (is_transient(exc) or isinstance(exc, _BadResponse)):
                     raise HubRefused(explain(exc, self.snap.repo, self.snap.revision,
-                                             bool(self.opts.token))) from None
+                                             self.opts.token or False)) from None
                 failures = 1 if self.have > before else failures + 1
                 what = f"{type(exc).__name__}: {redact(str(exc).splitlines()[0] if str(exc) else '')}"
                 self.log(f"{self.rf.name}: {what} at byte {self.have:,}; "

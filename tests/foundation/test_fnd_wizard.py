@@ -302,3 +302,19 @@ def test_custom_preset_refuses_a_zero_size_and_shows_the_sizes():
     assert rc == 0, out
     assert (cfg.engine.preset, cfg.engine.trunk_gb, cfg.engine.cache_gb) == ("custom", 2.5, 0.5)
     assert "preset custom (trunk 2.5 GB, cache 0.5 GB)" in out
+
+
+def test_a_stored_token_can_be_replaced_or_kept():
+    """The download's advice for a refused stored token is "run `k3tui setup` and paste a
+    new token": the wizard must ask for it (Enter keeps it) instead of silently reusing it."""
+    from k3tui.config import save_credential
+
+    save_credential("hf_token", "hf_expired")
+    report = load_report("laptop-8g")
+    rc, out = drive(ENTER + ENTER + ENTER + ENTER + "y", report)       # Enter: keep it
+    assert rc == 0, out
+    assert load_credentials() == {"hf_token": "hf_expired"}
+    rc, out = drive(ENTER + ENTER + "hf_fresh" + ENTER + ENTER + "y", report,
+                    base=load_config())
+    assert rc == 0, out
+    assert load_credentials() == {"hf_token": "hf_fresh"} and "hf_fresh" not in out
