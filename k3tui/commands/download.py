@@ -33,6 +33,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start the job and return (attach later with `k3tui jobs attach`)")
     parser.add_argument("--foreground", action="store_true",
                         help="download in this process instead of a detached job")
+    # the command the user typed, made explicit: a detached job names it in its advice
+    parser.add_argument("--resume-as", help=argparse.SUPPRESS)
+
+
+def resume_command(repo: str, revision: str, target: Path, include: list[str],
+                   args: argparse.Namespace, *, foreground: bool = False) -> str:
+    """The exact `k3tui download …` that continues this download: the same repo, folder,
+    globs and revision whatever the config says by then (copy-pasteable, shell-quoted)."""
+    import shlex
+
+    words = ["k3tui", "download", repo, "--dir", str(target)]
+    for g in include:
+        words += ["--include", g]
+    if revision != "main":
+        words += ["--revision", revision]
+    if args.workers != 4:
+        words += ["--workers", str(args.workers)]
+    if args.timeout:
+        words += ["--timeout", f"{args.timeout:g}"]
+    if args.verify:
+        words.append("--verify")
+    if args.rehash:
+        words.append("--rehash")
+    if foreground:
+        words.append("--foreground")
+    return shlex.join(words)
 
 
 def _defaults(args: argparse.Namespace) -> tuple[str, str, Path, list[str]]:
@@ -106,9 +132,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     check_access(snap)
     if args.foreground:
-        return _run_here(snap, target, args, check)
+        return _run_here(snap, target, args, check,
+                         resume_command(repo, revision, target, include, args, foreground=True))
     argv = jobs.k3tui_argv("download", repo, "--revision", snap.commit, "--dir", str(target),
-                           "--workers", str(args.workers), "--foreground")
+                           "--workers", str(args.workers), "--foreground",
+                           "--resume-as", resume_command(repo, revision, target, include, args))
     for g in include:
         argv += ["--include", g]
     if args.verify:
@@ -136,7 +164,7 @@ def _options(args: argparse.Namespace):
     return Options.from_env(**kw)
 
 
-def _run_here(snap, target: Path, args: argparse.Namespace, check: str) -> int:
+def _run_here(snap, target: Path, args: argparse.Namespace, check: str, resume: str) -> int:
     """`--foreground` in a terminal: same loop, Rich progress here, the target lock held."""
     from rich.console import Console
     from rich.live import Live
@@ -156,7 +184,8 @@ def _run_here(snap, target: Path, args: argparse.Namespace, check: str) -> int:
                 live.update(render_state(state, console.width))
             result = download(snap, target, workers=args.workers, opts=_options(args),
                               on_progress=on_progress, check=check,
-                              log=lambda m: live.console.print(f"[dim]{m}[/]"))
+                              log=lambda m: live.console.print(f"[dim]{m}[/]"),
+                              resume=resume)
     finally:
         __import__("os").close(lock)
     return _conclude(result, target, print)
@@ -197,8 +226,9 @@ def _run_in_job(reporter, repo, revision, target, include, args, check) -> int:
         snap = fetch_snapshot(repo, revision, include)
         reporter.update(message=f"{repo} @ {snap.commit[:12]}",
                         total_bytes=snap.total_bytes)
+        resume = args.resume_as or resume_command(repo, revision, target, include, args)
         result = download(snap, target, workers=args.workers, opts=_options(args), stop=stop,
-                          check=check, log=log, max_hz=4,   # the TUI polls at 2 Hz
+                          check=check, log=log, max_hz=4, resume=resume,  # TUI polls at 2 Hz
                           on_progress=lambda ev: reporter.update(**_event_fields(ev)))
         lines: list[str] = []
         code = _conclude(result, target, lines.append)

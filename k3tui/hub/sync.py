@@ -124,20 +124,24 @@ class DownloadResult:
     replaced: list[str] = field(default_factory=list)        # found on disk, bad, refetched
 
 
-def disk_full_error(target: Path, remaining: int) -> K3Error:
+def disk_full_error(target: Path, remaining: int, resume: str = "k3tui download") -> K3Error:
+    """`resume`: the exact command that continues this download (the user's repo, --dir,
+    --include…), shown so nobody has to reconstruct it from memory."""
     free = free_bytes(target)
     return K3Error(
         f"The disk holding {target} is full ({gb(free)} free, {gb(remaining)} still to "
         "download); the partial files are kept.",
-        f"free at least {gb(remaining + space_margin(remaining) - free)} (or use another "
-        "--dir), then rerun `k3tui download`: it resumes where it stopped")
+        f"free at least {gb(remaining + space_margin(remaining) - free)} there, then rerun "
+        f"`{resume}`: it resumes where it stopped (another --dir would start over)")
 
 
 def download(snapshot: RepoSnapshot, target: Path, *, workers: int = 4,
              opts: Options | None = None, on_progress: Callable[[ProgressEvent], None] | None = None,
              stop: threading.Event | None = None, check: str = "size",
-             log: Callable[[str], None] = print, max_hz: float = 10.0) -> DownloadResult:
-    """Bring `target` to exactly `snapshot`'s files (size + digest checked), resumably."""
+             log: Callable[[str], None] = print, max_hz: float = 10.0,
+             resume: str = "k3tui download") -> DownloadResult:
+    """Bring `target` to exactly `snapshot`'s files (size + digest checked), resumably.
+    `resume` is the command a disk-full error tells the user to rerun."""
     opts = opts or Options.from_env()
     stop = stop or threading.Event()
     store = LocalStore(target)
@@ -218,7 +222,7 @@ def download(snapshot: RepoSnapshot, target: Path, *, workers: int = 4,
             except Exception as exc:
                 if isinstance(exc, DiskFull) or is_disk_full(exc):
                     left = sum(f.size for f in snapshot.files) - progress.snapshot().done_bytes
-                    fail(rf.name, f"{rf.name}: disk full", disk_full_error(target, left),
+                    fail(rf.name, f"{rf.name}: disk full", disk_full_error(target, left, resume),
                          halt=True)
                 elif isinstance(exc, HubRefused):
                     fail(rf.name, f"{rf.name}: {exc.error.message}", exc.error, halt=True)
