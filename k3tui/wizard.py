@@ -286,6 +286,12 @@ class Wizard:
             self.say(f"Testing {url} …")
             check = self.endpoint_checker(url, api_key or None, verify)
             self.say(f"  {'ok' if check.ok else 'failed'}: {check.message}")
+            auth = getattr(check, "auth", "")
+            if auth:     # the key was asked a moment ago: say how to answer it next time
+                self.say("  next: run `k3tui setup` again and answer the API key question "
+                         "with the key, or with $NAME of an environment variable holding it")
+            elif not check.ok and getattr(check, "next_step", ""):
+                self.say(f"  next: {check.next_step}")
             for w in getattr(check, "warnings", []) or []:
                 self.say(f"  warning: {w}")
             if check.ok and check.models:
@@ -463,6 +469,31 @@ def answers_from_flags(report: MachineReport, existing: Config, *, model: str | 
     return result
 
 
+def _flag_key_advice(url: str, key_env: str, source: str, auth: str) -> str:
+    """For `setup --yes`: what to type when the endpoint wants a (different) key. The key
+    comes from the variable named by --api-key-env, else from the one setup stored."""
+    import shlex
+
+    def command(var: str) -> str:
+        return shlex.join(["k3tui", "setup", "--yes", "--remote-url", url,
+                           "--api-key-env", var])
+
+    if auth == "missing":
+        if key_env:
+            return (f"{key_env} is not set in this shell: `export {key_env}=<the key>`, then "
+                    f"`{command(key_env)}`")
+        return (f"put the key in an environment variable and name it with --api-key-env: "
+                f"`export K3_API_KEY=<the key>`, then `{command('K3_API_KEY')}`")
+    if auth == "refused":
+        if source.startswith("$"):
+            return (f"check the key in {source}: `export {key_env}=<the right key>`, then "
+                    f"`{command(key_env)}`")
+        return (f"the key `k3tui setup` stored earlier was refused; give the right one with "
+                f"--api-key-env: `export K3_API_KEY=<the key>`, then "
+                f"`{command('K3_API_KEY')}`")
+    return ""
+
+
 def _checked_remote(cfg: Config, force: bool, checker: Callable[..., Any] | None) -> SetupResult:
     """`--yes` for a remote: the same health and one-token test as the wizard, before saving."""
     result = SetupResult(cfg, None)
@@ -471,12 +502,13 @@ def _checked_remote(cfg: Config, force: bool, checker: Callable[..., Any] | None
         return result
     from k3tui.backends.remote import resolve_api_key
 
-    key, _ = resolve_api_key(cfg.remote.api_key_env)
+    key, source = resolve_api_key(cfg.remote.api_key_env)
     check = checker(cfg.remote.url, key, cfg.remote.verify_tls)
     if not check.ok and not force:
+        step = _flag_key_advice(cfg.remote.url, cfg.remote.api_key_env, source,
+                                getattr(check, "auth", "")) or check.next_step
         raise K3Error(f"{check.message.rstrip('.')}; the config was not saved.",
-                      (check.next_step + "; " if check.next_step else "")
-                      + "or add --force to save it anyway", 1)
+                      (step + "; " if step else "") + "or add --force to save it anyway", 1)
     result.notes.append(f"{'tested' if check.ok else 'FAILED (saved with --force)'}: "
                         f"{check.message}")
     result.notes += [f"warning: {w}" for w in getattr(check, "warnings", []) or []]

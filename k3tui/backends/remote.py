@@ -40,6 +40,7 @@ class EndpointCheck:
     test_ok: bool = False
     next_step: str = ""
     warnings: list[str] = field(default_factory=list)
+    auth: str = ""               # "missing" / "refused" when the key was the problem
 
     def describe(self) -> str:
         lines = [self.message]
@@ -212,14 +213,20 @@ def _key_refused(resp: httpx.Response, where: str, api_key: str | None,
                  health_ok: bool | None, warnings: list[str],
                  models: list[str] | None = None) -> EndpointCheck:
     detail = _error_text(resp, api_key)
+    # callers that know how the key was given (the setup flags, the wizard) say it better
+    where_from = ("the environment variable it is read from: `--api-key-env NAME` on the "
+                  "command line, remote.api_key_env in the config")
     if api_key:
         msg = (f"{where} refused the API key {mask_key(api_key)} ({resp.status_code}"
                f"{': ' + detail if detail else ''}).")
-        step = "check the key, or the environment variable named by `api_key_env`"
+        step = f"check the key, or {where_from}"
+        auth = "refused"
     else:
         msg = f"{where} needs an API key ({resp.status_code})."
-        step = "set the key in the variable named by `api_key_env`, or enter it in `k3tui setup`"
-    return _fail(msg, step, models=models or [], health_ok=health_ok, warnings=warnings)
+        step = f"give one: put it in {where_from}, or enter it in `k3tui setup`"
+        auth = "missing"
+    return _fail(msg, step, models=models or [], health_ok=health_ok, warnings=warnings,
+                 auth=auth)
 
 
 def _run_checks(http: httpx.Client, root: str, v1: str, where: str, api_key: str | None,
