@@ -240,7 +240,8 @@ def error_event(err: Any, status: int | None = None) -> BackendError:
     if kind == "exceed_context_size_error":
         step = "start a new chat, or raise llama_server.ctx_size in the config"
     elif code == 401 or kind == "authentication_error":
-        step = "check the API key (for a remote endpoint: the variable named by `api_key_env`)"
+        step = ("check the API key: `k3tui chat --url URL --api-key-env NAME` reads it from "
+                "$NAME; for the configured endpoint, run `k3tui setup` again")
     elif code == 503 or kind == "unavailable_error":
         step = "the model is still loading; wait and send again"
     elif code == 404:

@@ -44,3 +44,12 @@ def test_polish_setup_yes_key_advice_names_the_flag(tmp_path):
         p = setup_yes("--remote-url", url, "--api-key-env", "MY_K3_KEY", MY_K3_KEY=KEY)
         assert p.returncode == 0, p.stderr
         assert config_exists()
+
+
+def test_polish_chat_401_advice_names_what_to_type():
+    from k3tui.backends.openai_stream import error_event
+
+    ev = error_event({"code": 401, "message": "Invalid API Key",
+                      "type": "authentication_error"}, 401)
+    assert "--api-key-env NAME" in ev.next_step and "k3tui setup" in ev.next_step
+    assert "`api_key_env`" not in ev.next_step
