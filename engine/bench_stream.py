@@ -55,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ladder", default=DEFAULT_LADDER,
                         help="budgets in GB for the ladder, 'max' = everything resident")
     parser.add_argument("--threads", type=int, default=0, help="reader threads (0 = plan's)")
+    parser.add_argument("--guess-experts", choices=("auto", "on", "off"), default="auto",
+                        help="expert read-ahead from a guess (default auto: where the trunk "
+                        "is resident)")
     parser.add_argument("--workdir", metavar="DIR", help="where the synthesised checkpoint is "
                         "kept (default $K3TUI_HOME/bench)")
     parser.add_argument("--no-pack", action="store_true", help="skip the packer vs copy ratio")
@@ -160,14 +163,14 @@ def _decode(model, prompt: list[int], tokens: int) -> tuple[list, float]:
     return toks, _cpu_s() - cpu0
 
 
-def _open(cmap, budget_gb: float, threads: int, warm: bool = False):
+def _open(cmap, budget_gb: float, threads: int, warm: bool = False, guess: str = "auto"):
     """A StreamingSource under `budget_gb`; with `warm`, every weight read before the clock."""
     from engine.model import load_model
     from engine.planner import make_plan
     from engine.streaming import StreamingSource
 
     g = cmap.geometry()
-    plan = make_plan(g, budget_gb=budget_gb, threads=threads)
+    plan = make_plan(g, budget_gb=budget_gb, threads=threads, guess_experts=guess)
     src = StreamingSource(cmap, plan)
     if warm:
         for L in range(g.n_layers):
@@ -180,7 +183,8 @@ def _open(cmap, budget_gb: float, threads: int, warm: bool = False):
     return src, load_model(cmap.root, src)
 
 
-def run_rung(ck: Path, budget: str, tokens: int, threads: int, trunk: str | None) -> dict:
+def run_rung(ck: Path, budget: str, tokens: int, threads: int, trunk: str | None,
+             guess: str = "auto") -> dict:
     """One budget: raw disk speed, a decode alone (its peak RSS is the rung's), then the
     same decode alternating with a fully resident twin so that compute-only time and
     streamed time are measured under the same machine load."""
@@ -192,7 +196,8 @@ def run_rung(ck: Path, budget: str, tokens: int, threads: int, trunk: str | None
     full_gb = (g.trunk_bytes + g.all_experts_bytes) / GB
     prompt = [int(x) for x in np.random.default_rng(1).integers(0, cmap.config.vocab_size, 4)]
     resident = budget == "max"
-    src, model = _open(cmap, full_gb if resident else float(budget), threads, warm=resident)
+    src, model = _open(cmap, full_gb if resident else float(budget), threads, warm=resident,
+                       guess=guess)
     _log(src.plan.describe())
     rng = np.random.default_rng(7)
     raw = [] if resident else [raw_throughput(src, rng)]
@@ -236,6 +241,11 @@ def run_rung(ck: Path, budget: str, tokens: int, threads: int, trunk: str | None
     def mean(key: str) -> float:
         return float(np.mean([t.stats.get(key, 0.0) or 0.0 for t in streamed])) if streamed else 0.0
 
+    def total(key: str) -> float:
+        return float(sum(t.stats.get(key, 0) or 0 for t in streamed))
+
+    guessed, adopted = total("experts_guessed"), total("experts_guessed_used")
+    misses = total("expert_misses")
     raw_gb = sum(r["raw_gb"] for r in raw)
     raw_s = sum(r["raw_s"] for r in raw)
     return {
@@ -255,6 +265,10 @@ def run_rung(ck: Path, budget: str, tokens: int, threads: int, trunk: str | None
         "gb_read_per_token": mean("gb_read_trunk") + mean("gb_read_experts"),
         "gb_trunk_per_token": mean("gb_read_trunk"),
         "gb_experts_per_token": mean("gb_read_experts"),
+        "gb_unused_per_token": mean("gb_read_unused"),
+        "guess_experts": plan.guess_experts,
+        "guess_recall": adopted / misses if guessed and misses else None,
+        "guess_precision": adopted / guessed if guessed else None,
         "compute_s_per_token": mean("compute_s"),
         "wait_trunk_s_per_token": mean("wait_trunk_s"),
         "wait_experts_s_per_token": mean("wait_experts_s"),
@@ -277,7 +291,7 @@ def _cpu_s() -> float:
 def _spawn_rung(ck: Path, budget: str, args: argparse.Namespace, trunk: str | None) -> dict:
     cmd = [sys.executable, "-m", "engine.bench_stream", "--rung", budget,
            "--checkpoint", str(ck), "--tokens", str(args.tokens), "--threads",
-           str(args.threads)]
+           str(args.threads), "--guess-experts", args.guess_experts]
     if trunk:
         cmd += ["--trunk", trunk]
     out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -323,7 +337,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         if args.rung:
             print(json.dumps(run_rung(Path(args.checkpoint), args.rung, args.tokens,
-                                      args.threads, getattr(args, "trunk", None))))
+                                      args.threads, getattr(args, "trunk", None),
+                                      args.guess_experts)))
             return 0
         return _main(args)
     except EngineError as exc:
@@ -363,7 +378,8 @@ def _main(args: argparse.Namespace) -> int:
     ladder = []
     for r in rungs:
         raw = r.get("raw_gb_per_s")
-        io_s = r["gb_read_per_token"] / raw if raw else 0.0
+        # A wrong guess's bytes are disk time too: the bound counts every byte read.
+        io_s = (r["gb_read_per_token"] + r["gb_unused_per_token"]) / raw if raw else 0.0
         bound = max(r["compute_only_s_per_token"], io_s)
         r["bound_s_per_token"] = bound
         r["overlap_ratio"] = r["s_per_token"] / bound if bound else None
@@ -392,7 +408,8 @@ def _main(args: argparse.Namespace) -> int:
             "overlap_ratio", "efficiency", "raw_gb_per_s",
             "wait_trunk_s_per_token", "wait_experts_s_per_token", "pinned_layers",
             "ring_slots", "expert_slots", "true_hit_rate", "cpu_s_per_token", "peak_rss_gb",
-            "plan_overhead_gb")}
+            "plan_overhead_gb", "gb_unused_per_token", "guess_experts", "guess_recall",
+            "guess_precision")}
             for r in ladder],
     }
     if args.json:
@@ -419,20 +436,26 @@ def render(res: dict[str, Any]) -> str:
     lines.append("")
     lines.append(f"{'budget GB':>10} {'pinned':>6} {'s/token':>8} {'GB/token':>9} "
                  f"{'compute':>8} {'I/O s':>7} {'bound s':>8} {'overlap':>7} {'effic.':>6} "
-                 f"{'raw MB/s':>8} {'peak RSS':>8}")
+                 f"{'raw MB/s':>8} {'peak RSS':>8} {'guesses':>13}")
     for r in res["ladder"]:
         raw = r.get("raw_gb_per_s")
         eff = r.get("efficiency")
-        io_s = r["gb_read_per_token"] / raw if raw else 0.0
+        io_s = (r["gb_read_per_token"] + r["gb_unused_per_token"]) / raw if raw else 0.0
+        guesses = "off"
+        if r.get("guess_experts"):
+            guesses = (f"{r['guess_recall'] or 0:.0%} used, +{r['gb_unused_per_token']:.3f}"
+                       if r.get("guess_recall") is not None else "on")
         lines.append(
             f"{r['budget_gb']:>10.2f} {r['pinned_layers']:>6} {r['s_per_token']:>8.3f} "
             f"{r['gb_read_per_token']:>9.3f} {r['compute_only_s_per_token']:>8.3f} "
             f"{io_s:>7.3f} {r['bound_s_per_token']:>8.3f} {r['overlap_ratio']:>7.2f} "
             f"{(f'{eff:.2f}' if eff is not None else '-'):>6} "
-            f"{(f'{raw * 1000:.0f}' if raw else '-'):>8} {r['peak_rss_gb']:>8.2f}")
+            f"{(f'{raw * 1000:.0f}' if raw else '-'):>8} {r['peak_rss_gb']:>8.2f} {guesses:>13}")
     lines.append("compute = compute-only s/token of a fully resident twin decoded in alternation "
-                 "with the streamed one; I/O s = GB/token / raw; bound = max of the two; "
-                 "overlap = s/token / bound (1.0 = I/O fully hidden)")
+                 "with the streamed one; I/O s = GB/token (plus unused guessed bytes) / raw; "
+                 "bound = max of the two; overlap = s/token / bound (1.0 = I/O fully hidden); "
+                 "guesses = share of the experts read that a guess had started, + GB/token "
+                 "read on wrong guesses")
     return "\n".join(lines)
 
 

@@ -125,4 +125,8 @@ class _StatsMeter:
         }
         if "budget_gb" in cur:
             out["budget_gb"] = cur["budget_gb"]
+        if "experts_guessed" in cur:  # expert read-ahead: guesses made, adopted, bytes wasted
+            out["experts_guessed"] = int(d("experts_guessed"))
+            out["experts_guessed_used"] = int(d("experts_guessed_used"))
+            out["gb_read_unused"] = d("gb_read_unused")
         return out

@@ -163,6 +163,7 @@ class Plan:
     facts: MemoryFacts | None = None
     source: str = "budget"  # how the numbers were chosen: budget, preset NAME, trunk/cache
     notes: list[str] = field(default_factory=list)
+    guess_experts: bool = False  # read the next layer's likely experts before its router
 
     @property
     def pinned_bytes(self) -> int:
@@ -214,6 +215,8 @@ class Plan:
             f"{f(g.state_bytes + g.kv_bytes_per_token * self.context)}, scratch+runtime "
             f"{f(g.scratch_bytes + RUNTIME_BYTES)}",
             f"  reader threads: {self.threads}",
+            "  expert read-ahead: " + ("on (each layer's likely experts are read while its "
+                                       "attention computes)" if self.guess_experts else "off"),
         ]
         if self.facts is not None:
             lines.append(f"  available memory: {f(self.facts.available)}")
@@ -229,6 +232,7 @@ class Plan:
             "ring_slot_gb": self.ring_slot_bytes / GB,
             "expert_slots": self.expert_slots,
             "threads": self.threads,
+            "guess_experts": self.guess_experts,
         }
 
 
@@ -292,6 +296,7 @@ def make_plan(
     context: int = DEFAULT_CONTEXT,
     facts: MemoryFacts | None = None,
     check_memory: bool = True,
+    guess_experts: str = "auto",
 ) -> Plan:
     """Split a budget (or preset, or trunk/cache pair) into pinned layers, ring and slots."""
     g = geometry
@@ -367,9 +372,25 @@ def make_plan(
         facts=facts,
         source=source,
     )
+    plan.guess_experts = _wants_guesses(plan, guess_experts)
     if check_memory:
         check_fits(plan)
     return plan
+
+
+def _wants_guesses(plan: Plan, mode: str) -> bool:
+    """Expert read-ahead (a guess from the layer's attention input; a wrong guess costs its
+    bytes, never a different token). `auto` turns it on only where the disk has idle time,
+    i.e. no trunk streams, and only when the arena holds a second layer's worth of slots
+    beside the demand reads."""
+    if mode not in ("auto", "on", "off"):
+        raise PlanError(f"unknown expert read-ahead mode {mode!r}; choose auto, on or off.")
+    g = plan.geometry
+    room = plan.expert_slots >= 2 * g.top_k
+    everything = plan.expert_slots >= g.n_experts * g.moe_layers
+    if mode == "off" or not room or everything:
+        return False
+    return mode == "on" or plan.streamed_trunk_bytes == 0
 
 
 def default_threads(g: Geometry) -> int:
@@ -441,6 +462,9 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
                      help="a packed trunk (trunk.bin + trunk.json from `pack`) to stream from")
     grp.add_argument("--threads", type=int, default=0, metavar="N",
                      help="reader threads = disk queue depth (0 = automatic)")
+    grp.add_argument("--guess-experts", choices=("auto", "on", "off"), default="auto",
+                     help="read each layer's likely experts while its attention computes "
+                     "(auto: when the trunk is resident and the disk has idle time)")
 
 
 MEMORY_FLAGS = ("budget_gb", "preset", "trunk_gb", "cache_gb", "trunk")
@@ -467,5 +491,6 @@ def plan_from_args(geometry: Geometry, args: argparse.Namespace,
         cache_gb=cache_gb,
         threads=getattr(args, "threads", 0) or 0,
         context=context,
+        guess_experts=getattr(args, "guess_experts", "auto") or "auto",
     )
 

@@ -9,6 +9,11 @@
   the rest and issues all their reads at once, sorted by file offset, ahead of any trunk
   read-ahead; `ex[e]` waits only for expert e, so compute starts on the first arrival.
   A prefill that asks for a chunk's union reads each distinct expert once.
+* Expert read-ahead (when the plan turns it on): before a layer's attention the model
+  passes a guess of the experts it will route to (`guess(L, ids)`); their reads start
+  at once into free slots and `experts(L, ...)` adopts the ones the router really chose.
+  The router still decides every token; a wrong guess costs its bytes (counted apart as
+  `gb_read_unused`) and leaves a valid expert in the cache.
 * Nothing reaches the model from a failed or short read: the error is raised from the
   `with` block that needed the bytes.
 * Counters for per-token statistics: bytes are counted when the model consumes them
@@ -183,7 +188,13 @@ class StreamingSource:
         self._last = -1
         self._expert_seq = 0
         self._c = dict(wait_trunk_s=0.0, wait_experts_s=0.0, trunk_bytes=0, expert_bytes=0,
-                       expert_hits=0, expert_misses=0)
+                       expert_hits=0, expert_misses=0, guessed=0, guessed_used=0,
+                       unused_bytes=0)
+        # Guessed reads not yet adopted by `experts()`: (layer, expert) -> (slot, batch).
+        # Once their layer has been asked for, the ones left over are `_unadopted`.
+        self._guesses: dict[tuple[int, int], tuple[int, Batch]] = {}
+        self._unadopted: set[tuple[int, int]] = set()
+        self.wants_guesses = plan.guess_experts
         self._model: dict[str, np.ndarray] = {}
         self._wait_lock = threading.Lock()
         self._waiters = 0
@@ -312,6 +323,7 @@ class StreamingSource:
         bad = [e for e in wanted if not 0 <= e < self.config.num_experts]
         if bad:
             raise CheckpointError(f"expert {bad[0]} of layer {layer} does not exist.")
+        self._retire_guesses(layer, wanted)
         cap = max(1, self.cache.free_for_reuse)
         view: _ExpertDict | _ExpertGroups
         if len(wanted) <= cap:
@@ -343,6 +355,13 @@ class StreamingSource:
         got: dict[int, tuple[int, Batch | None]] = {}
         missing = []
         for e in group:
+            guess = self._guesses.pop((layer, e), None)
+            if guess is not None:  # its read started before the router: adopt it
+                self._unadopted.discard((layer, e))
+                got[e] = guess
+                self._c["expert_misses"] += 1
+                self._c["guessed_used"] += 1
+                continue
             slot = cache.lookup((layer, e))
             if slot is not None:
                 cache.pin(slot)
@@ -353,28 +372,84 @@ class StreamingSource:
         try:
             slots = cache.reserve(len(missing), layer)
         except Exception:
-            for slot, _ in got.values():
-                cache.unpin(slot)
+            for e, (slot, batch) in got.items():
+                if batch is None:
+                    cache.unpin(slot)
+                else:  # an adopted guess: hand it back, to be reaped when its read ends
+                    self._guesses[(layer, e)] = (slot, batch)
+                    self._unadopted.add((layer, e))
             raise
-        layouts = [self.map.expert_layout(layer, e) for e in missing]
-        order = sorted(range(len(missing)),
+        got.update(self._read_experts(layer, missing, slots))
+        self._c["expert_misses"] += len(missing)
+        return got
+
+    def _read_experts(self, layer: int, ids: list[int],
+                      slots: list[int]) -> dict[int, tuple[int, Batch]]:
+        """Issue the reads of `ids` into their reserved `slots`, sorted by file offset."""
+        cache = self.cache
+        layouts = [self.map.expert_layout(layer, e) for e in ids]
+        order = sorted(range(len(ids)),
                        key=lambda k: (str(layouts[k].runs[0].file), layouts[k].runs[0].start))
-        for k in order:
-            lay, slot = layouts[k], slots[k]
-            if lay.nbytes > cache.slot_bytes:
+        big = next((k for k in order if layouts[k].nbytes > cache.slot_bytes), None)
+        if big is not None:
+            for slot in slots:
                 cache.discard(slot)
                 cache.unpin(slot)
-                raise CheckpointError(
-                    f"expert {missing[k]} of layer {layer} needs {lay.nbytes} bytes, more "
-                    f"than a cache slot ({cache.slot_bytes}); the checkpoint's experts differ "
-                    "in size."
-                )
+            raise CheckpointError(
+                f"expert {ids[big]} of layer {layer} needs {layouts[big].nbytes} bytes, more "
+                f"than a cache slot ({cache.slot_bytes}); the checkpoint's experts differ in "
+                "size."
+            )
+        got = {}
+        for k in order:
+            lay, slot = layouts[k], slots[k]
             self._expert_seq += 1
             batch = self.pool.submit(lay.reads(self.files, cache.buffer(slot)),
                                      (EXPERT_PRIORITY, self._expert_seq), chunk=EXPERT_CHUNK)
-            got[missing[k]] = (slot, batch)
-        self._c["expert_misses"] += len(missing)
+            got[ids[k]] = (slot, batch)
         return got
+
+    # ---- expert read-ahead from a guess ----------------------------------------------
+
+    def guess(self, layer: int, ids: Sequence[int]) -> None:
+        """Start reading the guessed experts of `layer` that are not resident, into slots
+        the demand reads will not need (a layer's top-k always stays claimable)."""
+        if not self.wants_guesses:
+            return
+        self._reap_guesses()
+        cache = self.cache
+        new = [e for e in dict.fromkeys(int(x) for x in ids)
+               if 0 <= e < self.config.num_experts and cache.lookup((layer, e)) is None
+               and (layer, e) not in self._guesses]
+        new = new[:max(0, cache.free_for_reuse - self.plan.geometry.top_k)]
+        if not new:
+            return
+        slots = cache.reserve(len(new), layer)
+        for e, (slot, batch) in self._read_experts(layer, new, slots).items():
+            self._guesses[(layer, e)] = (slot, batch)
+        self._c["guessed"] += len(new)
+
+    def _retire_guesses(self, layer: int, wanted: list[int]) -> None:
+        """`layer` is being asked for: its guesses outside `wanted` will not be adopted."""
+        self._unadopted.update(k for k in self._guesses if k[0] == layer and k[1] not in wanted)
+        self._reap_guesses()
+
+    def _reap_guesses(self, block: bool = False) -> None:
+        """Unadopted guesses whose read finished become ordinary cached experts."""
+        for key in list(self._unadopted):
+            slot, batch = self._guesses[key]
+            if not batch.done():
+                if not block:
+                    continue
+                batch.finished()
+            del self._guesses[key]
+            self._unadopted.discard(key)
+            if batch.error is None and not batch.cancelled:
+                self.cache.publish(slot, key)
+                self._c["unused_bytes"] += self.map.expert_layout(*key).payload
+            else:
+                self.cache.discard(slot)
+            self.cache.unpin(slot)
 
     # ---- model tensors, stats, lifetime ------------------------------------------------
 
@@ -398,6 +473,9 @@ class StreamingSource:
             "expert_hits": c["expert_hits"],
             "expert_misses": c["expert_misses"],
             "evictions": self.cache.evictions,
+            "gb_read_unused": c["unused_bytes"] / GB,
+            "experts_guessed": c["guessed"],
+            "experts_guessed_used": c["guessed_used"],
             "gb_read_device": self.pool.bytes_read / GB,
             "disk_busy_s": self.pool.busy_s,
             "rss_gb": current_rss() / GB,
@@ -409,6 +487,8 @@ class StreamingSource:
         if self._closed:
             return
         self._closed = True
+        self._unadopted.update(self._guesses)
+        self._reap_guesses(block=True)
         self.pool.close()
         self.files.close()
 

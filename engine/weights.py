@@ -17,6 +17,9 @@ Contract:
   `"lm_head.weight"`, `"norm.weight"`, `"output_attn_res_norm.weight"`,
   `"output_attn_res_proj.weight"`), kept resident. `TensorNames` maps short names to the
   checkpoint's full names.
+* Optional: a source with `wants_guesses` true gets `source.guess(L, ids)` before layer
+  L's attention in a one-token step: the experts L will probably route to, so their
+  reads can start early. A hint only; `experts()` still receives the router's choice.
 * `source.stats()` — a flat dict of numbers. Keys in `CUMULATIVE_STATS` are running totals
   since the source opened; generate turns them into each token's `compute_s`, waits, GB
   read, `mb_per_s`, `true_hit_rate` (hits / (hits + misses)) and `evictions`, and passes
