@@ -375,12 +375,29 @@ def format_plan(plan: Plan, report: MachineReport) -> str:
         out.append(f"Preset:  {plan.preset_reason}")
         out.append(f"Threads: {plan.threads}")
     if plan.backend == "llama-server":
-        cmd = ["llama-server", "--model", "<model dir>/…-00001-of-00034.gguf",
-               "--host", "127.0.0.1", "--port", "<free port>", *plan.llama_server_args]
+        from k3tui.backends.llama_server import planned_command
+
+        iso = getattr(report, "isolation", None)
+        method = getattr(iso, "method", "none") or "none"
+        limit = plan.memory_limit_bytes
+        cmd = planned_command(plan.llama_server_args, limit_bytes=limit, method=method)
         out.append("Command: " + " ".join(cmd))
-        if plan.memory_limit_bytes is not None:
-            out.append(f"Memory limit: {fmt_gib(plan.memory_limit_bytes)} "
-                       f"({plan.memory_limit_bytes} bytes) = {plan.memory_limit_reason}")
+        if limit is not None:
+            out.append(f"Memory limit: {fmt_gib(limit)} ({limit} bytes) = "
+                       f"{plan.memory_limit_reason}")
+            assumed = "assumed for this profile" in (getattr(iso, "detail", "") or "")
+            check = "; checked again at launch" if assumed else ""
+            if method == "systemd-run":
+                how = ("applied by the systemd-run wrapper in the command (a user scope with "
+                       f"MemoryMax and no swap{check})")
+            elif method == "cgroup":
+                how = ("applied by starting llama-server inside a cgroup v2 subtree with "
+                       f"memory.max and no swap{check}")
+            else:
+                how = ("NOT applied: no systemd user scope or writable cgroup v2 here "
+                       f"({getattr(iso, 'detail', '') or 'none found'}); k3tui warns and "
+                       "starts llama-server without it")
+            out.append(f"              {how}")
         out.append("Why these flags:")
         out += [f"  {flag:<24} {why}" for flag, why in plan.flag_reasons]
     if plan.download_bytes:

@@ -414,6 +414,10 @@ def split_args(args: Sequence[str]) -> list[tuple[str, str | None]]:
     return out
 
 
+# flags every launch gets, before the plan's (which win where they overlap)
+BASE_ARGS = ["--parallel", "1", "--no-warmup", "--metrics", "--load-mode", "mmap"]
+
+
 @dataclass
 class LlamaCommand:
     argv: list[str]  # the server itself (without a memory-limit wrapper)
@@ -582,6 +586,28 @@ class MemoryLimit:
                 self.cgroup_dir.rmdir()
 
 
+def planned_command(plan_args: Sequence[str], *, limit_bytes: int | None = None,
+                    method: str = "none", model: str = "<model dir>/…-00001-of-00034.gguf"
+                    ) -> list[str]:
+    """The command `k3tui serve` would run for a plan, before any binary or model is here
+    (`k3tui plan`): the flags k3tui always adds merged with the plan's the way
+    `build_command` merges them, and the systemd-run wrapper when that is how the memory
+    limit applies. (A cgroup-v2 limit needs no wrapper word: the server is moved into it.)"""
+    merged: dict[str, str | None] = {}
+    for flag, val in split_args(BASE_ARGS + list(plan_args)):
+        merged.pop(flag, None)
+        merged[flag] = val
+    if "--cpu-moe" in merged and "--no-host" not in merged:
+        merged["--no-host"] = None
+    argv = ["llama-server", "-m", model, "--alias", "kimi-k3", "--host", "127.0.0.1",
+            "--port", "<free port>"]
+    for flag, val in merged.items():
+        argv += [flag] if val is None else [flag, val]
+    if limit_bytes and method == "systemd-run":
+        argv = systemd_prefix(limit_bytes) + argv
+    return argv
+
+
 def systemd_prefix(limit_bytes: int) -> list[str]:
     return ["systemd-run", "--user", "--scope", "--quiet", "-p", f"MemoryMax={limit_bytes}",
             "-p", "MemorySwapMax=0", "--"]
@@ -744,8 +770,7 @@ def prepare(model: Path, *, binary: str = "", plan_args: Sequence[str] = (),
     for flag, val in defaults:
         if val is not None:
             overrides += [flag, str(val)]
-    base = ["--parallel", "1", "--no-warmup", "--metrics", "--load-mode", "mmap"]
-    cmd = build_command(info, shards, plan_args=base + list(plan_args), overrides=overrides,
+    cmd = build_command(info, shards, plan_args=BASE_ARGS + list(plan_args), overrides=overrides,
                         extra_args=extra_args, host=host, port=port, alias=alias,
                         api_key=api_key, plan_reasons=plan_reasons)
     tag = hashlib.sha1(str(shards[0]).encode()).hexdigest()[:8]

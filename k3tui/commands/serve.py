@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from k3tui.backends.llama_server import exit_story
 
     cfg = _config()
-    kind = args.backend or cfg.backend.kind
+    kind = args.backend or _kind_of(args.model) or cfg.backend.kind
     if kind == "remote":
         raise K3Error("The configured backend is a remote endpoint; there is nothing to serve "
                       "here.", "use `k3tui chat`, or pass --backend bundled|llama-server", 2)
@@ -88,6 +88,22 @@ def run(args: argparse.Namespace) -> int:
         backend.stop()
         if backend.process is not None and backend.process.returncode is not None:
             print(f"{backend.kind} stopped.", file=sys.stderr)
+
+
+def _kind_of(model: str | None) -> str | None:
+    """The backend a `--model` path needs: a .gguf (or a folder of them) runs only in
+    llama-server, a safetensors checkpoint folder only in the bundled engine."""
+    if not model:
+        return None
+    from pathlib import Path
+
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf" or (path.is_dir() and any(path.glob("*.gguf"))
+                                  and not (path / "config.json").is_file()):
+        return "llama-server"
+    if path.is_dir() and (path / "config.json").is_file():
+        return "bundled"
+    return None
 
 
 def _plan_without_model(args: argparse.Namespace) -> int:
