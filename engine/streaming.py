@@ -424,7 +424,9 @@ class StreamingSource:
         new = new[:max(0, cache.free_for_reuse - self.plan.geometry.top_k)]
         if not new:
             return
-        slots = cache.reserve(len(new), layer)
+        # Victims are chosen as if from the previous layer: this layer's cached experts are
+        # about to be asked for, so they are the last to go, not the first.
+        slots = cache.reserve(len(new), (layer - 1) % self.n)
         for e, (slot, batch) in self._read_experts(layer, new, slots).items():
             self._guesses[(layer, e)] = (slot, batch)
         self._c["guessed"] += len(new)

@@ -161,6 +161,21 @@ def test_stream_wrong_guess_becomes_a_cached_expert(small):
         assert src.cache.free_for_reuse >= src.plan.geometry.top_k
 
 
+def test_stream_guess_keeps_the_layers_own_cached_experts(small):
+    with source(small, budget_gb=trunk_and_slots(small, 12)) as src:
+        assert src.cache.nslots == 12
+        for L in (1, 2, 3):
+            with src.experts(L, [0, 1, 2, 3]) as ex:
+                for e in range(4):
+                    ex[e]
+        src.guess(2, [8, 9, 10, 11])  # the arena is full: four experts must go
+        src._retire_guesses(2, [])
+        src._reap_guesses(block=True)
+        resident = set(src.cache.resident())
+        assert {(2, e) for e in range(4)} <= resident  # layer 2 is about to ask for its own
+        assert not {(1, e) for e in range(4)} & resident  # layer 1 comes round last
+
+
 def test_stream_guess_read_error(small, tmp_path):
     ck = copy_checkpoint(small, tmp_path / "ck")
     with source(ck, budget_gb=trunk_and_slots(ck, 12)) as src:
