@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 import pytest
-from stream_helpers import copy_checkpoint
+from stream_helpers import Recorder, copy_checkpoint
 
 from engine.errors import PlanError, ReadError
 from engine.generate import GenParams, generate
@@ -37,33 +37,6 @@ def trunk_and_slots(ck, slots: int) -> float:
 def source(ck, guess="on", **kw) -> StreamingSource:
     cmap = CheckpointMap(ck)
     return StreamingSource(cmap, make_plan(cmap.geometry(), threads=4, guess_experts=guess, **kw))
-
-
-class Recorder:
-    """Forwards to a source (guesses too) and records each experts() call with what was
-    resident or being guessed before it."""
-
-    def __init__(self, src: StreamingSource):
-        self.src = src
-        self.index = src.index
-        self.wants_guesses = src.wants_guesses
-        self.calls: list[tuple[int, list[int], set]] = []
-
-    def layer(self, i):
-        return self.src.layer(i)
-
-    def guess(self, layer, ids):
-        self.src.guess(layer, ids)
-
-    def experts(self, layer, ids):
-        self.calls.append((layer, list(ids), set(self.src.cache.resident())))
-        return self.src.experts(layer, ids)
-
-    def model_tensor(self, name):
-        return self.src.model_tensor(name)
-
-    def stats(self):
-        return self.src.stats()
 
 
 def greedy(ck, src, n=8) -> list[int]:

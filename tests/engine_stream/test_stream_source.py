@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from stream_helpers import copy_checkpoint
+from stream_helpers import Recorder, copy_checkpoint
 
 from engine.errors import ReadError
 from engine.generate import GenParams, generate
@@ -55,28 +55,6 @@ def budgets(ck) -> list[dict]:
         dict(budget_gb=two + max(g.layer_bytes) / GB),  # a pinned prefix + two slots
         dict(budget_gb=(g.trunk_bytes + 2 * g.min_expert_slots * g.expert_slot_bytes) / GB),
     ]
-
-
-class Recorder:
-    """Forwards to a source and records what the model asks for, and what was resident."""
-
-    def __init__(self, src: StreamingSource):
-        self.src = src
-        self.index = src.index
-        self.calls: list[tuple[int, list[int], set]] = []
-
-    def layer(self, i):
-        return self.src.layer(i)
-
-    def experts(self, layer, ids):
-        self.calls.append((layer, list(ids), set(self.src.cache.resident())))
-        return self.src.experts(layer, ids)
-
-    def model_tensor(self, name):
-        return self.src.model_tensor(name)
-
-    def stats(self):
-        return self.src.stats()
 
 
 def greedy(ck, src, n=8, prompt=PROMPT) -> list[int]:
