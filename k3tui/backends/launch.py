@@ -29,6 +29,8 @@ class Launchable:
     run: Callable[[ProgressCallback | None], RunningBackend] = field(repr=False)
     command: list[str] = field(default_factory=list)  # full argv incl. any limit wrapper
     prepared: Any = None  # llama_server.Prepared for llama-server launches
+    details: str = ""     # the summary without the warnings (shown beside them)
+    warnings: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
         return self.summary
@@ -119,15 +121,17 @@ def _prepare_llama(cfg: Any, model: Path, host: str, port: int, force: bool, rep
         threads=cfg.engine.threads or None, extra_args=ls.extra_args, host=host, port=port,
         alias="kimi-k3", api_key=_api_key(host), report=report, force=force,
         plan_reasons={fr[0].split()[0]: fr[1] for fr in plan.flag_reasons if fr}, **seams)
-    summary = prepared.describe()
-    if limit and plan.memory_limit_reason and ls.memory_limit_gb <= 0:
-        summary += f"\n  (limit = {plan.memory_limit_reason})"
+    reason = f"\n  (limit = {plan.memory_limit_reason})" \
+        if limit and plan.memory_limit_reason and ls.memory_limit_gb <= 0 else ""
+    summary = prepared.describe() + reason
 
     def run(on_progress: ProgressCallback | None) -> RunningBackend:
         return llama_server.start(prepared, on_progress=on_progress)
 
     return Launchable("llama-server", summary, run,
-                      prepared.limit.wrap(prepared.command.argv), prepared)
+                      prepared.limit.wrap(prepared.command.argv), prepared,
+                      details=prepared.describe(warnings=False) + reason,
+                      warnings=prepared.warnings())
 
 
 def _prepare_bundled(cfg: Any, checkpoint: Path, host: str, port: int) -> Launchable:
@@ -150,8 +154,9 @@ def launch(cfg: Any, *, on_progress: ProgressCallback | None = None, **options: 
     """Start the configured backend ("bundled", "llama-server" or "remote"); the first
     progress report carries the description of what is started. Raises K3Error."""
     ready = prepare_launch(cfg, **options)
-    if on_progress is not None:
-        on_progress(LoadProgress(0.0, message=ready.describe()))
+    if on_progress is not None:   # the warnings travel apart, so a screen shows them once
+        on_progress(LoadProgress(0.0, message=ready.details or ready.describe(),
+                                 warnings=tuple(ready.warnings)))
     return ready.start(on_progress)
 
 

@@ -732,7 +732,15 @@ class Prepared:
     limit: MemoryLimit
     notes: list[str]
 
-    def describe(self) -> str:
+    def warnings(self) -> list[str]:
+        """What the user must not miss: no memory limit, a forced busy GPU, a missing flag."""
+        unconfined = [self.limit.detail] if self.limit.method == "none" and \
+            self.limit.limit_bytes else []
+        return unconfined + self.notes + self.command.warnings
+
+    def describe(self, *, warnings: bool = True) -> str:
+        """The command, why each flag, the memory limit; with `warnings=False` the
+        warnings are left out (a screen that shows `warnings()` on its own)."""
         shown = self.command.shown()
         if self.limit.prefix:
             shown = shlex.join(self.limit.prefix) + " " + shown
@@ -740,8 +748,10 @@ class Prepared:
                  "why:"]
         width = max((len(f) for f, _ in self.command.reasons), default=0)
         lines += [f"  {flag:<{width}}  {reason}" for flag, reason in self.command.reasons]
-        lines.append(self.limit.describe())
-        lines += self.notes + self.command.warnings
+        if self.limit.method != "none" or not self.limit.limit_bytes:
+            lines.append(self.limit.describe())
+        if warnings:
+            lines += self.warnings()
         return "\n".join(lines)
 
 

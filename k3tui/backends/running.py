@@ -31,6 +31,8 @@ class LoadProgress:
     rss_bytes: int | None = None
     total_bytes: int | None = None  # model size on disk, when known
     message: str = ""
+    # risks to keep in view while it loads (e.g. no memory limit); shown once, not in `line()`
+    warnings: tuple[str, ...] = ()
 
     def line(self) -> str:
         parts = [f"loading {self.elapsed_s:5.1f} s"]

@@ -35,6 +35,7 @@ class LogView(Vertical):
     def __init__(self, path: str | Path | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.path = path
+        self.hidden: set[str] = set()   # lines shown elsewhere on the screen already
         self._shown: list[str] = []
 
     def compose(self) -> ComposeResult:
@@ -46,7 +47,7 @@ class LogView(Vertical):
         self.set_interval(0.5, self.reload)
 
     def reload(self) -> None:
-        lines = tail(self.path)
+        lines = [line for line in tail(self.path) if line not in self.hidden]
         if lines != self._shown:
             log = self.query_one(Log)
             log.clear()
@@ -90,10 +91,12 @@ class StartupScreen(Screen[Any]):
         with Vertical(id="startup"):
             yield Static(Text(f" {self.title_text}", style="bold"), id="startup-title")
             yield Static("starting…", id="startup-progress")
+            yield Static("", id="startup-warnings")
             yield LogView(None, id="startup-log")
         yield Footer()
 
     def on_mount(self) -> None:
+        self.query_one("#startup-warnings", Static).display = False
         self.run_start()
 
     def action_retry(self) -> None:
@@ -101,7 +104,20 @@ class StartupScreen(Screen[Any]):
 
     def _progress(self, progress: Any) -> None:
         line = progress.line() if hasattr(progress, "line") else str(progress)
+        warnings = tuple(getattr(progress, "warnings", ()) or ())
+        if warnings:
+            self.app.call_from_thread(self._warn, warnings)
         self.app.call_from_thread(self._show, line)
+
+    def _warn(self, warnings: tuple[str, ...]) -> None:
+        """Warnings stay in view for the whole load (progress lines replace each other),
+        once: the log's copy of them (its `# k3tui:` header) is left out of the tail."""
+        box = self.query_one("#startup-warnings", Static)
+        box.update(Text("\n".join(warnings), style="bold yellow"))
+        box.display = bool(warnings)
+        view = self.query_one(LogView)
+        view.hidden = {f"# k3tui: {w}" for w in warnings}
+        view.reload()
 
     def _show(self, line: str, style: str = "") -> None:
         self.last_line = line
@@ -115,6 +131,7 @@ class StartupScreen(Screen[Any]):
 
     @work(thread=True, exclusive=True, group="startup")
     def run_start(self) -> None:
+        self.app.call_from_thread(self._warn, ())   # a retry decides afresh
         self.app.call_from_thread(self._show, "starting…")
         try:
             backend = self.start(self._progress)
