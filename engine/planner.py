@@ -373,6 +373,12 @@ def make_plan(
         source=source,
     )
     plan.guess_experts = _wants_guesses(plan, guess_experts)
+    if guess_experts == "on" and not plan.guess_experts:
+        plan.notes.append(
+            f"expert read-ahead stays off: it needs {2 * g.top_k} expert slots (a layer's "
+            f"top-{g.top_k} beside the next one's guesses) and the plan has {nslots}, or "
+            "every expert is resident already."
+        )
     if check_memory:
         check_fits(plan)
     return plan

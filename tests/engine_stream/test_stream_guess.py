@@ -53,8 +53,8 @@ def test_stream_guess_plan_auto_only_where_the_disk_is_idle(small):
     assert make_plan(g, budget_gb=(max(g.layer_bytes) * 2 + 12 * g.expert_slot_bytes) / GB,
                      guess_experts="on").guess_experts
     # No room for a second layer's guesses beside the demand reads: off even when asked.
-    assert not make_plan(g, budget_gb=trunk_and_slots(small, g.top_k + 1),
-                         guess_experts="on").guess_experts
+    cramped = make_plan(g, budget_gb=trunk_and_slots(small, g.top_k + 1), guess_experts="on")
+    assert not cramped.guess_experts and f"needs {2 * g.top_k} expert slots" in cramped.describe()
     everything = make_plan(g, budget_gb=trunk_and_slots(small, g.n_experts * g.moe_layers))
     assert not everything.guess_experts  # every expert stays resident: nothing to guess
     assert not make_plan(g, budget_gb=trunk_and_slots(small, 12), guess_experts="off").guess_experts
