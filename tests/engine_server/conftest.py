@@ -27,10 +27,14 @@ class FakeParams:
         self.max_tokens, self.seed, self.stop_ids = max_tokens, seed, stop_ids
 
 
-def fake_generate(vocab: int, delay: float = 0.0, counter: list | None = None, fail_at: int | None = None):
+def fake_generate(vocab: int, delay: float = 0.0, counter: list | None = None, fail_at: int | None = None,
+                  gate: threading.Event | None = None):
     """Random logits per step (seeded), the hook, then argmax: generate()'s contract.
     The random logits never pick an end id by themselves (only a hook ends a reply), so
-    a test that cancels a long reply never races a reply that happened to stop early."""
+    a test that cancels a long reply never races a reply that happened to stop early.
+    With `gate`, every token after the first waits until the test sets it (or the
+    generation is cancelled): a test holds the slot for as long as it needs, whatever
+    the machine's speed, instead of racing a reply of a fixed length."""
 
     def gen(prompt_ids, params, cancel=None, logits_hook=None):
         rng = np.random.default_rng(params.seed)
@@ -40,6 +44,10 @@ def fake_generate(vocab: int, delay: float = 0.0, counter: list | None = None, f
                 return
             if fail_at is not None and index == fail_at:
                 raise RuntimeError("simulated engine failure")
+            if gate is not None and index >= 1:
+                while not gate.wait(0.02):
+                    if cancel is not None and cancel.is_set():
+                        return
             time.sleep(delay)
             if counter is not None:
                 counter.append(index)
@@ -107,18 +115,18 @@ def make_loaded(test_tok):
 
 @pytest.fixture
 def inproc(test_tok):
-    """Factory: inproc(delay=..., steer_demo=..., **service kwargs) -> InProcServer."""
+    """Factory: inproc(delay=..., steer_demo=..., gate=..., **service kwargs) -> InProcServer."""
     from engine.server import Loaded, Service
 
     servers = []
 
     def make(delay=0.0, steer_demo=False, loaded=True, api_keys=(), reasoning_budget=-1,
-             n_ctx=4096, counter=None, fail_at=None):
+             n_ctx=4096, counter=None, fail_at=None, gate=None):
         service = Service(model_name="fake-k3", steer_demo=steer_demo, reasoning_budget=reasoning_budget,
                           api_keys=list(api_keys))
         ld = None
         if loaded:
-            ld = Loaded(tok=test_tok, generate=fake_generate(test_tok.vocab_size, delay, counter, fail_at),
+            ld = Loaded(tok=test_tok, generate=fake_generate(test_tok.vocab_size, delay, counter, fail_at, gate),
                         make_params=FakeParams, n_ctx=n_ctx, info={"memory_plan": {"mode": "resident"}})
         srv = InProcServer(service, ld)
         servers.append(srv)

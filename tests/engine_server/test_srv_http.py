@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import threading
 import time
 
 import httpx
@@ -280,8 +281,23 @@ def test_srv_cancel_on_disconnect_stops_generation(inproc):
     assert post(srv.url + CHAT, json={"messages": HI, "max_tokens": 2}).status_code == 200
 
 
+async def async_metric(client: httpx.AsyncClient, url: str, name: str) -> float:
+    text = (await client.get(url + "/metrics")).text
+    return float(text.split(f"\nk3_{name} ")[1].split()[0])
+
+
+async def until_metric(client: httpx.AsyncClient, url: str, name: str, value: float) -> None:
+    deadline = time.monotonic() + 30
+    while await async_metric(client, url, name) != value:
+        assert time.monotonic() < deadline, f"k3_{name} never became {value}"
+        await asyncio.sleep(0.005)
+
+
 async def test_srv_concurrent_request_waits_its_turn(inproc):
-    srv = inproc(delay=0.02)
+    # `a` holds the slot at its second token until the test has seen `b` waiting, so the
+    # overlap does not depend on how fast a loaded machine generates 25 tokens.
+    gate = threading.Event()
+    srv = inproc(delay=0.02, gate=gate)
     events: list[tuple[str, float]] = []
 
     async def one(name: str, client: httpx.AsyncClient) -> None:
@@ -294,22 +310,15 @@ async def test_srv_concurrent_request_waits_its_turn(inproc):
                 if line == "data: [DONE]":
                     events.append((name + "-done", time.monotonic()))
 
-    async def deferred_seen(client: httpx.AsyncClient) -> float:
-        best = 0.0
-        for _ in range(40):
-            text = (await client.get(srv.url + "/metrics")).text
-            best = max(best, float(text.split("\nk3_requests_deferred ")[1].split()[0]))
-            await asyncio.sleep(0.02)
-        return best
-
-    async with httpx.AsyncClient(timeout=30) as client:
+    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
         first = asyncio.create_task(one("a", client))
-        while "\nk3_requests_processing 1" not in (await client.get(srv.url + "/metrics")).text:
-            await asyncio.sleep(0.005)
+        await until_metric(client, srv.url, "requests_processing", 1)
         second = asyncio.create_task(one("b", client))
-        deferred = await deferred_seen(client)
+        await until_metric(client, srv.url, "requests_deferred", 1)  # b waits for the slot
+        assert await async_metric(client, srv.url, "requests_processing") == 1
+        assert not any(n.startswith("b") for n, _ in events)  # and has no token yet
+        gate.set()
         await asyncio.gather(first, second)
-    assert deferred == 1
     a_done = next(t for n, t in events if n == "a-done")
     b_first = min(t for n, t in events if n == "b")
     assert b_first >= a_done  # one generation at a time
@@ -320,18 +329,18 @@ async def test_srv_too_many_waiting_is_503(inproc, monkeypatch):
     from engine import server
 
     monkeypatch.setattr(server, "MAX_WAITING", 1)
-    srv = inproc(delay=0.05)
-    async with httpx.AsyncClient(timeout=30) as client:
+    gate = threading.Event()  # the running request holds the slot until the 503 is seen
+    srv = inproc(delay=0.01, gate=gate)
+    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
         body = {"messages": HI, "max_tokens": 40}
         running = asyncio.create_task(client.post(srv.url + CHAT, json=body))
-        while "\nk3_requests_processing 1" not in (await client.get(srv.url + "/metrics")).text:
-            await asyncio.sleep(0.005)
+        await until_metric(client, srv.url, "requests_processing", 1)
         waiting = asyncio.create_task(client.post(srv.url + CHAT, json=body))
-        while "\nk3_requests_deferred 1" not in (await client.get(srv.url + "/metrics")).text:
-            await asyncio.sleep(0.005)
+        await until_metric(client, srv.url, "requests_deferred", 1)
         r = await client.post(srv.url + CHAT, json=body)
         assert r.status_code == 503 and r.json()["error"]["type"] == "unavailable_error"
         assert "busy" in r.json()["error"]["message"]
+        gate.set()
         assert (await running).status_code == 200 and (await waiting).status_code == 200
 
 
