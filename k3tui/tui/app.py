@@ -64,8 +64,9 @@ class BackendInfo:
         parts += [(self.kind, ""), (self.model or "model ?", "bold")]
         if self.preset:
             parts.append((f"preset {self.preset}", ""))
-        if self.budget_gb:
-            parts.append((f"budget {format_gb(self.budget_gb)}", ""))
+        if self.budget_gb:   # llama-server's is the process's limit, the engine's a budget
+            word = "limit" if self.kind == "llama-server" else "budget"
+            parts.append((f"{word} {format_gb(self.budget_gb)}", ""))
         text = Text(" ", no_wrap=True, overflow="ellipsis")
         for i, (part, style) in enumerate(parts):
             if i:
@@ -438,7 +439,11 @@ class ChatScreen(Screen):
         if monitor is None or not self.sampling:
             return
         self.last_sample = monitor.sample()
-        self.query_one(IOPane).show(self.last_sample, self.k3, self.k3app.backend.budget_gb)
+        self.show_io()
+
+    def show_io(self) -> None:
+        backend = self.k3app.backend
+        self.query_one(IOPane).show(self.last_sample, self.k3, backend.budget_gb, backend.kind)
 
     def _check_backend(self) -> None:
         """A backend we started that died while idle: say so once, offer the restart."""
@@ -462,7 +467,7 @@ class ChatScreen(Screen):
             self._shown_version = self.stats.version
             self.query_one(LatencyPane).show(self.stats.snapshot())
         if force:
-            self.query_one(IOPane).show(self.last_sample, self.k3, self.k3app.backend.budget_gb)
+            self.show_io()
 
 
 class ChatApp(App):

@@ -53,6 +53,22 @@ class LatencyPane(Vertical):
         _set_text(self.query_one("#lat-text", Static), lines)
 
 
+def memory_title(kind: str, reported_budget: float | None, budget_gb: float | None) -> str:
+    """The I/O pane's title says what bounds the backend's memory, so "RSS" is read right:
+    the engine's budget caps its weights (RSS adds a fixed few hundred MB and more), a
+    llama-server limit caps the whole process, a remote server's memory is not visible."""
+    budget = reported_budget or budget_gb
+    if kind == "remote":
+        return "I/O · remote: RSS not visible"
+    if kind == "llama-server":
+        return f"I/O · RSS limit {format_gb(budget)}" if budget else "I/O · no memory limit"
+    if budget:
+        return f"I/O · streaming, weights ≤{format_gb(budget)}"
+    if reported_budget == 0:           # the engine says so: no budget, every weight resident
+        return "I/O · weights resident"
+    return "I/O"
+
+
 class IOPane(Vertical):
     """Disk and memory: system and backend read MB/s, GB/token, hit rate, RSS vs budget."""
 
@@ -68,17 +84,17 @@ class IOPane(Vertical):
         yield Static("", id="io-text")
 
     def show(self, sample: Sample | None, k3: dict[str, Any] | None,
-             budget_gb: float | None = None) -> None:
+             budget_gb: float | None = None, kind: str = "") -> None:
         k3 = k3 or {}
         if sample is not None and sample.disk_read_mb_s is not None:
             self.disk_series = (self.disk_series + [sample.disk_read_mb_s])[-240:]
         self.query_one("#io-spark", Sparkline).set_values(self.disk_series)
         s = sample or Sample(t=0.0)
-        budget = k3.get("budget_gb") or budget_gb
+        title = memory_title(kind, k3.get("budget_gb"), budget_gb)
+        if title != self.border_title:
+            self.border_title = title
         rss = s.proc_rss_gb if s.proc_rss_gb is not None else k3.get("rss_gb")
         rss_text = format_gb(rss)
-        if budget:
-            rss_text += f" / {format_gb(budget)}"
         # Machine-wide figures at 0.1 GB: finer digits flicker with every other process
         # and would repaint the pane at each sample for nothing.
         cg = _num(s.cgroup_current_gb, ".1f", " GB")
