@@ -120,12 +120,14 @@ def run_checks(target: str | None, measure: bool) -> tuple[list[Check], dict]:
             continue  # the isolation line above says it
         checks.append(Check(f.code, FINDING_STATUS[f.level], f.message, f.next))
 
-    checks += _model_checks(cfg, model_dir, have, explicit_dir=bool(target))
+    checks += _model_checks(cfg, model_dir, have, explicit_dir=bool(target),
+                            configured=config_exists())
     return checks, {"machine": report.to_dict(), "plan": plan.to_dict(),
                     "model_dir": str(model_dir), "model_bytes_present": have}
 
 
-def _model_checks(cfg, model_dir: Path, have: int, explicit_dir: bool = False) -> list[Check]:
+def _model_checks(cfg, model_dir: Path, have: int, explicit_dir: bool = False,
+                  configured: bool = True) -> list[Check]:
     from k3tui.plan import GGUF_BYTES, SAFETENSORS_BYTES, disk_size
 
     out: list[Check] = []
@@ -144,9 +146,12 @@ def _model_checks(cfg, model_dir: Path, have: int, explicit_dir: bool = False) -
     else:
         detail = (f"{kind} checkpoint not downloaded yet ({disk_size(have)} of "
                   f"{disk_size(need)} in {model_dir})")
-        # `doctor --dir X` checked X, so the download it suggests goes there too
-        out.append(Check("model", "warn", detail, f"k3tui download --dir {model_dir}"
-                         if explicit_dir else "k3tui download"))
+        # `doctor --dir X` checked X, so the download it suggests goes there too; without a
+        # config `k3tui download` does not know which repo, so setup comes first
+        step = f"k3tui download --dir {model_dir}" if explicit_dir else "k3tui download"
+        if not configured:
+            step = f"`k3tui setup` (it chooses the checkpoint), then `{step}`"
+        out.append(Check("model", "warn", detail, step))
     if kind == "safetensors" and cfg.backend.kind == "bundled":
         trunk = Path(cfg.model.trunk_dir or (model_dir / "trunk")).expanduser()
         if (trunk / "trunk.json").is_file():
