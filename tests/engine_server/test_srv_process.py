@@ -40,13 +40,13 @@ class ServeProcess:
         self.url = line.split()[-1]
         if wait_ready:
             deadline = time.monotonic() + timeout
-            while httpx.get(self.url + "/health").status_code != 200:
+            while httpx.get(self.url + "/health", timeout=30).status_code != 200:
                 assert time.monotonic() < deadline, "server never became ready"
                 assert self.proc.poll() is None, self.proc.stderr.read()
                 time.sleep(0.05)
 
     def metric(self, name: str, **kw) -> float:
-        for line in httpx.get(self.url + "/metrics", **kw).text.splitlines():
+        for line in httpx.get(self.url + "/metrics", timeout=30, **kw).text.splitlines():
             if line.startswith(f"k3_{name} "):
                 return float(line.split()[1])
         raise AssertionError(name)
@@ -140,7 +140,7 @@ def test_srv_proc_cancel_mid_stream(keyed_server):
             if n == 5:
                 break
     # the connection is closed: generation must stop within about one token
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while srv.metric("requests_processing", headers=AUTH) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert srv.metric("requests_processing", headers=AUTH) == 0
@@ -156,30 +156,36 @@ def test_srv_proc_concurrent_request_waits(keyed_server):
     srv, results = keyed_server, {}
     body = {"messages": HI, "max_tokens": 60, "ignore_eos": True, "seed": 3}
 
-    def run(name):
-        t0 = time.monotonic()
-        r = httpx.post(srv.url + CHAT, json=body, headers=AUTH, timeout=60)
-        results[name] = (r, t0, time.monotonic())
+    def run_b():
+        r = httpx.post(srv.url + CHAT, json=body, headers=AUTH, timeout=120)
+        results["b"] = (r, time.monotonic())
 
-    a = threading.Thread(target=run, args=("a",))
-    a.start()
-    deadline = time.monotonic() + 20
-    while not srv.metric("requests_processing", headers=AUTH):  # a holds the slot
-        assert time.monotonic() < deadline and a.is_alive()
-        time.sleep(0.005)
-    b = threading.Thread(target=run, args=("b",))
-    b.start()
-    seen = 0.0
-    while a.is_alive() or b.is_alive():
-        seen = max(seen, srv.metric("requests_deferred", headers=AUTH))
-        time.sleep(0.02)
-    ra, rb = results["a"][0], results["b"][0]
-    assert ra.status_code == rb.status_code == 200
-    assert seen == 1  # b waited for the slot while a generated
-    assert results["b"][2] > results["a"][2]  # and finished after it
-    # same seed, same prompt, one at a time: identical output
-    assert ra.json()["choices"][0]["message"] == rb.json()["choices"][0]["message"]
-    assert ra.json()["usage"]["completion_tokens"] == 60
+    # `a` is a long streamed reply that holds the slot until the test has seen `b` wait
+    # (a 60-token `a` lasted ~0.6 s: on a loaded box it could end before `b` arrived)
+    long = {**body, "max_tokens": 4000, "stream": True}
+    b = threading.Thread(target=run_b)
+    with httpx.stream("POST", srv.url + CHAT, json=long, headers=AUTH, timeout=60) as ra:
+        assert ra.status_code == 200
+        lines = ra.iter_lines()  # kept: a closed line iterator would close the connection
+        for line in lines:
+            if '"content":"' in line or '"reasoning_content":"' in line:
+                break  # a generates
+        assert srv.metric("requests_processing", headers=AUTH) == 1  # a holds the slot
+        b.start()
+        deadline = time.monotonic() + 30
+        while srv.metric("requests_deferred", headers=AUTH) != 1:  # b waits for it
+            assert time.monotonic() < deadline and b.is_alive()
+            time.sleep(0.02)
+        assert b.is_alive() and srv.metric("requests_processing", headers=AUTH) == 1
+        a_left = time.monotonic()
+    b.join(120)  # a's client left: its generation stops and b gets the slot
+    rb, b_done = results["b"]
+    assert rb.status_code == 200 and b_done > a_left
+    assert rb.json()["usage"]["completion_tokens"] == 60
+    # same seed, same prompt, alone: identical output (waiting its turn changed nothing)
+    rc = httpx.post(srv.url + CHAT, json=body, headers=AUTH, timeout=120)
+    assert rc.json()["choices"][0]["message"] == rb.json()["choices"][0]["message"]
+    assert srv.metric("requests_deferred", headers=AUTH) == 0
 
 
 def test_srv_proc_api_key(keyed_server):
@@ -218,19 +224,21 @@ def test_srv_proc_props_and_metrics(keyed_server):
 
 
 def test_srv_proc_loading_503_then_200(small_ckpt):
-    srv = ServeProcess(str(small_ckpt), "--port", "0", "--debug-load-delay", "1.5", wait_ready=False)
+    # The delay starts before the server prints its address; 1.5 s left a loaded box too
+    # little time to read that line and ask twice while the model was still "loading".
+    srv = ServeProcess(str(small_ckpt), "--port", "0", "--debug-load-delay", "5", wait_ready=False)
     try:
-        r = httpx.get(srv.url + "/health")
+        r = httpx.get(srv.url + "/health", timeout=30)
         assert r.status_code == 503
         body = r.json()
         assert body["error"]["message"] == "Loading model" and body["progress"]["elapsed_s"] >= 0
-        assert httpx.post(srv.url + CHAT, json={"messages": HI}).status_code == 503
+        assert httpx.post(srv.url + CHAT, json={"messages": HI}, timeout=30).status_code == 503
         deadline = time.monotonic() + 60
-        while (r := httpx.get(srv.url + "/health")).status_code == 503:
+        while (r := httpx.get(srv.url + "/health", timeout=30)).status_code == 503:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert r.status_code == 200 and r.json() == {"status": "ok"}
-        assert httpx.post(srv.url + CHAT, json={"messages": HI, "max_tokens": 2}).status_code == 200
+        assert httpx.post(srv.url + CHAT, json={"messages": HI, "max_tokens": 2}, timeout=30).status_code == 200
     finally:
         assert srv.stop() in (0, -signal.SIGTERM)
 
