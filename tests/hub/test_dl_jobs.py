@@ -90,7 +90,10 @@ def test_dl_one_job_per_folder_and_cancel_keeps_partial(hub, repo_dir, tmp_path)
     t0 = time.monotonic()
     p = k3("jobs", "cancel", state["id"][-4:])          # a unique suffix is enough
     assert "cancelled" in p.stdout
-    assert time.monotonic() - t0 < 8                    # no wait for the 120 s read timeout
+    # no wait for the 120 s read timeout (the bound leaves room for a loaded box to start
+    # the CLI; the job's own line below proves it ended on SIGTERM, before the SIGKILL
+    # that `jobs cancel` sends after 10 s)
+    assert time.monotonic() - t0 < 60
     st = jobs.read_state(state["id"])
     assert st["status"] == "cancelled"
     assert "Cancelled; partial files are kept" in open(st["log"]).read()   # said by the job
