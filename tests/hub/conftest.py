@@ -28,6 +28,6 @@ def hub(repo_dir, monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", h.endpoint)
     monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
     monkeypatch.setenv("K3TUI_DL_BACKOFF_S", "0.05")
-    monkeypatch.setenv("K3TUI_DL_TIMEOUT_S", "3")
+    monkeypatch.setenv("K3TUI_DL_TIMEOUT_S", "30")  # a loaded box never stalls 30 s; stall tests set their own
     yield h
     h.stop()
