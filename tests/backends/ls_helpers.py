@@ -137,43 +137,76 @@ def real_binary() -> Path:
 
 
 def free_port() -> int:
+    """A port free right now, for a program that must be told its port. Someone else may
+    take it before that program binds it: prefer `socket.create_server(("127.0.0.1", 0))`
+    handed over, `--port 0`, or a retry (raw_server); for "nothing listens", refused_port."""
     with contextlib.closing(socket.socket()) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def wait_health(base: str, timeout: float = 20.0) -> None:
+@contextlib.contextmanager
+def refused_port():
+    """A loopback port where nothing listens, for as long as the block runs: it is bound
+    (so nobody else can take it between the lookup and the connect) but never listens,
+    so a connection is refused."""
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]
+
+
+def wait_health(base: str, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(base + "/health", timeout=1.0).status_code == 200:
+            if httpx.get(base + "/health", timeout=5.0).status_code == 200:
                 return
+        if proc is not None and proc.poll() is not None:
+            raise ChildProcessError(f"{base}: the server exited with {proc.returncode}")
         time.sleep(0.05)
     raise TimeoutError(base)
 
 
 @contextlib.contextmanager
 def raw_server(model: Path, *extra: str, log: Path | None = None):
-    """A bare llama-server (no k3tui supervision) for client-side tests."""
-    port = free_port()
+    """A bare llama-server (no k3tui supervision) for client-side tests. llama-server must
+    be given its port, and one found free can be taken by another program before the
+    server binds it: a server that exits while starting is started again on a new port
+    (a real startup failure exits all three times and is raised)."""
     binary = real_binary()
-    argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-            "-c", "4096", "-np", "1", "-t", "1", "--alias", "tiny", "--metrics",
-            "--no-warmup", *extra]
-    out = open(log, "wb") if log else subprocess.DEVNULL
-    proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+    for attempt in range(3):
+        port = free_port()
+        argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+                "-c", "4096", "-np", "1", "-t", "1", "--alias", "tiny", "--metrics",
+                "--no-warmup", *extra]
+        out = open(log, "wb") if log else subprocess.DEVNULL
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+        try:
+            wait_health(f"http://127.0.0.1:{port}", proc=proc)
+            break
+        except ChildProcessError:
+            if log:
+                out.close()
+            if attempt == 2:
+                raise
+        except BaseException:
+            _end(proc)
+            raise
     try:
-        wait_health(f"http://127.0.0.1:{port}")
         yield f"http://127.0.0.1:{port}", proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _end(proc)
         if log:
             out.close()
+
+
+def _end(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 class ReplayServer:
@@ -192,7 +225,8 @@ class ReplayServer:
         self.status = 200
         self.delay_s = 0.0
         self.requests: list[dict] = []
-        self.closed = threading.Event()
+        self.sent = 0  # parts of the last stream that went out
+        self.closed = threading.Event()  # the last stream ended (finished or cut)
 
         async def chat(request):
             import asyncio
@@ -204,9 +238,11 @@ class ReplayServer:
                                 media_type="application/json")
 
             async def gen():
+                self.sent = 0
                 try:
                     for part in self.parts:
                         yield part
+                        self.sent += 1
                         if self.delay_s:
                             await asyncio.sleep(self.delay_s)
                 finally:
@@ -219,14 +255,17 @@ class ReplayServer:
 
         app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
                                 Route("/health", health)])
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        # the bound socket is handed to uvicorn: no free-port lookup another program could race
+        sock = socket.create_server(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
+                                       daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while not self.server.started and time.monotonic() < deadline:
             time.sleep(0.01)
+        assert self.server.started, "the replay server did not start"
         self.url = f"http://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
