@@ -86,9 +86,11 @@ async def test_ls_split_model_starts_streams_reasoning_then_content_and_stops(mo
     stats = [e for e in events if isinstance(e, TokenStats)]
     assert stats and all(s.backend_ms is not None for s in stats)
     assert "slot" in backend.log_path.read_text()  # the server log is captured
-    t0 = time.monotonic()
     backend.stop()
-    assert backend.process.returncode is not None and time.monotonic() - t0 < 5
+    # it obeyed SIGTERM within stop()'s grace, not the SIGKILL after it (was: a 5 s wall
+    # clock, which a loaded box can spend just scheduling the exit)
+    assert backend.process.returncode is not None
+    assert backend.process.returncode != -signal.SIGKILL
 
 
 async def test_ls_empty_answer_after_long_reasoning_gets_a_note(models, started):
@@ -100,22 +102,29 @@ async def test_ls_empty_answer_after_long_reasoning_gets_a_note(models, started)
 
 async def test_ls_cancel_mid_stream_stops_generation_on_the_server(models, started):
     backend, _, _ = run_server(started, models["single"], ctx_size=32768, reasoning_budget=4)
+    decoded_before = n_decode_total(backend.base_url)
     gen = stream_chat(backend.base_url, [{"role": "user", "content": "go on"}],
-                      max_tokens=30000)  # would take minutes on this model if not cancelled
+                      max_tokens=30000)  # ~30 s at full speed on this model if not cancelled
     events = await collect(gen, stop_after_content=5)
     assert len([e for e in events if isinstance(e, ContentDelta)]) == 5
-    idle_after = None
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 5:
-        slot = httpx.get(backend.base_url + "/slots").json()[0]
-        if not slot["is_processing"]:
-            idle_after = time.monotonic() - t0
-            break
+    deadline = time.monotonic() + 30
+    while httpx.get(backend.base_url + "/slots", timeout=10).json()[0]["is_processing"]:
+        assert time.monotonic() < deadline, "the slot kept generating after the client left"
         await asyncio.sleep(0.05)
-    assert idle_after is not None and idle_after < 2.0
-    metrics = httpx.get(backend.base_url + "/metrics").text
-    assert "llamacpp:" in metrics
+    # Counted in tokens, not seconds (a loaded box is slow to schedule, not to decode
+    # fewer tokens): about a dozen get decoded before the server sees the client gone;
+    # 2000 is ~2 s of this model at full speed, the old wall-clock bound.
+    decoded = n_decode_total(backend.base_url) - decoded_before
+    assert decoded < 2000, decoded
     assert "cancel task" in backend.log_path.read_text()
+
+
+def n_decode_total(base_url: str) -> float:
+    """llama-server's count of llama_decode() calls (one per generated token here)."""
+    for line in httpx.get(base_url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("llamacpp:n_decode_total "):
+            return float(line.split()[1])
+    raise AssertionError("no llamacpp:n_decode_total in /metrics")
 
 
 async def test_ls_server_killed_mid_answer_is_a_clear_backend_error(models, started):
