@@ -8,6 +8,8 @@ slowly (`--interval`) so a test can kill it in the middle of an answer. Every re
 printed to stdout (path and whether a key came with it), never the key itself.
 
     python rmt_fake_endpoint.py --port P --api-key K [--certfile C --keyfile K]
+
+`--port 0` binds a free port and prints it: "listening PORT".
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import socket
 import sys
 import time
 
@@ -98,18 +101,18 @@ def main() -> None:
     p.add_argument("--chunks", type=int, default=3)
     p.add_argument("--interval", type=float, default=0.0)
     a = p.parse_args()
-    config = uvicorn.Config(build_app(a.api_key, a.chunks, a.interval), host="127.0.0.1",
-                            port=a.port, log_level="warning", ssl_certfile=a.certfile,
-                            ssl_keyfile=a.keyfile, lifespan="off")
+    sock = socket.create_server(("127.0.0.1", a.port))  # bound here: no port to race for
+    config = uvicorn.Config(build_app(a.api_key, a.chunks, a.interval), log_level="warning",
+                            ssl_certfile=a.certfile, ssl_keyfile=a.keyfile, lifespan="off")
     server = _Server(config)
 
     async def serve() -> None:
-        task = asyncio.create_task(server.serve())
+        task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started:
             if task.done():
                 sys.exit(1)
             await asyncio.sleep(0.02)
-        print("listening", flush=True)
+        print(f"listening {sock.getsockname()[1]}", flush=True)
         await task
 
     asyncio.run(serve())

@@ -13,11 +13,13 @@ import datetime
 import importlib.util
 import ipaddress
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -30,10 +32,14 @@ KEY = "sk-rmt-test-0123456789abcdef"
 WRONG = "sk-wrong-key-zzzzzzzzzzzz9876"
 
 
-def free_port() -> int:
+@contextlib.contextmanager
+def refused_port():
+    """A loopback port where nothing listens while the block runs: bound (nobody else can
+    start listening there, as they could on a port found free and released) but not
+    listening, so connections are refused."""
     with contextlib.closing(socket.socket()) as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        yield s.getsockname()[1]
 
 
 def _ls_helpers():
@@ -110,8 +116,8 @@ async def test_rmt_llama_server_killed_in_the_middle_of_an_answer(tmp_path):
 # --- a dead endpoint --------------------------------------------------------------------------
 
 def test_rmt_dead_endpoint_at_startup():
-    url = f"http://127.0.0.1:{free_port()}/v1"
-    check = remote.check_endpoint(url, KEY)
+    with refused_port() as port:
+        check = remote.check_endpoint(f"http://127.0.0.1:{port}/v1", KEY)
     assert not check.ok and check.health_ok is None
     assert "Nothing answers" in check.message and "k3tui plan --recipe" in check.next_step
 
@@ -120,7 +126,8 @@ def test_rmt_unreadable_ca_file_is_one_sentence(tmp_path):
     bad = tmp_path / "ca.pem"
     bad.write_text("not a certificate")
     for ca in (str(tmp_path / "missing.pem"), str(bad)):
-        check = remote.check_endpoint(f"https://127.0.0.1:{free_port()}/v1", KEY, verify_tls=ca)
+        with refused_port() as port:
+            check = remote.check_endpoint(f"https://127.0.0.1:{port}/v1", KEY, verify_tls=ca)
         assert not check.ok and "CA certificate file" in check.message
         assert "PEM" in check.next_step
 
@@ -144,8 +151,9 @@ def test_rmt_unsafe_transport_is_warned_before_sending():
 async def test_rmt_stream_chat_dead_endpoint_at_startup():
     from k3tui.backends.openai_stream import stream_chat
 
-    events = [e async for e in stream_chat(f"http://127.0.0.1:{free_port()}",
-                                           [{"role": "user", "content": "hi"}], api_key=KEY)]
+    with refused_port() as port:
+        events = [e async for e in stream_chat(f"http://127.0.0.1:{port}",
+                                               [{"role": "user", "content": "hi"}], api_key=KEY)]
     assert len(events) == 1 and isinstance(events[0], BackendError)
     assert "Could not connect" in events[0].message
 
@@ -183,20 +191,21 @@ def _write_cert(folder: Path, hostname: str = "127.0.0.1") -> tuple[Path, Path]:
 @contextlib.contextmanager
 def fake_endpoint(tmp: Path, *, certfile: Path | None = None, keyfile: Path | None = None,
                   chunks: int = 3, interval: float = 0.0):
-    port = free_port()
-    argv = [sys.executable, str(HERE / "rmt_fake_endpoint.py"), "--port", str(port),
+    argv = [sys.executable, str(HERE / "rmt_fake_endpoint.py"), "--port", "0",
             "--api-key", KEY, "--chunks", str(chunks), "--interval", str(interval)]
     if certfile:
         argv += ["--certfile", str(certfile), "--keyfile", str(keyfile)]
-    log = tmp / f"endpoint-{port}.log"
+    log = tmp / f"endpoint-{uuid.uuid4().hex[:8]}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 30
-        while b"listening" not in log.read_bytes():
+        while not re.search(rb"^listening \d+$", log.read_bytes(), re.MULTILINE):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(log.read_text())
             time.sleep(0.05)
+        # the endpoint binds port 0 itself and says which it got: no free-port race
+        port = int(re.search(rb"^listening (\d+)$", log.read_bytes(), re.MULTILINE)[1])
         scheme = "https" if certfile else "http"
         yield f"{scheme}://127.0.0.1:{port}/v1", proc, log
     finally:
@@ -236,8 +245,8 @@ def test_rmt_transport_errors_are_described_for_other_clients(tls):
         httpx.get(url + "/models")
     message, step = remote.describe_transport_error(info.value, "the cluster")
     assert "certificate of the cluster is not trusted" in message and "SSL_CERT_FILE" in step
-    with pytest.raises(httpx.ConnectError) as info:
-        httpx.get(f"http://127.0.0.1:{free_port()}/")
+    with refused_port() as port, pytest.raises(httpx.ConnectError) as info:
+        httpx.get(f"http://127.0.0.1:{port}/")
     assert "Nothing answers" in remote.describe_transport_error(info.value, "x")[0]
 
 
@@ -390,19 +399,18 @@ def test_rmt_engine_server_with_api_key(tmp_path):
     from engine.synth import synthesize
 
     ckpt = synthesize(tmp_path / "ckpt", size="small", seed=0)
-    port = free_port()
     log = tmp_path / "engine.log"
-    with open(log, "wb") as out:
+    with open(log, "wb") as out:  # --port 0: the server binds a free port and prints it
         proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", str(ckpt),
-                                 "--host", "127.0.0.1", "--port", str(port),
+                                 "--host", "127.0.0.1", "--port", "0",
                                  "--api-key", KEY, "--model-name", "k3-small"],
                                 stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
-        while b"listening on" not in log.read_bytes():
+        while not (m := re.search(rb"listening on http://127\.0\.0\.1:(\d+)\n", log.read_bytes())):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.1)
-        url = f"http://127.0.0.1:{port}/v1"
+        url = f"http://127.0.0.1:{int(m[1])}/v1"
         check = remote.check_endpoint(url, KEY)
         while not check.ok and "still loading" in check.message:  # 503 while it loads
             assert check.health_ok is False and "wait" in check.next_step
