@@ -157,6 +157,13 @@ def test_doctor_lines_fit_80_columns_under_their_label():
 
 
 def test_doctor_dir_suggests_downloading_into_that_dir(tmp_path):
+    # no config yet: `k3tui download` would not know the repo, so setup comes first
+    res = k3("doctor", "--dir", str(tmp_path / "elsewhere"))
+    assert (f"next: `k3tui setup` (it chooses the checkpoint), then `k3tui download --dir "
+            f"{tmp_path / 'elsewhere'}`") in " ".join(res.stdout.split())
+    from k3tui.config import Config, save_config
+
+    save_config(Config())
     res = k3("doctor", "--dir", str(tmp_path / "elsewhere"))
     assert f"next: k3tui download --dir {tmp_path / 'elsewhere'}" in res.stdout
 
