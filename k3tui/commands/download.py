@@ -17,9 +17,9 @@ from k3tui.errors import K3Error
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = ("It runs as a detached job: Ctrl-C, a closed terminal or a dropped SSH "
                      "session do not stop it (Ctrl-C only detaches). Rerun the same command to "
-                     "resume or attach again; `k3tui jobs` lists jobs, `k3tui jobs cancel ID` stops "
-                     "one. A gated repo needs a token: HF_TOKEN, `hf auth login`, or the one "
-                     "`k3tui setup` stores.")
+                     "resume or attach again; `k3tui jobs` lists jobs, `k3tui jobs cancel ID` "
+                     "stops one. A gated repo needs a token: HF_TOKEN, `hf auth login`, or the "
+                     "one `k3tui setup` stores.")
     parser.add_argument("repo", nargs="?", help="Hub repo id (default: the configured model)")
     parser.add_argument("--revision", help="branch, tag or commit (default: config, else main)")
     parser.add_argument("--dir", help="target folder (default: config, else "
