@@ -32,24 +32,22 @@ RMT_ENDPOINT = HERE.parent / "remote" / "rmt_fake_endpoint.py"
 
 @contextlib.contextmanager
 def fake_endpoint(tmp_path: Path, api_key: str) -> Iterator[tuple[int, Path]]:
-    """The remote area's loopback OpenAI-compatible server: (port, its log file)."""
-    import socket
+    """The remote area's loopback OpenAI-compatible server: (port, its log file). It binds
+    port 0 itself and prints the port it got, so no other program can take it meanwhile."""
+    import re
     import subprocess
     import time
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     log = tmp_path / "endpoint.log"
     with open(log, "wb") as fh:
-        proc = subprocess.Popen([sys.executable, str(RMT_ENDPOINT), "--port", str(port),
+        proc = subprocess.Popen([sys.executable, str(RMT_ENDPOINT), "--port", "0",
                                  "--api-key", api_key], stdout=fh, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 30
-        while b"listening" not in log.read_bytes():
+        deadline = time.monotonic() + 60
+        while not (m := re.search(rb"listening (\d+)", log.read_bytes())):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.05)
-        yield port, log
+        yield int(m.group(1)), log
     finally:
         proc.terminate()
         proc.wait(10)
