@@ -135,6 +135,10 @@ def _prepare_llama(cfg: Any, model: Path, host: str, port: int, force: bool, rep
 
 
 def _prepare_bundled(cfg: Any, checkpoint: Path, host: str, port: int) -> Launchable:
+    if not checkpoint.exists():
+        raise K3Error(f"The checkpoint folder {checkpoint} does not exist.",
+                      "run `k3tui download` (or pass --model with the folder it filled); "
+                      "`k3tui chat --demo` works meanwhile")
     args = bundled.memory_flags(cfg.engine)
     if cfg.model.trunk_dir:
         args += ["--trunk", cfg.model.trunk_dir]

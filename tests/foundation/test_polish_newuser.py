@@ -39,3 +39,10 @@ def test_polish_download_help_says_it_is_a_detached_job():
     out = " ".join(k3("download", "--help").stdout.split())
     assert "Ctrl-C only detaches" in out and "Rerun the same command" in out
     assert "k3tui jobs" in out
+
+
+def test_polish_serve_dry_run_refuses_a_missing_checkpoint(tmp_path):
+    missing = tmp_path / "not-downloaded"
+    p = k3("serve", "--dry-run", "--backend", "bundled", "--model", str(missing))
+    assert p.returncode == 1 and f"{missing} does not exist" in p.stderr
+    assert "k3tui download" in p.stderr and "Traceback" not in p.stderr
