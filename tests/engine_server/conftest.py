@@ -91,9 +91,10 @@ class InProcServer:
         self.server = uvicorn.Server(cfg)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while not self.server.started and time.monotonic() < deadline:
             time.sleep(0.01)
+        assert self.server.started, "the in-process server did not start in 30 s"
 
     def stop(self):
         self.service.cancel_running()
