@@ -9,6 +9,7 @@ it, which closes the HTTP stream.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from k3tui.tui.widgets.prompt import Prompt
 from k3tui.tui.widgets.sparkline import terminal_is_ascii
 
 StreamFn = Callable[[list[dict[str, Any]]], AsyncIterator[StreamEvent]]
+ChatMessage = UserMessage | AssistantMessage
 NARROW = 100        # below this width the panes move under the chat
 SAVE_EVERY_S = 1.0  # how often a streaming answer is written to the history
 
@@ -82,10 +84,11 @@ class ChatLog(VerticalScroll):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.following = True
+        self.held = False  # a message is highlighted: stay on it, follow nothing
 
     def watch_scroll_y(self, old_value: float, new_value: float) -> None:
         super().watch_scroll_y(old_value, new_value)
-        self.following = new_value >= self.max_scroll_y - 2
+        self.following = not self.held and new_value >= self.max_scroll_y - 2
 
     def _size_updated(self, size: Any, virtual_size: Any, container_size: Any,
                       layout: bool = True) -> bool:
@@ -97,7 +100,12 @@ class ChatLog(VerticalScroll):
             self.scroll_end(animate=False, immediate=True)
         return result
 
+    def hold(self, held: bool) -> None:
+        self.held = held
+        self.following = not held and self.scroll_y >= self.max_scroll_y - 2
+
     def follow(self) -> None:
+        self.held = False
         self.following = True
         self.scroll_end(animate=False, immediate=True)
 
@@ -112,6 +120,10 @@ class ChatScreen(Screen):
         Binding("ctrl+n", "new_chat", "New", priority=True),
         Binding("ctrl+y", "copy_answer", "Copy", priority=True),
         Binding("ctrl+g", "copy_code", "Copy code", show=False, priority=True),
+        # Ctrl+arrows where the terminal sends them (tmux does); Alt+arrows where the
+        # desktop takes Ctrl+arrows (macOS Mission Control).
+        Binding("ctrl+up,alt+up", "pick(-1)", "Pick", show=False, priority=True),
+        Binding("ctrl+down,alt+down", "pick(1)", "Pick next", show=False, priority=True),
         Binding("f1", "keys", "Keys", priority=True),
         Binding("f2", "toggle_panes", "Panes", show=False, priority=True),
         Binding("f3", "downloads", "Downloads", show=False, priority=True),
@@ -134,6 +146,9 @@ class ChatScreen(Screen):
         self.turns_finished = 0
         self.sampling = True  # the benchmark switches it off to measure its share
         self._told_dead = False
+        self.picked: ChatMessage | None = None   # the highlighted message (Ctrl+Up / Ctrl+Down)
+        self._code_at: tuple[ChatMessage, int] | None = None  # the block Ctrl+G copied last
+        self._prompt_at_pick = ""  # the prompt's text when the highlight moved
 
     @property
     def k3app(self) -> ChatApp:
@@ -170,6 +185,7 @@ class ChatScreen(Screen):
             convs = history.list_conversations()
             conversation_id = convs[0].id if convs else None
         self.conversation_id = conversation_id
+        self.clear_pick()
         chat = self.query_one("#chat", ChatLog)
         await chat.remove_children()
         if conversation_id is None:
@@ -226,6 +242,7 @@ class ChatScreen(Screen):
         messages = self._request_messages()
         self.current_id = self.k3app.history.add_message(self.conversation_id, "assistant", "",
                                                          status="streaming")
+        self.clear_pick()
         self.current = AssistantMessage(classes="assistant")
         chat = self.query_one("#chat", ChatLog)
         await chat.mount(self.current)
@@ -303,8 +320,10 @@ class ChatScreen(Screen):
 
     # actions ---------------------------------------------------------------------------
     def action_stop(self) -> None:
+        """Esc stops the answer (always: it comes first) and ends a highlight."""
         if self.generating and self._gen is not None:
             self._gen.cancel()
+        self.clear_pick(follow=True)
 
     async def _drop_last_answer(self) -> bool:
         """Remove the last assistant message (history and screen); False if there is none."""
@@ -351,6 +370,10 @@ class ChatScreen(Screen):
         prompt.focus()
 
     def action_toggle_reasoning(self) -> None:
+        picked = self._picked()
+        if isinstance(picked, AssistantMessage) and picked.reasoning:
+            picked.toggle_reasoning()
+            return
         answers = [a for a in self.query("#chat > AssistantMessage") if a.reasoning]
         if answers:
             answers[-1].toggle_reasoning()
@@ -359,30 +382,128 @@ class ChatScreen(Screen):
         answers = self.query("#chat > AssistantMessage")
         return answers.last() if answers else None  # type: ignore[return-value]
 
-    def _copy(self, text: str, what: str) -> None:
+    # the highlight: Ctrl+Up / Ctrl+Down pick a message for Ctrl+Y / Ctrl+G / Ctrl+T ------
+    def _messages(self) -> list[ChatMessage]:
+        return [w for w in self.query_one("#chat", ChatLog).children
+                if isinstance(w, (UserMessage, AssistantMessage))]
+
+    def _picked(self) -> ChatMessage | None:
+        """The highlighted message, if it is still on screen (regenerate removes one)."""
+        if self.picked is not None and self.picked.parent is None:
+            self.picked = None
+        return self.picked
+
+    def _label(self, message: ChatMessage) -> str:
+        """'answer 2 of 5' / 'prompt 1 of 5': what the user sees counted in the chat."""
+        kind = type(message)
+        same = [m for m in self._messages() if type(m) is kind]
+        word = "answer" if kind is AssistantMessage else "prompt"
+        return f"{word} {same.index(message) + 1} of {len(same)}" if message in same else word
+
+    def action_pick(self, step: int) -> None:
+        messages = self._messages()
+        if not messages:
+            self.notify("No messages yet: nothing to highlight.")
+            return
+        picked = self._picked()
+        if picked is None:
+            if step > 0:
+                return  # already past the newest message, at the prompt
+            index = len(messages) - 1
+        else:
+            index = messages.index(picked) + step
+        if index >= len(messages):
+            self.clear_pick(follow=True)  # down past the newest: back to the prompt
+            return
+        if index < 0:
+            self.app.bell()  # already the first message
+            return
+        self._set_pick(messages[index])
+
+    def _set_pick(self, message: ChatMessage) -> None:
+        old = self._picked()
+        if old is not None and old is not message:
+            old.set_picked(None)
+        self.picked = message
+        self._code_at = None
+        self._prompt_at_pick = self.query_one(Prompt).text
+        message.set_picked(self._label(message))
+        self.query_one("#chat", ChatLog).hold(True)  # reading it: a stream must not scroll away
+        self.call_after_refresh(self._show_picked, message)  # once its new border is laid out
+
+    def _show_picked(self, message: ChatMessage) -> None:
+        """Scroll only when some of it is out of view; a long message shows its start."""
+        chat = self.query_one("#chat", ChatLog)
+        if self._picked() is message and \
+                not chat.scrollable_content_region.contains_region(message.region):
+            chat.scroll_to_widget(message, animate=False, top=True, immediate=True)
+
+    def clear_pick(self, follow: bool = False) -> None:
+        picked = self._picked()
+        self.picked = None
+        self._code_at = None
+        if picked is not None:
+            picked.set_picked(None)
+            chat = self.query_one("#chat", ChatLog)
+            if follow:
+                chat.follow()
+            else:
+                chat.hold(False)
+
+    @on(Prompt.Changed)
+    def _typed(self, event: Prompt.Changed) -> None:
+        """Typing in the prompt (or recalling one) ends the highlight; the view stays.
+        Compared by text: a Changed still queued from before the highlight moved is not."""
+        if event.text_area.text != self._prompt_at_pick:
+            self.clear_pick()
+
+    # copying -------------------------------------------------------------------------------
+    def _copy(self, text: str, what: str, then: str = "") -> None:
         routes = self.k3app.copy(text)
-        self.notify(f"Copied {what} ({len(text)} chars) via {', '.join(routes) or 'nothing'}.")
+        names = {"osc52": "OSC 52 through tmux" if os.environ.get("TMUX") else "OSC 52",
+                 "app": "the app only: no terminal"}
+        how = " + ".join(names.get(r, r) for r in routes) or "nothing"
+        if not then and self._picked() is None and len(self._messages()) > 2:
+            then = " Ctrl+Up highlights an earlier message to copy."
+        self.notify(f"Copied {what} ({len(text)} chars) via {how}.{then}")
+
+    def _copy_target(self) -> ChatMessage | None:
+        return self._picked() or self._last_answer()
 
     def action_copy_answer(self) -> None:
-        answer = self._last_answer()
-        if answer is None or not answer.content:
-            self.notify("No answer to copy yet.")
+        target = self._copy_target()
+        text = "" if target is None else target.body
+        if target is None or not text:
+            self.notify("No answer to copy yet." if target is None or self.picked is None
+                        else f"{self._label(target).capitalize()} is empty.")
             return
-        self._copy(answer.content, "the answer")
+        self._code_at = None
+        self._copy(text, self._label(target))
 
     def action_copy_code(self) -> None:
-        answer = self._last_answer()
-        blocks = code_blocks(answer.content) if answer else []
-        if not blocks:
-            self.notify("The last answer has no code block.")
+        """The last code block; pressed again on the same message, the one before it."""
+        target = self._copy_target()
+        text = "" if target is None else target.body
+        blocks = code_blocks(text)
+        if target is None or not blocks:
+            self.notify("The last answer has no code block." if self.picked is None
+                        else f"{self._label(target).capitalize()} has no code block.")
             return
-        self._copy(blocks[-1], "the code block")
+        index = len(blocks) - 1
+        if self._code_at is not None and self._code_at[0] is target:
+            index = (min(self._code_at[1], len(blocks)) - 1) % len(blocks)
+        self._code_at = (target, index)
+        what = f"the code block of {self._label(target)}" if len(blocks) == 1 else \
+            f"code block {index + 1} of {len(blocks)} from {self._label(target)}"
+        then = f" Ctrl+G again: block {(index - 1) % len(blocks) + 1}." if len(blocks) > 1 else ""
+        self._copy(blocks[index], what, then)
 
     async def action_new_chat(self) -> None:
         if self.generating:
             self.notify("Press Esc to stop the current answer first.", severity="warning")
             return
         self.conversation_id = None
+        self.clear_pick(follow=True)
         await self.query_one("#chat").remove_children()
         self.stats.start(None)
         self.refresh_panes(force=True)

@@ -34,6 +34,16 @@ class UserMessage(Static):
         self.text = text
         self.border_title = "you"
 
+    @property
+    def body(self) -> str:
+        """What Ctrl+Y copies."""
+        return self.text
+
+    def set_picked(self, label: str | None) -> None:
+        """Highlight (label: 'prompt 1 of 3') or not (None); the border says which."""
+        self.set_class(label is not None, "picked")
+        self.border_title = f"you · {label} · ctrl+y copies" if label else "you"
+
 
 class AssistantMessage(Vertical):
     """Reasoning (collapsible, collapsed once the answer starts), answer, status line."""
@@ -48,7 +58,16 @@ class AssistantMessage(Vertical):
         self._pending = {"reasoning": "", "content": ""}
         self._last_flush = 0.0
         self._flush_timer: Timer | None = None
-        self.border_title = "assistant"
+
+    @property
+    def body(self) -> str:
+        """What Ctrl+Y copies: the answer, never the reasoning."""
+        return self.content
+
+    def set_picked(self, label: str | None) -> None:
+        """Highlight (label: 'answer 2 of 5') or not (None): a titled line on top."""
+        self.set_class(label is not None, "picked")
+        self.border_title = f"{label} · ctrl+y copies, ctrl+g its code" if label else ""
 
     def compose(self) -> ComposeResult:
         streaming = self.status == "streaming"
