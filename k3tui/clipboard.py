@@ -1,9 +1,11 @@
 """Copy text over SSH (OSC 52, wrapped for tmux) and to the local clipboard if there is one.
 
 OSC 52 asks the *user's* terminal to set its clipboard, which is what works over SSH.
-Inside tmux the sequence must be wrapped in a DCS passthrough (and tmux needs
-`set -g set-clipboard on` or `allow-passthrough on`). A local tool (wl-copy, xclip,
-xsel, pbcopy) is tried as well when a display is present. No UI imports.
+Inside tmux it is sent twice: plain, which tmux takes into its own buffer and forwards to
+the outer terminal when `set -g set-clipboard on`; and wrapped in a DCS passthrough, which
+tmux hands straight to the outer terminal when `allow-passthrough on` (or tmux < 3.3).
+Either setting is enough. A local tool (wl-copy, xclip, xsel, pbcopy) is tried as well
+when a display is present. No UI imports.
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ LOCAL_TOOLS: list[tuple[str, list[str], str]] = [
 
 
 def osc52_sequence(text: str, env: Mapping[str, str] | None = None) -> str:
-    """The escape sequence that sets the terminal clipboard; tmux-wrapped when in tmux."""
+    """The escape sequence that sets the terminal clipboard; in tmux, plain then wrapped."""
     env = os.environ if env is None else env
     payload = base64.b64encode(text.encode("utf-8")).decode("ascii")
     seq = f"\x1b]52;c;{payload}\x07"
     if env.get("TMUX"):
-        # DCS passthrough: every ESC inside is doubled.
-        seq = "\x1bPtmux;" + seq.replace("\x1b", "\x1b\x1b") + "\x1b\\"
+        # tmux's default (set-clipboard external) drops the plain one and allow-passthrough
+        # off drops the wrapped one (DCS passthrough: every ESC inside is doubled).
+        seq += "\x1bPtmux;" + seq.replace("\x1b", "\x1b\x1b") + "\x1b\\"
     return seq
 
 

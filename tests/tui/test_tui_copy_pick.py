@@ -2,15 +2,22 @@
 
 Pilot tests at 80×24 against the scripted stream. Copies are read back from the app's
 clipboard (the run is headless, so that is the route taken), and once through the real
-OSC 52 encoder as the terminal would receive it inside tmux.
+OSC 52 encoder as the terminal would receive it inside tmux; and last, the real app in a
+real tmux, whose own clipboard must end up holding what was picked.
 """
 
 from __future__ import annotations
 
 import base64
+import os
 import re
+import shutil
+import subprocess
+import sys
+import time
 
-from tui_helpers import screen_text, settle, wait_until
+import pytest
+from tui_helpers import REPO_ROOT, Tmux, screen_text, settle, wait_until
 
 from k3tui import clipboard
 from k3tui.tui.scripted import ScriptedStream
@@ -218,8 +225,80 @@ async def test_copy_pick_osc52_through_tmux_carries_exactly_the_message(app_fact
         await three_turns(app, pilot, stream)
         await press(pilot, *["ctrl+up"] * 5)
         await pilot.press("ctrl+y")
-        assert len(sent) == 1 and sent[0].startswith("\x1bPtmux;\x1b\x1b]52;c;")
-        payload = re.search(r"52;c;([A-Za-z0-9+/=]+)", sent[0]).group(1)
-        assert base64.b64decode(payload).decode() == ANSWERS[0]
+        # plain (tmux's set-clipboard on takes it), then DCS-wrapped (allow-passthrough on)
+        assert len(sent) == 1 and sent[0].startswith("\x1b]52;c;")
+        assert "\x1bPtmux;\x1b\x1b]52;c;" in sent[0]
+        payloads = re.findall(r"52;c;([A-Za-z0-9+/=]+)", sent[0])
+        assert [base64.b64decode(p).decode() for p in payloads] == [ANSWERS[0]] * 2
         assert notes(app)[-1] == (f"Copied answer 1 of 3 ({len(ANSWERS[0])} chars) "
                                   "via OSC 52 through tmux.")
+
+
+# --- the real app in a real tmux -------------------------------------------------------
+TMUX_ANSWERS = ["One: plain.", "Two:\n\n```sh\necho two\n```\n\nend of two.", "Three: last."]
+APP = """
+import sys
+from pathlib import Path
+
+from k3tui.history import History
+from k3tui.tui.app import BackendInfo, ChatApp
+from k3tui.tui.scripted import ScriptedStream
+
+answers = iter({answers!r})
+
+
+class Stream(ScriptedStream):
+    def __call__(self, messages):
+        self.content = next(answers)
+        return super().__call__(messages)
+
+
+ChatApp(stream=Stream(""), history=History(Path(sys.argv[1])),
+        backend=BackendInfo("bundled", "kimi-k3"), sample_hz=0).run()
+"""
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_copy_pick_in_real_tmux_sets_its_clipboard(tmp_path):
+    """Ctrl+Up / Alt+Up arrive through tmux, and with `set-clipboard on` (what the README
+    asks for) tmux's buffer holds exactly the picked answer, its code block, a prompt."""
+    script = tmp_path / "app.py"
+    script.write_text(APP.format(answers=TMUX_ANSWERS))
+    env = {"K3TUI_HOME": str(tmp_path / "home"), "TERM": "xterm-256color",
+           "PYTHONPATH": str(REPO_ROOT)}
+    tmux = Tmux(f"k3tui-copy-{os.getpid()}", env)
+
+    def buffer_is(text: str) -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            out = subprocess.run([*tmux.base, "show-buffer"], capture_output=True, text=True)
+            if out.returncode == 0 and out.stdout == text:
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"tmux buffer is {out.stdout!r}, not {text!r}\n{tmux.screen()}")
+
+    try:
+        tmux.start(f"{sys.executable} {script} {tmp_path / 'history.sqlite3'}")
+        subprocess.run([*tmux.base, "set-option", "-s", "set-clipboard", "on"], check=True)
+        tmux.wait_for(lambda s: "Stop" in s)  # the footer is drawn
+        for prompt, seen in (("first q", "One: plain."), ("second q", "end of two."),
+                             ("third q", "Three: last.")):
+            tmux.keys(prompt, literal=True)
+            tmux.keys("Enter")
+            tmux.wait_for(lambda s, seen=seen: seen in s)
+        tmux.keys("C-Up", "C-Up", "C-Up")  # answer 3, prompt 3, answer 2
+        tmux.wait_for(lambda s: "answer 2 of 3 · ctrl+y copies" in s)
+        tmux.keys("C-y")
+        tmux.wait_for(lambda s: "Copied answer 2 of 3" in s)
+        buffer_is(TMUX_ANSWERS[1])
+        tmux.keys("C-g")
+        buffer_is("echo two\n")
+        tmux.keys("M-Up")  # Alt+Up: prompt 2
+        tmux.wait_for(lambda s: "you · prompt 2 of 3" in s)
+        tmux.keys("C-y")
+        buffer_is("second q")
+        tmux.keys("Escape")
+        tmux.wait_for(lambda s: "ctrl+y copies" not in s)
+        tmux.keys("C-q")
+    finally:
+        tmux.close()

@@ -138,8 +138,12 @@ def test_tui_core_modules_do_not_import_ui():
 def test_tui_clipboard_osc52_plain_and_tmux():
     seq = osc52_sequence("héllo", env={})
     assert seq == "\x1b]52;c;" + base64.b64encode("héllo".encode()).decode() + "\x07"
-    wrapped = osc52_sequence("x", env={"TMUX": "/tmp/tmux-0/default,1,0"})
-    assert wrapped.startswith("\x1bPtmux;\x1b\x1b]52;c;") and wrapped.endswith("\x07\x1b\\")
+    # In tmux: plain (for set-clipboard on), then DCS-wrapped (for allow-passthrough on).
+    plain = osc52_sequence("x", env={})
+    in_tmux = osc52_sequence("x", env={"TMUX": "/tmp/tmux-0/default,1,0"})
+    assert in_tmux.startswith(plain)
+    wrapped = in_tmux[len(plain):]
+    assert wrapped == "\x1bPtmux;" + plain.replace("\x1b", "\x1b\x1b") + "\x1b\\"
     sent = []
     assert copy("x", write=sent.append, env={}, local=False) == ["osc52"]
     assert sent == [osc52_sequence("x", env={})]

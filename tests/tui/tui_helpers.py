@@ -6,6 +6,7 @@ A module of its own (not conftest) so each test file imports it by name and runs
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
 from pathlib import Path
 
@@ -52,3 +53,51 @@ async def settle(app, pilot) -> None:
 
 def screen_text(app) -> str:
     return "\n".join(strip.text for strip in app.screen._compositor.render_strips())
+
+
+class Tmux:
+    """tmux on a private socket: other tests' tmux servers come and go meanwhile."""
+
+    def __init__(self, name: str, env: dict[str, str]):
+        self.name = name
+        self.env = env
+        self.base = ["tmux", "-L", name]
+
+    def start(self, command: str) -> None:
+        # A keeper session keeps the private server up while the app's session restarts
+        # (a server exiting after its last session races with the next new-session).
+        if subprocess.run([*self.base, "has-session", "-t", "keeper"],
+                          capture_output=True).returncode != 0:
+            subprocess.run([*self.base, "new-session", "-d", "-s", "keeper", "sleep 900"],
+                           check=True)
+        exports = " ".join(f"{k}={v}" for k, v in self.env.items())
+        subprocess.run([*self.base, "new-session", "-d", "-s", self.name, "-x", "80", "-y", "24",
+                        f"cd {REPO_ROOT} && env {exports} {command}; sleep 60"], check=True)
+
+    def keys(self, *keys: str, literal: bool = False) -> None:
+        subprocess.run([*self.base, "send-keys", "-t", self.name, *(["-l"] if literal else []),
+                        *keys], check=True)
+
+    def screen(self) -> str:
+        return subprocess.run([*self.base, "capture-pane", "-p", "-t", self.name], check=True,
+                              capture_output=True, text=True).stdout
+
+    def wait_for(self, predicate, timeout: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self.screen()
+            if predicate(text):
+                return text
+            time.sleep(0.2)
+        raise AssertionError(f"screen never matched:\n{self.screen()}")
+
+    def kill(self) -> None:
+        """Kill the session (SIGHUP to the app), keeping the private server for a restart."""
+        subprocess.run([*self.base, "kill-session", "-t", self.name], capture_output=True)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and subprocess.run(
+                [*self.base, "has-session", "-t", self.name], capture_output=True).returncode == 0:
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        subprocess.run([*self.base, "kill-server"], capture_output=True)
