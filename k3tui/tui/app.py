@@ -389,9 +389,7 @@ class ChatScreen(Screen):
 
     def _picked(self) -> ChatMessage | None:
         """The highlighted message, if it is still on screen (regenerate removes one)."""
-        if self.picked is not None and self.picked.parent is None:
-            self.picked = None
-        return self.picked
+        return self.picked if self.picked is not None and self.picked.parent else None
 
     def _label(self, message: ChatMessage) -> str:
         """'answer 2 of 5' / 'prompt 1 of 5': what the user sees counted in the chat."""
@@ -439,16 +437,17 @@ class ChatScreen(Screen):
             chat.scroll_to_widget(message, animate=False, top=True, immediate=True)
 
     def clear_pick(self, follow: bool = False) -> None:
-        picked = self._picked()
-        self.picked = None
+        picked, self.picked = self.picked, None
         self._code_at = None
-        if picked is not None:
+        if picked is None:
+            return
+        if picked.parent is not None:  # Ctrl+E / Ctrl+R may have removed it
             picked.set_picked(None)
-            chat = self.query_one("#chat", ChatLog)
-            if follow:
-                chat.follow()
-            else:
-                chat.hold(False)
+        chat = self.query_one("#chat", ChatLog)
+        if follow:
+            chat.follow()
+        else:
+            chat.hold(False)
 
     @on(Prompt.Changed)
     def _typed(self, event: Prompt.Changed) -> None:

@@ -177,6 +177,29 @@ async def test_copy_pick_typing_and_escape_clear_the_highlight(app_factory):
         assert app.chat.query_one(Prompt).text == "hi"  # the draft is untouched
 
 
+async def test_copy_pick_regenerate_and_edit_drop_the_highlight(app_factory):
+    stream = ScriptedStream("")
+    app = app_factory(stream)
+    async with app.run_test(size=SIZE) as pilot:
+        await three_turns(app, pilot, stream)
+        chat = app.chat.query_one("#chat")
+        await press(pilot, "ctrl+up")  # the newest answer, which Ctrl+R replaces
+        assert len(picked(app)) == 1
+        stream.content = "a fresh third answer"
+        await pilot.press("ctrl+r")
+        await settle(app, pilot)
+        assert picked(app) == [] and not chat.held
+        await wait_until(pilot, lambda: chat.scroll_y == chat.max_scroll_y)  # following
+        await pilot.press("ctrl+y")
+        assert app.clipboard == "a fresh third answer"
+        await press(pilot, "ctrl+up", "ctrl+up")  # the last prompt, which Ctrl+E takes back
+        await pilot.press("ctrl+e")
+        await wait_until(pilot, lambda: app.chat.query_one(Prompt).text == "third question")
+        await wait_until(pilot, lambda: picked(app) == [] and not chat.held)
+        await pilot.press("ctrl+y")
+        assert app.clipboard == ANSWERS[1]  # the last answer left
+
+
 async def test_copy_pick_while_streaming_and_escape_still_stops(app_factory):
     stream = ScriptedStream("")
     app = app_factory(stream)
