@@ -675,7 +675,7 @@ class ChatApp(App):
         self.push_screen(StartupScreen(title, self.starter, log_path), started)
 
     def copy(self, text: str) -> list[str]:
-        """OSC 52 through our own driver (tmux-wrapped), plus a local clipboard tool."""
+        """OSC 52 through our own driver (in tmux also wrapped), plus a local clipboard tool."""
         self._clipboard = text  # Textual's in-app clipboard, for pasting into the prompt
         driver = self._driver
         if driver is None or self.is_headless:

@@ -82,14 +82,15 @@ async def test_copy_pick_earlier_answer_not_its_reasoning(app_factory):
     async with app.run_test(size=SIZE) as pilot:
         await three_turns(app, pilot, stream)
         answers = list(app.chat.query(AssistantMessage))
-        assert not in_view(app, answers[1])  # the view is at the newest answer
+        # the view is at the newest answer (each is taller than the view)
+        await wait_until(pilot, lambda: not in_view(app, answers[1]))
         assert picked(app) == []
         # newest answer, its prompt, then the answer before: answer 2 of 3
         await press(pilot, "ctrl+up", "ctrl+up", "ctrl+up")
         assert picked(app) == [answers[1]]
         await wait_until(pilot, lambda: in_view(app, answers[1]))  # scrolled to it
         assert answers[1].styles.border_top[0] == "heavy"  # the highlight is drawn
-        assert "answer 2 of 3 · ctrl+y copies" in screen_text(app)
+        await wait_until(pilot, lambda: "answer 2 of 3 · ctrl+y copies" in screen_text(app))
         await pilot.press("ctrl+y")
         assert app.clipboard == ANSWERS[1]  # exactly the answer: no reasoning in it
         assert "I think" not in app.clipboard
@@ -107,7 +108,7 @@ async def test_copy_pick_earlier_user_prompt(app_factory):
         await press(pilot, *["ctrl+up"] * 4)  # a3, u3, a2, u2
         assert picked(app) == [users[1]]
         await wait_until(pilot, lambda: in_view(app, users[1]))
-        assert "you · prompt 2 of 3" in screen_text(app)
+        await wait_until(pilot, lambda: "you · prompt 2 of 3" in screen_text(app))
         await pilot.press("ctrl+y")
         assert app.clipboard == "second question\nover two lines"
         assert notes(app)[-1].startswith("Copied prompt 2 of 3 (30 chars)")
