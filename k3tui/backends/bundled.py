@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from k3tui.backends.llama_server import free_port, wait_ready
+from k3tui.backends.llama_server import wait_ready
 from k3tui.backends.running import ProgressCallback, RunningBackend
 from k3tui.errors import K3Error
 from k3tui.paths import get_paths
@@ -50,7 +50,8 @@ def start_engine(checkpoint: Path | str, *, args: Sequence[str] = (), host: str 
     if not checkpoint.exists():
         raise K3Error(f"The checkpoint {checkpoint} does not exist.",
                       "run `k3tui download`, or set `dir` in [model] of the config")
-    port = port or free_port(host)
+    # With port 0 the engine binds a free port itself and names it in its "listening on"
+    # line (no window in which another program could take a port chosen for it).
     argv = [*engine_argv, str(checkpoint), "--host", host, "--port", str(port)]
     if api_key:
         argv += ["--api-key", api_key]
@@ -59,7 +60,7 @@ def start_engine(checkpoint: Path | str, *, args: Sequence[str] = (), host: str 
     argv += list(args)
     logs = get_paths().logs_dir
     logs.mkdir(parents=True, exist_ok=True)
-    log_path = logs / f"engine-{time.strftime('%Y%m%d-%H%M%S')}-{port}.log"
+    log_path = logs / f"engine-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{port}.log"
     env = dict(os.environ, PYTHONUNBUFFERED="1")  # the "listening" line must reach the log now
     shown = ["***" if i and argv[i - 1] == "--api-key" else a for i, a in enumerate(argv)]
     with open(log_path, "ab") as log:
@@ -77,7 +78,7 @@ def start_engine(checkpoint: Path | str, *, args: Sequence[str] = (), host: str 
                              log_path=log_path, command=argv, process=proc)
     try:
         wait_ready(backend, on_progress=on_progress, timeout_s=load_timeout_s,
-                   ready_line="listening on")
+                   ready_line="listening on", url_from_line=not port)
     except BaseException:
         backend.stop()
         raise

@@ -835,9 +835,11 @@ def start(prepared: Prepared, *, on_progress: ProgressCallback | None = None,
 
 def wait_ready(backend: RunningBackend, *, total_bytes: int | None = None,
                on_progress: ProgressCallback | None = None, timeout_s: float = 3600.0,
-               interval_s: float = 0.25, ready_line: str | None = None) -> None:
+               interval_s: float = 0.25, ready_line: str | None = None,
+               url_from_line: bool = False) -> None:
     """Poll /health until 200, reporting elapsed time, read bytes and RSS; a process that
-    exits first becomes a K3Error carrying the last log lines."""
+    exits first becomes a K3Error carrying the last log lines. With `url_from_line` the
+    server chose its own port: the base URL is the one its `ready_line` names."""
     import httpx  # here, so `k3tui serve --dry-run` and the doctor stay quick
     import psutil
 
@@ -855,7 +857,10 @@ def wait_ready(backend: RunningBackend, *, total_bytes: int | None = None,
                 raise K3Error(f"{backend.kind} {why} while loading.\n"
                               f"last log lines ({backend.log_path}):\n{failed.log_tail}",
                               hint_from_log(failed.log_tail))
-            ready = ready_line is None or ready_line in backend.log_tail(200)
+            tail = backend.log_tail(200) if ready_line else ""
+            ready = ready_line is None or ready_line in tail
+            if ready and url_from_line and ready_line:
+                backend.base_url = _url_after(tail, ready_line, backend.base_url)
             message = ""
             if ready:
                 with contextlib.suppress(httpx.HTTPError, ValueError):
@@ -874,6 +879,18 @@ def wait_ready(backend: RunningBackend, *, total_bytes: int | None = None,
                     read, rss = _tree_io(ps)
                 on_progress(LoadProgress(elapsed, read, rss, total_bytes, message))
             time.sleep(interval_s if elapsed > 2.0 else 0.05)  # tiny models: ready at once
+
+
+def _url_after(tail: str, marker: str, default: str) -> str:
+    """The URL in the last line holding `marker` ("listening on http://127.0.0.1:40123");
+    a wildcard bind host is reached through loopback."""
+    line = next((ln for ln in reversed(tail.splitlines()) if marker in ln), "")
+    url = line.split(marker, 1)[-1].strip().split()[0] if marker in line else ""
+    if not url.startswith("http"):
+        return default
+    for wildcard in ("//0.0.0.0:", "//[::]:"):
+        url = url.replace(wildcard, "//127.0.0.1:")
+    return url
 
 
 def _tree_io(ps: Any) -> tuple[int | None, int | None]:

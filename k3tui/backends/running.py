@@ -160,8 +160,9 @@ class RunningBackend:
             yield event
 
     async def _explain(self, event: BackendError) -> BackendError:
-        # The connection usually breaks a moment before the exit status is visible.
-        deadline = time.monotonic() + 1.0
+        # The connection usually breaks a moment before the exit status is visible (longer
+        # on a loaded machine). A server still alive after 5 s is reported as it is.
+        deadline = time.monotonic() + 5.0
         while self.process is not None and self.process.poll() is None \
                 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

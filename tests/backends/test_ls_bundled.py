@@ -35,7 +35,10 @@ async def test_ls_engine_starts_streams_k3_stats_and_stops(checkpoint, started):
     started.append(backend)
     assert backend.kind == "bundled" and backend.base_url.startswith("http://127.0.0.1:")
     assert httpx.get(backend.base_url + "/health").status_code == 200
-    assert "listening on" in backend.log_path.read_text()
+    # The engine chose its own port (--port 0) and k3tui took the URL from its line.
+    log = backend.log_path.read_text()
+    assert "--port 0" in log and f"listening on {backend.base_url}\n" in log
+    assert not backend.base_url.endswith(":0")
     events = [e async for e in backend.chat([{"role": "user", "content": "hi"}],
                                             max_tokens=12)]
     assert "".join(e.text for e in events if isinstance(e, ReasoningDelta))
