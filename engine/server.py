@@ -930,8 +930,13 @@ def load_engine(checkpoint: Path, tokenizer_dir: Path, args: argparse.Namespace,
     )
     max_pos = getattr(cfg, "max_position_embeddings", None) or n_ctx
 
+    delay = getattr(args, "debug_token_delay", 0.0)
+
     def gen(prompt_ids, params, cancel=None, logits_hook=None):
-        return generate(model, prompt_ids, params, cancel=cancel, logits_hook=logits_hook)
+        for token in generate(model, prompt_ids, params, cancel=cancel, logits_hook=logits_hook):
+            if delay:  # tests: a reply slow enough to stop or kill half-way on any machine
+                time.sleep(delay)
+            yield token
 
     return Loaded(
         tok=tok,
@@ -973,6 +978,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steer-demo", action="store_true",
                         help="demo for random-weight models: readable words in a scripted think/answer shape")
     parser.add_argument("--debug-load-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument("--debug-token-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     from engine.planner import add_memory_arguments
 
     add_memory_arguments(parser)

@@ -224,7 +224,7 @@ def _tmux(*args):
     return subprocess.run(["tmux", *args], capture_output=True, text=True)
 
 
-def _wait_for(session, *texts, timeout=20.0):
+def _wait_for(session, *texts, timeout=60.0):
     """The screen once any of `texts` shows."""
     deadline = time.monotonic() + timeout
     screen = ""

@@ -33,7 +33,10 @@ def demo_checkpoint(tmp_path_factory):
 def engine_server(demo_checkpoint, tmp_path):
     log = open(tmp_path / "engine.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", str(demo_checkpoint),
-                             "--port", "0", "--steer-demo", "--budget-gb", "0.021"],
+                             "--port", "0", "--steer-demo", "--budget-gb", "0.021",
+                             # ~90 tokens take >= 7 s: Esc and the kill land mid-answer
+                             # even on a fast, idle machine
+                             "--debug-token-delay", "0.08"],
                             stdout=subprocess.PIPE,
                             stderr=log, text=True, cwd=REPO_ROOT)
     url = None

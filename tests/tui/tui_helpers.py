@@ -36,7 +36,7 @@ def build_app(tmp_path, stream=None, *, history=None, clock=None, **kwargs) -> C
                    clock=clock, **kwargs)
 
 
-async def wait_until(pilot, predicate, timeout: float = 10.0) -> None:
+async def wait_until(pilot, predicate, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
