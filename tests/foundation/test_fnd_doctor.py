@@ -48,7 +48,7 @@ def test_doctor_text_is_fast_and_names_next_steps(tmp_path):
     t0 = time.perf_counter()
     res = doctor("--dir", str(tmp_path))
     elapsed = time.perf_counter() - t0
-    assert elapsed < 2.0, elapsed
+    assert elapsed < 10.0, elapsed  # a hang guard (~0.3 s here), not a benchmark
     out = res.stdout
     cores = len(os.sched_getaffinity(0))
     assert f"{cores} usable cores" in out
