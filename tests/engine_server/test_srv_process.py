@@ -294,5 +294,5 @@ def test_srv_proc_sigterm_ends_a_running_stream(small_ckpt):
                 t0 = time.monotonic()
         # the stream ends without [DONE] (cut, not finished) well before 6000 tokens
         assert "data: [DONE]" not in lines
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 20  # vs minutes for 6000 tokens; ~0.1 s measured
     assert srv.proc.wait(timeout=10) in (0, -signal.SIGTERM)
