@@ -377,7 +377,14 @@ class Wizard:
             choices.append(("auto         sized by the engine from free memory at start",
                             "auto"))
             choices.append(("custom       my own trunk and cache sizes", "custom"))
-            preset = self.select("Engine memory preset:", choices, default=plan.preset)
+            while True:
+                preset = self.select("Engine memory preset:", choices, default=plan.preset)
+                warning = oversized_preset(preset, plan, self.report)
+                if warning is None:
+                    break
+                self.say(warning)
+                if self.confirm("Use it anyway?", default=False):
+                    break
             cfg.engine.preset = preset
             if preset == "custom":  # the engine needs both sizes, each above zero
                 cfg.engine.trunk_gb = self._ask_float("Trunk GB:", plan.trunk_gb, positive=True)
@@ -459,14 +466,21 @@ def answers_from_flags(report: MachineReport, existing: Config, *, model: str | 
         cfg.engine.preset = preset
     result = SetupResult(cfg, plan)
     result.notes = [f"{f.level}: {f.message}" for f in plan.findings if f.level != "info"]
-    chosen, usable = PRESETS.get(cfg.engine.preset), usable_bytes(report)
-    if kind == "safetensors" and chosen and chosen.name != plan.preset \
-            and chosen.peak_rss_gb * 1e9 > usable:  # the plan already warns about its own
-        result.notes.append(
-            f"warn: the {chosen.name} preset peaks at ~{chosen.peak_rss_gb:g} GB but "
+    warning = oversized_preset(cfg.engine.preset, plan, report) if kind == "safetensors" else None
+    if warning is not None:
+        result.notes.append(warning)
+    return result
+
+
+def oversized_preset(name: str, plan: Plan, report: MachineReport) -> str | None:
+    """A warning when a named preset other than the recommended one peaks above the memory
+    usable here (the plan already warns about its own pick)."""
+    chosen, usable = PRESETS.get(name), usable_bytes(report)
+    if chosen is None or chosen.name == plan.preset or chosen.peak_rss_gb * 1e9 <= usable:
+        return None
+    return (f"warn: the {chosen.name} preset peaks at ~{chosen.peak_rss_gb:g} GB but "
             f"{usable / 1e9:.1f} GB is usable here: expect swapping (recommended: "
             f"{plan.preset}; `k3tui config set engine.preset {plan.preset}`)")
-    return result
 
 
 def _flag_key_advice(url: str, key_env: str, source: str, auth: str) -> str:

@@ -70,7 +70,11 @@ def test_laptop_happy_path_writes_config_and_token():
 
 def test_preset_override_and_custom_sizes():
     report = load_report("laptop-8g")
-    rc, _ = drive(ENTER + ENTER + ENTER + DOWN + ENTER + "y", report)
+    # desktop peaks at ~32 GB on an 8 GB laptop: warned, declined, asked again, laptop kept
+    rc, out = drive(ENTER + ENTER + ENTER + DOWN + ENTER + "n" + ENTER + "y", report)
+    assert rc == 0 and load_config().engine.preset == "laptop"
+    assert "the desktop preset peaks at ~31.9 GB" in out and "expect swapping" in out
+    rc, _ = drive(ENTER + ENTER + ENTER + DOWN + ENTER + "y" + "y", report)  # use it anyway
     assert rc == 0 and load_config().engine.preset == "desktop"
     keys = ENTER + ENTER + ENTER + DOWN * 6 + ENTER + CLEAR + "2.5" + ENTER + CLEAR + "0.5" \
         + ENTER + "y"
