@@ -52,4 +52,11 @@ class BackendError:
     log_tail: str = ""
 
 
-StreamEvent = ReasoningDelta | ContentDelta | TokenStats | Finished | BackendError
+@dataclass(frozen=True)
+class Waiting:
+    """The server is up but still loading the model: the prompt is sent once it is ready."""
+
+    message: str
+
+
+StreamEvent = ReasoningDelta | ContentDelta | TokenStats | Finished | BackendError | Waiting

@@ -13,6 +13,7 @@ context, which closes the connection, which makes llama-server cancel the task.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import ssl
 import time
@@ -29,12 +30,14 @@ from k3tui.backends.events import (
     ReasoningDelta,
     StreamEvent,
     TokenStats,
+    Waiting,
 )
 
 # A streamed token can take minutes on the bundled engine at a small budget, and
 # llama-server pings only every 30 s, so the read timeout is generous; connect is not.
 READ_TIMEOUT_S = 900.0
 CONNECT_TIMEOUT_S = 10.0
+LOADING_POLL_S = 1.0  # /health polls while a server loads its model
 
 
 def api_base(base_url: str) -> str:
@@ -242,8 +245,10 @@ def error_event(err: Any, status: int | None = None) -> BackendError:
     elif code == 401 or kind == "authentication_error":
         step = ("check the API key: `k3tui chat --url URL --api-key-env NAME` reads it from "
                 "$NAME; for the configured endpoint, run `k3tui setup` again")
-    elif code == 503 or kind == "unavailable_error":
+    elif (code == 503 or kind == "unavailable_error") and "loading" in message.lower():
         step = "the model is still loading; wait and send again"
+    elif code == 503 or kind == "unavailable_error":
+        step = "the backend is busy with other requests; wait a moment and send again"
     elif code == 404:
         step = "check the backend URL (it must serve /v1/chat/completions)"
     else:
@@ -270,28 +275,29 @@ async def stream_chat(base_url: str, messages: list[dict[str, Any]], *,
     interp = ChunkInterpreter(max_tokens=body.get("max_tokens"), clock=clock)
     try:
         try:
-            async with http.stream("POST", url, json=body, headers=_headers(api_key)) as resp:
-                if resp.status_code != 200:
+            while True:
+                async with http.stream("POST", url, json=body, headers=_headers(api_key)) as resp:
+                    if resp.status_code == 200:
+                        async for event in _read_answer(resp, interp):
+                            yield event
+                            if isinstance(event, BackendError):
+                                return
+                        break
                     raw = (await resp.aread()).decode("utf-8", "replace")
+                if resp.status_code != 503 or not _is_loading(raw):
                     yield _http_error(resp.status_code, raw)
                     return
-                parser = SSEParser()
-                async for line in resp.aiter_lines():
-                    payload = parser.feed(line)
-                    if payload is None:
-                        continue
-                    for event in interp.data(payload):
-                        yield event
-                        if isinstance(event, BackendError):
-                            return
-                    if interp.turn.done:
-                        break
-                tail = parser.flush()
-                if tail is not None:
-                    for event in interp.data(tail):
-                        yield event
-                        if isinstance(event, BackendError):
-                            return
+                # Up but still loading (a chat started beside a loading server): wait for
+                # /health, then send the prompt; Esc cancels the wait as it stops a stream.
+                yield Waiting("the model is still loading; your prompt is sent when it is "
+                              "ready (Esc cancels)")
+                while not (state := await health(base_url, api_key=api_key, client=http)).ok:
+                    if state.status is None:
+                        yield BackendError("The backend stopped answering while it loaded "
+                                           f"({state.detail}).",
+                                           "check that it is still running, then send again")
+                        return
+                    await asyncio.sleep(LOADING_POLL_S)
         except httpx.ConnectError as exc:
             from k3tui.backends.remote import describe_transport_error, ssl_error
 
@@ -315,6 +321,30 @@ async def stream_chat(base_url: str, messages: list[dict[str, Any]], *,
     finally:
         if own:
             await http.aclose()
+
+
+async def _read_answer(resp: httpx.Response,
+                       interp: ChunkInterpreter) -> AsyncIterator[StreamEvent]:
+    """The SSE body of a 200 answer as events, until the turn is done."""
+    parser = SSEParser()
+    async for line in resp.aiter_lines():
+        payload = parser.feed(line)
+        if payload is None:
+            continue
+        for event in interp.data(payload):
+            yield event
+        if interp.turn.done:
+            return
+    tail = parser.flush()
+    if tail is not None:
+        for event in interp.data(tail):
+            yield event
+
+
+def _is_loading(raw: str) -> bool:
+    """llama-server's and the engine's 503 while the model loads ("Loading model"), not a
+    busy server's 503."""
+    return "loading" in raw.lower()
 
 
 def _http_error(status: int, raw: str) -> BackendError:

@@ -32,6 +32,7 @@ from k3tui.backends.events import (
     ReasoningDelta,
     StreamEvent,
     TokenStats,
+    Waiting,
 )
 from k3tui.history import History
 from k3tui.monitor import Monitor, Sample
@@ -277,6 +278,8 @@ class ChatScreen(Screen):
                     status, note = "error", ev.message
                     self._backend_failed(ev.message, ev.next_step)
                     break
+                elif isinstance(ev, Waiting):
+                    widget.show_waiting(f"⏳ {ev.message}")
                 if time.monotonic() - last_save > SAVE_EVERY_S:
                     last_save = time.monotonic()
                     history.update_message(message_id, content=widget.content,

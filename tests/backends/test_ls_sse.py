@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 from ls_helpers import ReplayServer
 
-from k3tui.backends.events import BackendError, ContentDelta, Finished, ReasoningDelta, TokenStats
+from k3tui.backends.events import (
+    BackendError,
+    ContentDelta,
+    Finished,
+    ReasoningDelta,
+    TokenStats,
+    Waiting,
+)
 from k3tui.backends.openai_stream import (
     ChunkInterpreter,
     api_base,
@@ -128,14 +135,54 @@ async def test_ls_stream_cut_without_finish_is_an_error(replay):
                      "type": "exceed_context_size_error"}}, "ctx_size"),
     (401, {"error": {"code": 401, "message": "Invalid API Key",
                      "type": "authentication_error"}}, "API key"),
-    (503, {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}},
-     "loading"),
+    (503, {"error": {"code": 503, "message": "the server is busy: 8 requests are already "
+                     "waiting", "type": "unavailable_error"}}, "busy with other requests"),
 ])
 async def test_ls_http_errors_become_one_sentence_and_next_step(replay, status, body, needle):
     replay.status, replay.parts = status, [json.dumps(body).encode()]
     events = await collect(replay.url)
     assert len(events) == 1 and isinstance(events[0], BackendError)
     assert body["error"]["message"] in events[0].message and needle in events[0].next_step
+
+
+async def test_ls_loading_server_waits_then_sends_the_prompt(replay):
+    import asyncio
+
+    loading = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+    replay.status, replay.parts = 503, [json.dumps(loading).encode()]
+    events: list = []
+
+    async def run():
+        async for ev in stream_chat(replay.url, [{"role": "user", "content": "hi"}]):
+            events.append(ev)
+
+    task = asyncio.create_task(run())
+    for _ in range(1500):
+        if events:
+            break
+        await asyncio.sleep(0.02)
+    assert isinstance(events[0], Waiting) and "still loading" in events[0].message
+    await asyncio.sleep(1.5)  # /health still says 503: the client keeps waiting
+    assert not task.done() and len(events) == 1
+    replay.parts = sse(delta(content="ready now"), {"choices": [
+        {"index": 0, "delta": {}, "finish_reason": "stop"}]}, b"data: [DONE]\n\n")
+    replay.status = 200
+    await asyncio.wait_for(task, 30)
+    assert texts(events, ContentDelta) == "ready now" and isinstance(events[-1], Finished)
+    assert len(replay.requests) == 2  # the prompt was sent again once, when ready
+
+
+async def test_ls_server_dying_while_loading_is_a_backend_error(replay):
+    import asyncio
+
+    loading = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+    replay.status, replay.parts = 503, [json.dumps(loading).encode()]
+    gen = stream_chat(replay.url, [{"role": "user", "content": "hi"}])
+    assert isinstance(await gen.__anext__(), Waiting)
+    replay.stop()
+    last = await asyncio.wait_for(gen.__anext__(), 30)
+    assert isinstance(last, BackendError) and "stopped answering while it loaded" in last.message
+    await gen.aclose()
 
 
 async def test_ls_connection_refused_is_a_backend_error():

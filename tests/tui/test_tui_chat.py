@@ -274,3 +274,29 @@ async def test_tui_chat_long_answer_is_sealed_into_segments(app_factory):
         assert all(s.source.count("```") % 2 == 0 for s in segments[:-1])
         # Few widgets however long the answer: the layout stays cheap.
         assert len(list(app.chat.walk_children())) < 60
+
+
+async def test_tui_chat_waits_for_a_loading_server_then_answers(tmp_path):
+    from k3tui.backends.events import ContentDelta, Finished, Waiting
+
+    ready = asyncio.Event()
+
+    async def stream(messages):
+        yield Waiting("the model is still loading; your prompt is sent when it is ready")
+        await ready.wait()
+        yield ContentDelta("Loaded and answering.")
+        yield Finished("stop")
+
+    app = build_app(tmp_path, stream)
+    async with app.run_test() as pilot:
+        await type_and_send(pilot, "hello")
+        await wait_until(pilot, lambda: "still loading" in screen_text(app))
+        answer = app.chat.query_one(AssistantMessage)
+        assert answer.status == "streaming" and answer.content == ""
+        ready.set()
+        await wait_until(pilot, lambda: answer.status == "done")
+        await settle(app, pilot)
+        text = screen_text(app)
+        assert "Loaded and answering." in text and "still loading" not in text
+        msgs = app.history.messages(app.chat.conversation_id)
+        assert (msgs[1].content, msgs[1].status) == ("Loaded and answering.", "done")

@@ -98,7 +98,18 @@ class AssistantMessage(Vertical):
     def reasoning_block(self) -> Collapsible:
         return self.query_one(".reasoning", Collapsible)
 
+    def show_waiting(self, text: str) -> None:
+        """A status line under the empty answer while the server loads its model; the
+        first token clears it."""
+        self.note = text
+        self._show_status()
+
+    def _end_waiting(self) -> None:
+        if self.note and not (self.content or self.reasoning):
+            self.show_waiting("")
+
     async def add_reasoning(self, text: str) -> None:
+        self._end_waiting()
         self.reasoning += text
         block = self.reasoning_block
         if not block.display:
@@ -107,6 +118,7 @@ class AssistantMessage(Vertical):
         await self._maybe_flush()
 
     async def add_content(self, text: str) -> None:
+        self._end_waiting()
         first = not self.content
         self.content += text
         if first and self.reasoning:
