@@ -22,7 +22,7 @@ from engine.errors import CheckpointError, EngineError
 from engine.kda import KDAState, kda_mixer
 from engine.kernels import linear, rmsnorm, to_f32
 from engine.mla import MLAState, mla_mixer
-from engine.moe import dense_ffn, latent_moe, route
+from engine.moe import dense_ffn, distinct, latent_moe, route
 from engine.safetensors import SafetensorsIndex
 from engine.weights import ResidentSource, TensorNames, WeightSource
 
@@ -110,26 +110,26 @@ class Model:
         cfg = self.config
         if not cfg.is_moe(layer):
             return dense_ffn(x, w, cfg)
-        ids, weights = route(x, w["block_sparse_moe.gate.weight"],
-                             w["block_sparse_moe.gate.e_score_correction_bias"],
-                             cfg.num_experts_per_token, cfg.routed_scaling_factor)
-        needed = [int(e) for e in np.unique(ids)]
+        ids, weights = self.router(w, x)
         # Entering issues the reads; latent_moe computes the shared experts before it
         # touches a routed one, so that compute overlaps the disk.
-        with self.source.experts(layer, needed) as experts:
+        with self.source.experts(layer, distinct(ids)) as experts:
             return latent_moe(x, w, experts, ids, weights, cfg)
+
+    def router(self, w: Mapping[str, np.ndarray], x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The layer's router on x (normalised): expert ids and weights [T, top-k]."""
+        cfg = self.config
+        return route(x, w["block_sparse_moe.gate.weight"],
+                     w["block_sparse_moe.gate.e_score_correction_bias"],
+                     cfg.num_experts_per_token, cfg.routed_scaling_factor)
 
     def likely_experts(self, w: Mapping[str, np.ndarray], x: np.ndarray) -> list[int]:
         """The router applied to the attention's input instead of its output: one mixer
         moves the residual stream little, so this names most of the experts the layer
         will choose (~90 % on the synthesised checkpoints), early enough for their reads
         to overlap the attention. Only a hint for the weight source."""
-        cfg = self.config
-        xn = rmsnorm(x, w["post_attention_layernorm.weight"], cfg.rms_norm_eps)
-        ids, _ = route(xn, w["block_sparse_moe.gate.weight"],
-                       w["block_sparse_moe.gate.e_score_correction_bias"],
-                       cfg.num_experts_per_token, cfg.routed_scaling_factor)
-        return [int(e) for e in np.unique(ids)]
+        xn = rmsnorm(x, w["post_attention_layernorm.weight"], self.config.rms_norm_eps)
+        return distinct(self.router(w, xn)[0])
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         return to_f32(self.source.model_tensor("embed_tokens.weight")[ids]).astype(np.float32)

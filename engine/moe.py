@@ -86,6 +86,11 @@ def route(x: np.ndarray, gate: np.ndarray, bias: np.ndarray, top_k: int,
     return ids, (weights * np.float32(scaling)).astype(np.float32)
 
 
+def distinct(ids: np.ndarray) -> list[int]:
+    """Each expert of a routing once, in id order."""
+    return [int(e) for e in np.unique(ids)]
+
+
 def latent_moe(x: np.ndarray, w: Mapping[str, np.ndarray], experts: Mapping[int, Expert],
                ids: np.ndarray, weights: np.ndarray, cfg: ModelConfig,
                prefix: str = "block_sparse_moe.") -> np.ndarray:
@@ -102,7 +107,7 @@ def latent_moe(x: np.ndarray, w: Mapping[str, np.ndarray], experts: Mapping[int,
                           w[f"{prefix}shared_experts.down_proj.weight"], cfg)  # original x, unweighted
     z = linear(x, w[f"{prefix}routed_expert_down_proj.weight"])  # to the latent width
     y = np.zeros((T, k, z.shape[1]), np.float32)
-    unique = [int(e) for e in np.unique(ids)]  # each expert once, over the tokens that chose it
+    unique = distinct(ids)  # each expert once, over the tokens that chose it
     chosen = [np.nonzero(ids == e) for e in unique]
     outs = run_experts(z, [tok for tok, _ in chosen], unique, experts, cfg)
     for (tok, slot), out in zip(chosen, outs):
