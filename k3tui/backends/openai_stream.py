@@ -245,7 +245,7 @@ def error_event(err: Any, status: int | None = None) -> BackendError:
     elif code == 401 or kind == "authentication_error":
         step = ("check the API key: `k3tui chat --url URL --api-key-env NAME` reads it from "
                 "$NAME; for the configured endpoint, run `k3tui setup` again")
-    elif (code == 503 or kind == "unavailable_error") and "loading" in message.lower():
+    elif (code == 503 or kind == "unavailable_error") and _is_loading(message):
         step = "the model is still loading; wait and send again"
     elif code == 503 or kind == "unavailable_error":
         step = "the backend is busy with other requests; wait a moment and send again"
@@ -341,10 +341,10 @@ async def _read_answer(resp: httpx.Response,
             yield event
 
 
-def _is_loading(raw: str) -> bool:
+def _is_loading(text: str) -> bool:
     """llama-server's and the engine's 503 while the model loads ("Loading model"), not a
-    busy server's 503."""
-    return "loading" in raw.lower()
+    busy server's 503 (an error body or its message)."""
+    return "loading" in text.lower()
 
 
 def _http_error(status: int, raw: str) -> BackendError:
