@@ -60,39 +60,30 @@ def hub_token() -> str | None:
     return get_token() or load_credentials().get("hf_token") or None
 
 
-def token_origin(token: str) -> str:
+def token_origin(token: str) -> tuple[str, str]:
     """Where `token` comes from, as words that follow "The Hugging Face token" (never the
-    token itself)."""
+    token itself), and how to replace it from there. HF_TOKEN wins over the `hf auth login`
+    file, which wins over the token `k3tui setup` stored."""
     from huggingface_hub import constants
 
     from k3tui.config import load_credentials
     from k3tui.paths import get_paths
 
+    new = "export HF_TOKEN=<a new token from huggingface.co/settings/tokens>"
     for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
         if (os.environ.get(var) or "").strip() == token:
-            return f"in {var}"
+            return f"in {var}", new
     try:
         if Path(constants.HF_TOKEN_PATH).read_text().strip() == token:
-            return f"saved by `hf auth login` ({constants.HF_TOKEN_PATH})"
+            return (f"saved by `hf auth login` ({constants.HF_TOKEN_PATH})",
+                    f"run `hf auth login` with a new token, or {new}")
     except OSError:
         pass
     if load_credentials().get("hf_token") == token:
-        return f"that `k3tui setup` stored in {get_paths().credentials_file}"
-    return ""
-
-
-def _token_advice(origin: str) -> str:
-    """How to replace a refused token, depending on where it came from. HF_TOKEN wins over
-    the `hf auth login` file, which wins over the token `k3tui setup` stored."""
-    new = "export HF_TOKEN=<a new token from huggingface.co/settings/tokens>"
-    if origin.startswith("in "):
-        return new
-    if "hf auth login" in origin:
-        return f"run `hf auth login` with a new token, or {new}"
-    if "k3tui setup" in origin:
-        return (f"run `k3tui setup` and paste a new token when it asks, or {new} (it takes "
-                "precedence)")
-    return "use a valid token"
+        return (f"that `k3tui setup` stored in {get_paths().credentials_file}",
+                (f"run `k3tui setup` and paste a new token when it asks, or {new} (it takes "
+                 "precedence)"))
+    return "", "use a valid token"
 
 
 def redact(text: str) -> str:
@@ -140,7 +131,8 @@ def explain(exc: BaseException, repo: str, revision: str = "main",
 
     page = f"{hub_endpoint()}/{repo}"
     status = _status(exc)
-    origin = token_origin(token_sent) if isinstance(token_sent, str) and token_sent else ""
+    origin, replace_token = (token_origin(token_sent) if isinstance(token_sent, str)
+                             and token_sent else ("", "use a valid token"))
     from_origin = f" {origin}" if origin else ""
     give_token = ("set HF_TOKEN, run `hf auth login`, or paste it into `k3tui setup` (stored "
                   f"0600 in {get_paths().credentials_file})")
@@ -155,7 +147,7 @@ def explain(exc: BaseException, repo: str, revision: str = "main",
         if token_sent:
             return K3Error(f"The Hugging Face token{from_origin} was refused (invalid or "
                            f"expired), and {repo} is gated.",
-                           _token_advice(origin) + ", then rerun")
+                           replace_token + ", then rerun")
         return K3Error(f"{repo} is gated: downloading it needs a Hugging Face token.",
                        f"accept the terms on {page}, then {give_token}, and rerun")
     if isinstance(exc, e.RevisionNotFoundError):
@@ -170,7 +162,7 @@ def explain(exc: BaseException, repo: str, revision: str = "main",
     if status == 401:
         if token_sent:
             return K3Error(f"The Hugging Face token{from_origin} was refused (invalid or "
-                           "expired).", _token_advice(origin) + ", then rerun")
+                           "expired).", replace_token + ", then rerun")
         return K3Error(f"The Hub refused access to {repo} without a token.",
                        f"{give_token}, then rerun")
     if status == 403:
