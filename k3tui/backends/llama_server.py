@@ -450,6 +450,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def merge_flags(flags: Sequence[tuple[str, str | None]], canon: Callable[[str], str] = str
+                ) -> dict[str, tuple[str, str | None]]:
+    """canonical flag -> (spelling, value), the later writer winning (and placed where it
+    was written); --cpu-moe always brings --no-host (the 545 GB pinned-memory lesson)."""
+    merged: dict[str, tuple[str, str | None]] = {}
+    for flag, val in flags:
+        merged.pop(canon(flag), None)
+        merged[canon(flag)] = (flag, val)
+    if "--cpu-moe" in merged and "--no-host" not in merged:
+        merged["--no-host"] = ("--no-host", None)
+    return merged
+
+
 def build_command(info: BinaryInfo, shards: list[Path], *, plan_args: Sequence[str] = (),
                   overrides: Sequence[str] = (), extra_args: Sequence[str] = (),
                   host: str = "127.0.0.1", port: int = 0, alias: str = "kimi-k3",
@@ -458,18 +471,15 @@ def build_command(info: BinaryInfo, shards: list[Path], *, plan_args: Sequence[s
     """Plan args, then config overrides, then the user's extra args (later wins), checked
     against what this binary supports, with k3tui's own model/host/port/key flags."""
     warnings: list[str] = []
-    merged: dict[str, tuple[str, str | None]] = {}  # canonical -> (spelling, value)
+    kept: list[tuple[str, str | None]] = []
     for source, args in (("plan", plan_args), ("config", overrides), ("extra_args", extra_args)):
         for flag, val in split_args(args):
-            canon = info.canon(flag)
-            if canon in MANAGED:
+            if info.canon(flag) in MANAGED:
                 if source == "extra_args":
                     warnings.append(f"ignored {flag} from extra_args: k3tui sets it itself")
                 continue
-            merged.pop(canon, None)  # re-insert so order follows the last writer
-            merged[canon] = (flag, val)
-    if "--cpu-moe" in merged and "--no-host" not in merged:
-        merged["--no-host"] = ("--no-host", None)  # the 545 GB pinned-memory lesson
+            kept.append((flag, val))
+    merged = merge_flags(kept, info.canon)
     final: list[tuple[str, str | None]] = []
     for canon, (flag, val) in merged.items():
         if info.supports(flag) or info.supports(canon):
@@ -593,15 +603,9 @@ def planned_command(plan_args: Sequence[str], *, limit_bytes: int | None = None,
     (`k3tui plan`): the flags k3tui always adds merged with the plan's the way
     `build_command` merges them, and the systemd-run wrapper when that is how the memory
     limit applies. (A cgroup-v2 limit needs no wrapper word: the server is moved into it.)"""
-    merged: dict[str, str | None] = {}
-    for flag, val in split_args(BASE_ARGS + list(plan_args)):
-        merged.pop(flag, None)
-        merged[flag] = val
-    if "--cpu-moe" in merged and "--no-host" not in merged:
-        merged["--no-host"] = None
     argv = ["llama-server", "-m", model, "--alias", "kimi-k3", "--host", "127.0.0.1",
             "--port", "<free port>"]
-    for flag, val in merged.items():
+    for flag, val in merge_flags(split_args(BASE_ARGS + list(plan_args))).values():
         argv += [flag] if val is None else [flag, val]
     if limit_bytes and method == "systemd-run":
         argv = systemd_prefix(limit_bytes) + argv
