@@ -9,6 +9,7 @@ import signal
 import httpx
 import pytest
 
+from engine.synth import synthesize
 from k3tui.backends.events import BackendError, Finished, ReasoningDelta, TokenStats
 from k3tui.backends.launch import launch, launch_engine
 from k3tui.config import Config
@@ -17,8 +18,7 @@ from k3tui.errors import K3Error
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    synth = pytest.importorskip("engine.synth")
-    return synth.synthesize(tmp_path_factory.mktemp("ck") / "small", size="small")
+    return synthesize(tmp_path_factory.mktemp("ck") / "small", size="small")
 
 
 @pytest.fixture

@@ -5,12 +5,10 @@ the serial/parallel builds and the two decoders (table lookup vs IEEE-half bits)
 from __future__ import annotations
 
 import numpy as np
+import numba
 import pytest
 
-from engine import kernels
-
-fused = pytest.importorskip("engine.fused")
-numba = pytest.importorskip("numba")
+from engine import fused, kernels
 
 
 def _fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:

@@ -21,11 +21,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 # ---- tiny-a: the peer's oracle -------------------------------------------------------------
 @pytest.fixture(scope="module")
-def tiny_a_model(request):
-    path = REPO.parent / "shared" / "fixtures" / "kimi-k3" / "tiny-a"
-    if not path.is_dir():
-        pytest.skip("../shared is absent")
-    return load_model(path), json.loads((path / "expected.json").read_text())
+def tiny_a_model(tiny_a):
+    return load_model(tiny_a), json.loads((tiny_a / "expected.json").read_text())
 
 
 def test_tiny_a_final_logits(tiny_a_model):

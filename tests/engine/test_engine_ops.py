@@ -1,4 +1,4 @@
-"""Every per-kernel fixture in ../shared/fixtures/kimi-k3/ops/, within MANIFEST's tolerance."""
+"""Every per-kernel fixture in tests/fixtures/kimi-k3/ops/, within MANIFEST's tolerance."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ ABS, REL = 1e-5, 1e-4
 
 
 @pytest.fixture
-def ops(shared_dir) -> Path:
-    return shared_dir / "fixtures" / "kimi-k3" / "ops"
+def ops(ops_fixtures) -> Path:
+    return ops_fixtures
 
 
 def load(ops: Path, name: str) -> dict:
