@@ -8,8 +8,8 @@ layer is read while the current one computes), and gives what is left to expert 
 never fewer than top-k + 1. The plan is printed as a forecast before anything is
 allocated, and refused, with the numbers, when it cannot fit.
 
-Memory facts come straight from /proc/meminfo and the cgroup (v2 or v1) limit: the
-engine never imports k3tui.
+Memory facts come from engine.sysmem: MemAvailable and the smallest cgroup limit over the
+process's cgroup and its ancestors, the same reader k3tui's probe uses.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import argparse
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from engine.errors import PlanError
+from engine.sysmem import MemoryFacts, read_memory_facts
 
 GB = 1e9
 # Per-preset (trunk GB, expert cache GB), as the peer's `--list-presets` for the real model.
@@ -82,71 +82,6 @@ class Geometry:
     @property
     def min_expert_slots(self) -> int:
         return self.top_k + 1
-
-
-@dataclass(frozen=True)
-class MemoryFacts:
-    mem_total: int
-    mem_available: int
-    cgroup_limit: int | None
-    cgroup_usage: int | None
-
-    @property
-    def available(self) -> int:
-        """MemAvailable, or what the cgroup still allows if that is less."""
-        avail = self.mem_available
-        if self.cgroup_limit is not None:
-            avail = min(avail, self.cgroup_limit - (self.cgroup_usage or 0))
-        return max(0, avail)
-
-
-def read_memory_facts(proc: Path = Path("/proc"), cgroup: Path = Path("/sys/fs/cgroup")
-                      ) -> MemoryFacts:
-    info: dict[str, int] = {}
-    try:
-        for line in (proc / "meminfo").read_text().splitlines():
-            key, _, rest = line.partition(":")
-            parts = rest.split()
-            if parts:
-                info[key] = int(parts[0]) * (1024 if parts[-1] == "kB" else 1)
-    except OSError:
-        pass
-    total = info.get("MemTotal", 0)
-    avail = info.get("MemAvailable", info.get("MemFree", total))
-    limit, usage = _cgroup_limit(proc, cgroup)
-    return MemoryFacts(total, avail, limit, usage)
-
-
-def _read_int(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    return None if text in ("", "max") else int(text)
-
-
-def _cgroup_limit(proc: Path, cgroup: Path) -> tuple[int | None, int | None]:
-    """The memory limit of this process's cgroup (v2 `memory.max`, v1 `limit_in_bytes`)."""
-    try:
-        lines = (proc / "self" / "cgroup").read_text().splitlines()
-    except OSError:
-        lines = []
-    for line in lines:
-        _, controllers, rel = line.split(":", 2)
-        rel = rel.lstrip("/")
-        if controllers == "":  # v2 unified
-            d = cgroup / rel
-            limit = _read_int(d / "memory.max")
-            if limit is not None:
-                return limit, _read_int(d / "memory.current")
-        elif "memory" in controllers.split(","):
-            for d in (cgroup / "memory" / rel, cgroup / "memory"):
-                limit = _read_int(d / "memory.limit_in_bytes")
-                if limit is not None:
-                    if limit >= 1 << 60:  # v1 spells "no limit" as a huge number
-                        return None, None
-                    return limit, _read_int(d / "memory.usage_in_bytes")
-    return None, None
 
 
 @dataclass

@@ -18,7 +18,7 @@ __all__ = ["MachineReport", "ProbeEnv", "list_profiles", "load_report", "probe_m
 def probe_machine(target_dir: str | Path | None = None, measure: bool = False,
                   env: ProbeEnv | None = None, check_isolation: bool = True) -> MachineReport:
     """Probe this machine (or the trees `env` points at) for the model's target directory."""
-    from k3tui.probe.cgroup import probe_cgroup, read_mounts
+    from engine.sysmem import read_cgroup, read_mounts
     from k3tui.probe.cpu import probe_cpu
     from k3tui.probe.gpu import probe_gpu
     from k3tui.probe.isolation import IsolationInfo, probe_isolation
@@ -31,7 +31,7 @@ def probe_machine(target_dir: str | Path | None = None, measure: bool = False,
     env = env or ProbeEnv()
     t0 = time.perf_counter()
     mounts = read_mounts(env)
-    cg = probe_cgroup(env, mounts)
+    cg = read_cgroup(env, mounts)
     hostname, kernel = host_facts()
     report = MachineReport(hostname=hostname, kernel=kernel, probed_at=now())
     # nvidia-smi (slow without persistence mode) and systemd-run are separate processes:

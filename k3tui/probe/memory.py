@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from k3tui.probe.cgroup import CgroupInfo, memory_pressure_file
+from engine.sysmem import CgroupInfo, memory_pressure_file, parse_meminfo
 from k3tui.probe.env import ProbeEnv
 
 
@@ -37,17 +37,6 @@ class MemoryInfo:
             room = self.cgroup_limit_bytes - (self.cgroup_current_bytes or 0)
             avail = min(avail, max(0, room))
         return avail
-
-
-def parse_meminfo(text: str) -> dict[str, int]:
-    out = {}
-    for line in text.splitlines():
-        key, _, rest = line.partition(":")
-        parts = rest.split()
-        if parts and parts[0].isdigit():
-            mult = 1024 if len(parts) > 1 and parts[1].lower() == "kb" else 1
-            out[key.strip()] = int(parts[0]) * mult
-    return out
 
 
 def parse_psi(text: str | None) -> tuple[float | None, float | None]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,7 @@ from engine.planner import (
     read_memory_facts,
     wants_streaming,
 )
+from engine.sysmem import Roots, read_cgroup
 
 MB = 1_000_000
 BIG = MemoryFacts(mem_total=64 * 2**30, mem_available=60 * 2**30, cgroup_limit=None,
@@ -130,29 +132,23 @@ def test_stream_plan_auto_uses_available_memory():
         make_plan(g, preset="auto", facts=MemoryFacts(2**30, int(1.5 * GB), None, None))
 
 
-def test_stream_memory_facts_from_proc_and_cgroups(tmp_path):
-    proc = tmp_path / "proc"
-    (proc / "self").mkdir(parents=True)
-    (proc / "meminfo").write_text("MemTotal:       24000000 kB\nMemFree: 1000 kB\n"
-                                  "MemAvailable:   20000000 kB\n")
-    (proc / "self" / "cgroup").write_text("0::/user.slice/k3\n")
-    cg = tmp_path / "cg"
-    (cg / "user.slice" / "k3").mkdir(parents=True)
-    (cg / "user.slice" / "k3" / "memory.max").write_text("8589934592\n")
-    (cg / "user.slice" / "k3" / "memory.current").write_text("1073741824\n")
-    f = read_memory_facts(proc, cg)
-    assert f.mem_available == 20_000_000 * 1024
-    assert f.available == 8589934592 - 1073741824
-    (cg / "user.slice" / "k3" / "memory.max").write_text("max\n")
-    assert read_memory_facts(proc, cg).cgroup_limit is None
-    # cgroup v1 with "no limit" spelled as a huge number
-    (proc / "self" / "cgroup").write_text("4:memory:/job\n")
-    (cg / "memory" / "job").mkdir(parents=True)
-    (cg / "memory" / "job" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
-    assert read_memory_facts(proc, cg).cgroup_limit is None
-    (cg / "memory" / "job" / "memory.limit_in_bytes").write_text("4294967296\n")
-    (cg / "memory" / "job" / "memory.usage_in_bytes").write_text("0\n")
-    assert read_memory_facts(proc, cg).available == 4294967296
+def _captured(kind: str) -> Roots:
+    root = Path(__file__).resolve().parents[1] / "foundation" / "data" / kind
+    return Roots(proc=root / "proc", sys=root / "sys")
+
+
+def test_stream_memory_facts_honour_a_parent_cgroups_limit():
+    # v2: the 16 GiB limit is set on user@1000.service, two levels above the process's scope
+    # (whose own memory.max says "max"); the planner must see it, as the probe does.
+    env = _captured("v2")
+    facts = read_memory_facts(env)
+    assert facts.cgroup_limit == 16 * 2**30 == read_cgroup(env).memory_limit_bytes
+    assert facts.available == 16 * 2**30 - facts.cgroup_usage
+    plan = make_plan(geom(), preset="auto", facts=facts)
+    assert plan.budget_bytes + plan.overhead_bytes <= facts.available
+    # v1 inside a container namespace: 8 GiB; hybrid with PAGE_COUNTER_MAX: no limit
+    assert read_memory_facts(_captured("v1")).cgroup_limit == 8 * 2**30
+    assert read_memory_facts(_captured("hybrid")).cgroup_limit is None
 
 
 def test_stream_memory_arguments():

@@ -11,9 +11,9 @@ import pytest
 
 from fnd_helpers import env_for
 from k3tui.probe import MachineReport, probe_machine
-from k3tui.probe.cgroup import parse_mountinfo, probe_cgroup
+from engine.sysmem import limit_or_none, parse_mountinfo, read_cgroup as probe_cgroup
 from k3tui.probe.cpu import parse_cpu_list
-from k3tui.probe.env import ProbeEnv, limit_or_none
+from k3tui.probe.env import ProbeEnv
 from k3tui.probe.gpu import probe_gpu
 from k3tui.probe.memory import parse_psi
 from k3tui.probe.storage import check_o_direct, fs_class, measure_storage, probe_storage
@@ -238,7 +238,6 @@ def _fake_systemd_run(tmp_path, body: str) -> list[str]:
      "Failed to connect to bus"),
 ])
 def test_isolation_trusts_only_a_limit_read_back(tmp_path, body, works, words):
-    from k3tui.probe.cgroup import probe_cgroup
     from k3tui.probe.isolation import probe_isolation
 
     env = env_for("spark")
@@ -250,7 +249,6 @@ def test_isolation_trusts_only_a_limit_read_back(tmp_path, body, works, words):
 
 
 def test_isolation_falls_back_to_a_writable_v2_cgroup(tmp_path):
-    from k3tui.probe.cgroup import probe_cgroup
     from k3tui.probe.isolation import probe_isolation
 
     env = env_for("v2")  # its scope lists the memory controller; the tree is writable

@@ -1,7 +1,9 @@
-"""cgroup facts: version (v1 / v2 / hybrid), effective memory limit, CPU quota.
+"""The one reader of memory facts: /proc/meminfo and the cgroup (v1 / v2 / hybrid) limits.
 
-The version comes from /proc/self/mountinfo (not from file names under /sys/fs/cgroup).
-Limits are the minimum over the cgroup and its ancestors up to the mount root.
+The engine's planner, k3tui's probe and its llama-server limit all read through here, so they
+agree. Dependency-free (the engine may not import k3tui). The cgroup version comes from
+/proc/self/mountinfo, not from file names under /sys/fs/cgroup; limits are the minimum over
+the cgroup and its ancestors up to the mount root (a limit set on a parent binds too).
 """
 
 from __future__ import annotations
@@ -9,7 +11,57 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from k3tui.probe.env import ProbeEnv, limit_or_none, parse_int
+
+@dataclass
+class Roots:
+    """Where /proc and /sys are: the real ones, or captured trees in tests."""
+    proc: Path = Path("/proc")
+    sys: Path = Path("/sys")
+
+    def host(self, path: str) -> Path:
+        """Map an absolute host path (as written in mountinfo) into these trees."""
+        for prefix, root in (("/proc", self.proc), ("/sys", self.sys)):
+            if path == prefix or path.startswith(prefix + "/"):
+                return root / path[len(prefix):].lstrip("/")
+        return Path(path)
+
+    def read(self, path: Path) -> str | None:
+        """Text of a pseudo file, or None when it is missing or unreadable (EOPNOTSUPP etc.)."""
+        try:
+            return path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return None
+
+
+def parse_int(text: str | None) -> int | None:
+    try:
+        return int(text.strip()) if text is not None else None
+    except ValueError:
+        return None
+
+
+NO_LIMIT = 2**62  # cgroup values at or above this mean "unlimited" (v1 PAGE_COUNTER_MAX etc.)
+
+
+def limit_or_none(text: str | None) -> int | None:
+    """A cgroup limit file ("max", bytes, or a huge v1 number) as bytes, None = no limit."""
+    if text is None or text.strip() in ("", "max", "-1"):
+        return None
+    value = parse_int(text)
+    if value is None or value >= NO_LIMIT or value < 0:
+        return None
+    return value
+
+
+def parse_meminfo(text: str) -> dict[str, int]:
+    out = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            mult = 1024 if len(parts) > 1 and parts[1].lower() == "kb" else 1
+            out[key.strip()] = int(parts[0]) * mult
+    return out
 
 
 @dataclass
@@ -47,7 +99,7 @@ def parse_mountinfo(text: str) -> list[Mount]:
     return mounts
 
 
-def read_mounts(env: ProbeEnv) -> list[Mount]:
+def read_mounts(env: Roots) -> list[Mount]:
     return parse_mountinfo(env.read(env.proc / "self" / "mountinfo") or "")
 
 
@@ -63,7 +115,7 @@ class CgroupInfo:
     v2_controllers: list[str] = field(default_factory=list)
 
 
-def _own_paths(env: ProbeEnv) -> dict[str, str]:
+def _own_paths(env: Roots) -> dict[str, str]:
     """controller -> path from /proc/self/cgroup; "" key is the v2 unified path."""
     out: dict[str, str] = {}
     for line in (env.read(env.proc / "self" / "cgroup") or "").splitlines():
@@ -79,7 +131,7 @@ def _own_paths(env: ProbeEnv) -> dict[str, str]:
     return out
 
 
-def _cgroup_dir(env: ProbeEnv, mount: Mount, path: str) -> Path:
+def _cgroup_dir(env: Roots, mount: Mount, path: str) -> Path:
     """The directory of `path` under `mount`; the mount root when the path is not visible
     (inside a cgroup namespace it may not be)."""
     rel = path
@@ -99,7 +151,7 @@ def _walk_up(start: Path, stop: Path):
         cur = cur.parent
 
 
-def _min_limit(dirs, name: str, env: ProbeEnv) -> int | None:
+def _min_limit(dirs, name: str, env: Roots) -> int | None:
     best = None
     for d in dirs:
         value = limit_or_none(env.read(d / name))
@@ -108,7 +160,7 @@ def _min_limit(dirs, name: str, env: ProbeEnv) -> int | None:
     return best
 
 
-def probe_cgroup(env: ProbeEnv, mounts: list[Mount] | None = None) -> CgroupInfo:
+def read_cgroup(env: Roots, mounts: list[Mount] | None = None) -> CgroupInfo:
     mounts = read_mounts(env) if mounts is None else mounts
     own = _own_paths(env)
     v2 = next((m for m in mounts if m.fstype == "cgroup2"), None)
@@ -169,9 +221,34 @@ def probe_cgroup(env: ProbeEnv, mounts: list[Mount] | None = None) -> CgroupInfo
     return info
 
 
-def memory_pressure_file(env: ProbeEnv, info: CgroupInfo) -> Path | None:
+def memory_pressure_file(env: Roots, info: CgroupInfo) -> Path | None:
     """The cgroup's own memory.pressure (v2 only)."""
     if info.version == "v2" and info.memory_dir:
         p = Path(info.memory_dir) / "memory.pressure"
         return p if p.exists() else None
     return None
+
+
+@dataclass(frozen=True)
+class MemoryFacts:
+    mem_total: int
+    mem_available: int
+    cgroup_limit: int | None
+    cgroup_usage: int | None
+
+    @property
+    def available(self) -> int:
+        """MemAvailable, or what the cgroup still allows if that is less."""
+        avail = self.mem_available
+        if self.cgroup_limit is not None:
+            avail = min(avail, self.cgroup_limit - (self.cgroup_usage or 0))
+        return max(0, avail)
+
+
+def read_memory_facts(env: Roots | None = None) -> MemoryFacts:
+    env = env or Roots()
+    mi = parse_meminfo(env.read(env.proc / "meminfo") or "")
+    total = mi.get("MemTotal", 0)
+    cg = read_cgroup(env)
+    return MemoryFacts(total, mi.get("MemAvailable", mi.get("MemFree", total)),
+                       cg.memory_limit_bytes, cg.memory_current_bytes)
