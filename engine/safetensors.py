@@ -14,6 +14,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -117,17 +118,25 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
                 "bytes (truncated shard or header pointing outside the file); re-download it."
             )
         out[name] = TensorInfo(name, file, base + start, want, dtype, shape)
-    prev = None  # the tensor reaching furthest so far, in offset order
-    for cur in sorted((t for t in out.values() if t.nbytes), key=lambda t: t.offset):
-        if prev is not None and cur.offset < prev.end:
-            raise CheckpointError(
-                f"{file}: tensors {prev.name} and {cur.name} overlap (bytes "
-                f"[{prev.offset}, {prev.end}) and [{cur.offset}, {cur.end})); the header is "
-                "corrupt; re-download the file."
-            )
-        if prev is None or cur.end > prev.end:
-            prev = cur
+    clash = overlap([(t.offset, t.end, t) for t in out.values()])
+    if clash:
+        a, b = clash
+        raise CheckpointError(
+            f"{file}: tensors {a.name} and {b.name} overlap (bytes [{a.offset}, {a.end}) and "
+            f"[{b.offset}, {b.end})); the header is corrupt; re-download the file."
+        )
     return out
+
+
+def overlap(spans: list[tuple[int, int, Any]]) -> tuple[Any, Any] | None:
+    """The labels of two non-empty [start, end) spans that overlap, if any do."""
+    far = None  # the span reaching furthest so far, in start order
+    for span in sorted((s for s in spans if s[1] > s[0]), key=lambda s: s[0]):
+        if far is not None and span[0] < far[1]:
+            return far[2], span[2]
+        if far is None or span[1] > far[1]:
+            far = span
+    return None
 
 
 def _naturals(value: object, count: int | None) -> bool:

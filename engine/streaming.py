@@ -52,7 +52,7 @@ from engine.planner import (
     wants_streaming,
 )
 from engine.safetensors import SafetensorsIndex, TensorInfo
-from engine.weights import ExpertWeights, ResidentSource, TensorNames, expert_from_arrays
+from engine.weights import ExpertWeights, ResidentSource, expert_from_arrays
 
 MODEL_TENSORS = ("embed_tokens.weight", "lm_head.weight", "norm.weight",
                  "output_attn_res_norm.weight", "output_attn_res_proj.weight")
