@@ -296,3 +296,14 @@ def test_sampling_flags_are_checked_before_the_checkpoint(ck):
     (ck / "config.json").write_text("{}")
     refused(run_engine(ck, "--ids", "1,2", "--top-p", "0"),
             "top_p must be in (0, 1]; check the sampling flags")
+
+
+def test_serve_names_the_config_field_too(tmp_path):
+    ck = synthesize(tmp_path / "small", "small", seed=1)  # small: it ships a tokenizer
+    edit_config(ck, num_experts=10**15)
+    out = subprocess.run([sys.executable, "-m", "engine", "serve", str(ck), "--port", "0"],
+                         capture_output=True, text=True, cwd=REPO, timeout=120,
+                         preexec_fn=_cap_memory, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    last = out.stderr.splitlines()[-1]
+    assert "the model failed to load" in last and "text_config.num_experts" in last, last
