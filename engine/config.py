@@ -10,12 +10,15 @@ groups, RoPE, a low-rank KDA gate, ...) are refused as contradictions, by name.
 
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from engine.errors import ConfigError
+from engine.jsonfile import load_json
+
+MAX_CONFIG_BYTES = 16 << 20  # the released config.json is a few KB
 
 
 @dataclass(frozen=True)
@@ -106,12 +109,7 @@ class ModelConfig:
             raise ConfigError(
                 f"{file} does not exist; point at a checkpoint folder that holds config.json."
             )
-        try:
-            data = json.loads(file.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"{file} is not valid JSON ({exc}); re-download config.json.") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{file} is not a JSON object; re-download config.json.")
+        data = load_json(file, MAX_CONFIG_BYTES, "re-download config.json.", ConfigError)
         return cls.from_dict(data, source=str(file))
 
     @classmethod
@@ -165,6 +163,20 @@ class ModelConfig:
         r.check_supported(cfg)
         return cfg
 
+
+# Upper bounds, generous above the release (hidden 7168, 93 layers, vocab 163840, 896
+# experts, ...): a value past one is a broken or hostile file, refused before anything
+# sized by it (expert tables, KDA state, KV cache, the memory plan) is allocated.
+_MAX: dict[str, int] = {
+    "hidden_size": 1 << 16, "num_hidden_layers": 1024, "vocab_size": 1 << 21,
+    "num_heads": 1024, "head_dim": 1024, "short_conv_kernel_size": 64,
+    "num_attention_heads": 1024, "q_lora_rank": 1 << 16, "kv_lora_rank": 1 << 16,
+    "qk_nope_head_dim": 1024, "qk_rope_head_dim": 1024, "v_head_dim": 1024,
+    "num_experts": 4096, "num_experts_per_token": 4096, "num_shared_experts": 64,
+    "routed_expert_hidden_size": 1 << 16, "moe_intermediate_size": 1 << 16,
+    "first_k_dense_replace": 1024, "intermediate_size": 1 << 20, "attn_res_block_size": 1024,
+}
+MAX_TOKEN_ID = 1 << 21
 
 # Options whose other values select math this engine does not implement.
 _MUST_EQUAL: dict[str, Any] = {
@@ -223,31 +235,35 @@ class _Reader:
         )
 
     def _bad(self, path: str, value: Any, want: str) -> ConfigError:
-        return ConfigError(f"{self.source}: {path} is {value!r}, expected {want}; fix config.json.")
+        shown = repr(value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        return ConfigError(f"{self.source}: {path} is {shown}, expected {want}; fix config.json.")
 
     def int(self, key: str, *, linear: bool = False, alias: str | None = None,
             minimum: int = 0) -> int:
         found, value, path = self._lookup(key, linear, alias)
         if not found or value is None:
             raise self._missing(path)
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise self._bad(path, value, f"an integer >= {minimum}")
+        top = _MAX[key]
+        if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= top:
+            raise self._bad(path, value, f"an integer in {minimum}..{top}")
         return value
 
     def optional_int(self, key: str) -> int | None:
         found, value, path = self._lookup(key, False, None)
         if not found or value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise self._bad(path, value, "an integer")
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_TOKEN_ID:
+            raise self._bad(path, value, f"a token id in 0..{MAX_TOKEN_ID - 1}")
         return value
 
     def float(self, key: str, *, linear: bool = False, alias: str | None = None) -> float:
         found, value, path = self._lookup(key, linear, alias)
         if not found or value is None:
             raise self._missing(path)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self._bad(path, value, "a number")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value):
+            raise self._bad(path, value, "a finite number")
         return float(value)
 
     def layer_list(self, key: str, n_layers: int, required: bool = True) -> list[int] | None:
@@ -299,8 +315,10 @@ class _Reader:
                     f"{self.source}: quantization_config.format is {fmt!r}; this engine reads "
                     "MXFP4 routed experts ('mxfp4-pack-quantized') only."
                 )
-            for group in (quant.get("config_groups") or {}).values():
-                w = (group or {}).get("weights") or {}
+            groups = quant.get("config_groups")
+            for group in groups.values() if isinstance(groups, dict) else ():
+                w = group.get("weights") if isinstance(group, dict) else None
+                w = w if isinstance(w, dict) else {}
                 if w.get("num_bits", 4) != 4 or w.get("group_size", 32) != 32:
                     raise ConfigError(
                         f"{self.source}: quantization_config has num_bits "

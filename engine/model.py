@@ -8,8 +8,9 @@ recurrent state + conv history, MLA latent cache) lives in `ModelState`.
 
 from __future__ import annotations
 
+import math
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -157,19 +158,27 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Short name (relative to the model prefix; `lm_head.weight` for the head) → shape.
     Routed experts are listed per layer and expert. A_log is listed with H values; the
     checkpoint may hold more (the real one stores 128, of which the first H are used)."""
+    return dict(iter_expected(cfg))
+
+
+def iter_expected(cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """`expected_tensors` one at a time, each layer's router gate before its experts: a
+    checker stops at the first tensor the header lacks, so a config claiming more
+    experts than the file holds costs one lookup, not a table of them."""
     E, V = cfg.hidden_size, cfg.vocab_size
     H, D, P, K = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_width, cfg.short_conv_kernel_size
     Hm, nope, rope, vd = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     lat, M, N = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size, cfg.num_experts
-    out: dict[str, tuple[int, ...]] = {
+    yield from {
         "embed_tokens.weight": (V, E),
         "norm.weight": (E,),
         "output_attn_res_norm.weight": (E,),
         "output_attn_res_proj.weight": (1, E),
         "lm_head.weight": (V, E),
-    }
+    }.items()
     for L in range(cfg.num_hidden_layers):
         p = f"layers.{L}."
+        out: dict[str, tuple[int, ...]] = {}  # this layer's trunk
         for n in ("input_layernorm", "post_attention_layernorm", "self_attention_res_norm",
                   "mlp_res_norm"):
             out[f"{p}{n}.weight"] = (E,)
@@ -205,6 +214,7 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             I = cfg.intermediate_size
             out.update({f"{p}mlp.gate_proj.weight": (I, E), f"{p}mlp.up_proj.weight": (I, E),
                         f"{p}mlp.down_proj.weight": (E, I)})
+            yield from out.items()
             continue
         m = p + "block_sparse_moe."
         out.update({
@@ -219,26 +229,29 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             out.update({f"{m}shared_experts.gate_proj.weight": (S, E),
                         f"{m}shared_experts.up_proj.weight": (S, E),
                         f"{m}shared_experts.down_proj.weight": (E, S)})
+        yield from out.items()
         for e in range(N):
             x = f"{m}experts.{e}."
-            out.update({
+            yield from {
                 f"{x}w1.weight_packed": (M, lat // 2), f"{x}w1.weight_scale": (M, lat // 32),
                 f"{x}w2.weight_packed": (lat, M // 2), f"{x}w2.weight_scale": (lat, M // 32),
                 f"{x}w3.weight_packed": (M, lat // 2), f"{x}w3.weight_scale": (M, lat // 32),
-            })
-    return out
+            }.items()
 
 
 def check_tensors(cfg: ModelConfig, index: SafetensorsIndex, names: TensorNames) -> None:
-    """Every tensor the config implies is present with the implied shape."""
-    for short, shape in expected_tensors(cfg).items():
+    """Every tensor the config implies is present with the implied shape (once per index:
+    the source's constructor and load_model both ask)."""
+    if index.checked_against == cfg:
+        return
+    for short, shape in iter_expected(cfg):
         full = names.model(short)
         info = index.info(full)  # raises naming the tensor when missing
         got = info.shape
         if short.endswith("A_log"):
-            ok = int(np.prod(got)) >= shape[0]
+            ok = math.prod(got) >= shape[0]
         elif len(shape) == 1 or shape[0] == 1 or short.endswith("conv1d.weight"):
-            ok = int(np.prod(got)) == int(np.prod(shape))
+            ok = math.prod(got) == math.prod(shape)
         else:
             ok = got == shape
         if not ok:
@@ -251,22 +264,29 @@ def check_tensors(cfg: ModelConfig, index: SafetensorsIndex, names: TensorNames)
                 f"{info.file.name}: tensor {full} is {info.dtype}; routed experts must be MXFP4 "
                 "(U8 packed + U8 scales)."
             )
+    index.checked_against = cfg
+
+
+def open_checked(checkpoint_dir: str | Path, index: SafetensorsIndex | None = None
+                 ) -> tuple[ModelConfig, SafetensorsIndex, TensorNames]:
+    """config.json (bounded), the safetensors headers, and every tensor the config implies
+    checked against them: what each source does first, before anything sized by the
+    config (expert tables, KDA state, KV cache, the memory plan) is allocated."""
+    cfg = ModelConfig.from_dir(checkpoint_dir)
+    index = index or SafetensorsIndex.open(checkpoint_dir)
+    names = TensorNames.detect(index)
+    check_tensors(cfg, index, names)
+    return cfg, index, names
 
 
 def load_model(checkpoint_dir: str | Path, source: WeightSource | None = None) -> Model:
     """Read config.json strictly, check the checkpoint's tensors, wrap `source`
     (default: everything resident)."""
-    cfg = ModelConfig.from_dir(checkpoint_dir)
+    index = getattr(source, "index", None)
+    cfg, index, _ = open_checked(checkpoint_dir,
+                                 index if isinstance(index, SafetensorsIndex) else None)
     if kernels.FUSED:
         from engine import fused
 
         fused.warm_up()
-    if source is None:
-        index = SafetensorsIndex.open(checkpoint_dir)
-        check_tensors(cfg, index, TensorNames.detect(index))
-        source = ResidentSource(checkpoint_dir, index=index)
-    else:
-        index = getattr(source, "index", None)
-        if isinstance(index, SafetensorsIndex):
-            check_tensors(cfg, index, TensorNames.detect(index))
-    return Model(cfg, source)
+    return Model(cfg, source or ResidentSource(checkpoint_dir, index=index))

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from engine.errors import EngineError
+from engine.jsonfile import load_json
 from engine.planner import GB, add_memory_arguments
 from engine.streaming import open_source, peak_rss
 
@@ -52,18 +53,25 @@ def default_stop_ids(eos_token_id: int | None, checkpoint: Path) -> list[int]:
     """config.json's eos_token_id plus the tokenizer's [EOS] and <|end_of_msg|>: the two
     config files of the release disagree (163586 vs 163585) and the model ends turns with
     either, so stop on both."""
+    from engine.tokenizer import MAX_TOKENIZER_CONFIG
+
     ids = {eos_token_id} if eos_token_id is not None else set()
-    try:
-        added = json.loads((checkpoint / "tokenizer_config.json").read_text())["added_tokens_decoder"]
-        ids |= {int(i) for i, tok in added.items() if tok.get("content") in ("[EOS]", "<|end_of_msg|>")}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass
+    file = checkpoint / "tokenizer_config.json"
+    if not file.is_file():
+        return sorted(ids)
+    added = load_json(file, MAX_TOKENIZER_CONFIG, "restore the checkpoint's own copy or pass "
+                      "--stop IDS.").get("added_tokens_decoder")
+    for i, tok in added.items() if isinstance(added, dict) else ():
+        if isinstance(tok, dict) and tok.get("content") in ("[EOS]", "<|end_of_msg|>") \
+                and i.isdigit():
+            ids.add(int(i))
     return sorted(ids)
 
 
 def main(args: argparse.Namespace) -> int:
     from engine.generate import GenParams, generate
     from engine.model import load_model
+    from engine.sampler import Sampler
 
     try:
         ids = _parse_ids(args.ids, "--ids")
@@ -71,6 +79,10 @@ def main(args: argparse.Namespace) -> int:
             raise EngineError("--ids is empty; pass at least one token id, e.g. --ids 3,7,11.")
         if args.gen < 0:
             raise EngineError("--gen must be 0 or more.")
+        try:  # the flags alone, before minutes of loading
+            Sampler(args.temperature, args.top_k, args.top_p, args.seed)
+        except ValueError as exc:
+            raise EngineError(f"{exc}; check the sampling flags.") from None
         if not Path(args.checkpoint).exists():
             raise EngineError(f"{args.checkpoint} does not exist; pass a checkpoint folder.")
         t0 = time.perf_counter()
@@ -101,9 +113,6 @@ def main(args: argparse.Namespace) -> int:
             np.save(args.dump_logits, first[0].astype(np.float32))
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except ValueError as exc:
-        print(f"error: {exc}; check the sampling flags.", file=sys.stderr)
         return 2
     except OSError as exc:
         print(f"error: cannot read the checkpoint ({exc}); check the path and permissions.",

@@ -9,16 +9,17 @@ no file holds) is refused with the file and tensor named, before any math runs.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from engine.errors import CheckpointError
+from engine.jsonfile import load_json, parse_json
 
 # Raw on-disk dtypes; BF16 is handed out as uint16 and widened by the kernels.
 DTYPES: dict[str, np.dtype] = {
@@ -34,7 +35,8 @@ DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype("?"),
 }
 INDEX_FILE = "model.safetensors.index.json"
-MAX_HEADER = 512 * 1024 * 1024  # the real checkpoint's largest header is a few MB
+MAX_HEADER = 100_000_000  # the format's own limit; the real checkpoint's largest is a few MB
+MAX_INDEX = 256 << 20  # the release's index.json (~500k tensors) is tens of MB
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,13 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
                     "re-download it."
                 )
             (n,) = struct.unpack("<Q", raw_len)
-            if n > MAX_HEADER or 8 + n > size:
+            if n > MAX_HEADER:
+                raise CheckpointError(
+                    f"{file}: its header claims {n} bytes, over the format's limit of "
+                    f"{MAX_HEADER / 1e6:g} MB; the file is corrupt or not safetensors; "
+                    "re-download it."
+                )
+            if 8 + n > size:
                 raise CheckpointError(
                     f"{file}: its header claims {n} bytes but the file holds {size}; the file is "
                     "truncated or not safetensors; re-download it."
@@ -75,32 +83,34 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
             header_bytes = f.read(n)
     except OSError as exc:
         raise CheckpointError(f"cannot read {file} ({exc.strerror}); check the path.") from None
-    try:
-        header = json.loads(header_bytes)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise CheckpointError(f"{file}: the header is not valid JSON; re-download it.") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{file}: the header is not a JSON object; re-download it.")
+    header = parse_json(header_bytes, f"{file}'s header", "re-download the file.")
     base = 8 + n
     out: dict[str, TensorInfo] = {}
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype = meta["dtype"]
-            shape = tuple(int(d) for d in meta["shape"])
-            start, end = (int(x) for x in meta["data_offsets"])
-        except (KeyError, TypeError, ValueError):
+        meta = meta if isinstance(meta, dict) else {}
+        dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
+        for key, value, count in (("shape", shape, None), ("data_offsets", offsets, 2)):
+            if not _naturals(value, count):
+                raise CheckpointError(
+                    f"{file}: tensor {name}'s {key} is {_short(value)}, not "
+                    f"{'[start, end]' if count else 'a list'} of non-negative integers; the "
+                    "header is corrupt; re-download the file."
+                )
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise CheckpointError(
-                f"{file}: tensor {name} has a malformed header entry; re-download the file."
-            ) from None
-        if dtype not in DTYPES:
-            raise CheckpointError(f"{file}: tensor {name} has unsupported dtype {dtype}.")
+                f"{file}: tensor {name} has dtype {_short(dtype)}, not one of "
+                f"{', '.join(DTYPES)}; the header is corrupt or from another format; "
+                "re-download the file."
+            )
+        shape = tuple(shape)
+        start, end = offsets
         want = math.prod(shape) * DTYPES[dtype].itemsize
-        if start < 0 or end - start != want:
+        if end - start != want:
             raise CheckpointError(
                 f"{file}: tensor {name} spans bytes [{start}, {end}) but dtype {dtype} shape "
-                f"{list(shape)} needs {want} bytes; the header is corrupt."
+                f"{list(shape)} needs {want} bytes; the header is corrupt; re-download the file."
             )
         if base + end > size:
             raise CheckpointError(
@@ -108,14 +118,36 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
                 "bytes (truncated shard or header pointing outside the file); re-download it."
             )
         out[name] = TensorInfo(name, file, base + start, want, dtype, shape)
-    ordered = sorted(out.values(), key=lambda t: (t.offset, t.end))
-    for prev, cur in zip(ordered, ordered[1:]):
-        if cur.offset < prev.end and cur.nbytes and prev.nbytes:
-            raise CheckpointError(
-                f"{file}: tensors {prev.name} and {cur.name} overlap (bytes "
-                f"[{prev.offset}, {prev.end}) and [{cur.offset}, {cur.end})); the header is corrupt."
-            )
+    clash = overlap([(t.offset, t.end, t) for t in out.values()])
+    if clash:
+        a, b = clash
+        raise CheckpointError(
+            f"{file}: tensors {a.name} and {b.name} overlap (bytes [{a.offset}, {a.end}) and "
+            f"[{b.offset}, {b.end})); the header is corrupt; re-download the file."
+        )
     return out
+
+
+def overlap(spans: list[tuple[int, int, Any]]) -> tuple[Any, Any] | None:
+    """The labels of two non-empty [start, end) spans that overlap, if any do."""
+    far = None  # the span reaching furthest so far, in start order
+    for span in sorted((s for s in spans if s[1] > s[0]), key=lambda s: s[0]):
+        if far is not None and span[0] < far[1]:
+            return far[2], span[2]
+        if far is None or span[1] > far[1]:
+            far = span
+    return None
+
+
+def _naturals(value: object, count: int | None) -> bool:
+    """A list of non-negative JSON integers (not bools), of length `count` if given."""
+    return isinstance(value, list) and (count is None or len(value) == count) and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class SafetensorsIndex:
@@ -124,6 +156,7 @@ class SafetensorsIndex:
     def __init__(self, root: Path, tensors: dict[str, TensorInfo]):
         self.root = root
         self.tensors = tensors
+        self.checked_against: object = None  # the config check_tensors passed, if any
 
     @classmethod
     def open(cls, path: str | Path) -> SafetensorsIndex:
@@ -181,18 +214,19 @@ class SafetensorsIndex:
 
 
 def _from_index(root: Path, index_file: Path) -> dict[str, TensorInfo]:
-    try:
-        weight_map = json.loads(index_file.read_text(encoding="utf-8"))["weight_map"]
-        if not isinstance(weight_map, dict):
-            raise TypeError
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
-        raise CheckpointError(
-            f"{index_file} is unreadable or has no weight_map; re-download it."
-        ) from None
+    weight_map = load_json(index_file, MAX_INDEX, f"re-download {INDEX_FILE}.").get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index_file} has no weight_map object; re-download it.")
     headers: dict[str, dict[str, TensorInfo]] = {}
     tensors: dict[str, TensorInfo] = {}
     for name, fname in weight_map.items():
-        file = root / str(fname)
+        if not isinstance(fname, str) or not fname or Path(fname).name != fname \
+                or fname in (".", ".."):
+            raise CheckpointError(
+                f"{index_file.name} maps tensor {name} to {_short(fname)}, which is not a file "
+                "name in the checkpoint folder; re-download the index."
+            )
+        file = root / fname
         if fname not in headers:
             if not file.is_file():
                 raise CheckpointError(

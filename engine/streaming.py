@@ -52,7 +52,7 @@ from engine.planner import (
     wants_streaming,
 )
 from engine.safetensors import SafetensorsIndex, TensorInfo
-from engine.weights import ExpertWeights, ResidentSource, TensorNames, expert_from_arrays
+from engine.weights import ExpertWeights, ResidentSource, expert_from_arrays
 
 MODEL_TENSORS = ("embed_tokens.weight", "lm_head.weight", "norm.weight",
                  "output_attn_res_norm.weight", "output_attn_res_proj.weight")
@@ -70,10 +70,10 @@ class CheckpointMap:
 
     def __init__(self, checkpoint_dir: str | Path, trunk_dir: str | Path | None = None,
                  index: SafetensorsIndex | None = None):
+        from engine.model import open_checked
+
         self.root = Path(checkpoint_dir)
-        self.index = index or SafetensorsIndex.open(self.root)
-        self.config = ModelConfig.from_dir(self.root)
-        self.names = TensorNames.detect(self.index)
+        self.config, self.index, self.names = open_checked(self.root, index)
         n = self.config.num_hidden_layers
         per_layer: dict[int, list[TensorSpec]] = {i: [] for i in range(n)}
         lp = self.names.prefix + "layers."
@@ -647,7 +647,9 @@ def open_source(checkpoint_dir: str | Path, args: argparse.Namespace | None = No
                 *, context: int | None = None, quiet: bool = False):
     """The resident source when no memory flag was given, else a planned StreamingSource."""
     if args is None or not wants_streaming(args):
-        return ResidentSource(checkpoint_dir)
+        from engine.model import open_checked
+
+        return ResidentSource(checkpoint_dir, index=open_checked(checkpoint_dir)[1])
     cmap = CheckpointMap(checkpoint_dir, getattr(args, "trunk", None))
     ctx = context or getattr(args, "context_tokens", None) or DEFAULT_CONTEXT
     plan = plan_from_args(cmap.geometry(), args, context=ctx)

@@ -25,7 +25,11 @@ from pathlib import Path
 from tokenizers import Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from engine.config import MAX_TOKEN_ID
 from engine.errors import CheckpointError
+from engine.jsonfile import load_json
+
+MAX_TOKENIZER_CONFIG = 64 << 20  # the release's (256 added tokens + chat template) is ~100 KB
 
 # The Kimi split regex (o200k rules + Han runs). `&&` is class intersection; both Oniguruma
 # (HF tokenizers) and Rust's regex (tiktoken) support it, and the parity tests prove the
@@ -220,12 +224,20 @@ class Tokenizer:
                     "tiktoken.model and tokenizer_config.json"
                 )
         ranks = read_ranks(model_path)
+        config = load_json(config_path, MAX_TOKENIZER_CONFIG,
+                           "restore the checkpoint's own tokenizer_config.json")
         try:
-            config = json.loads(config_path.read_text(encoding="utf-8"))
             added = {int(k): v["content"] for k, v in config["added_tokens_decoder"].items()}
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{config_path} has no readable added_tokens_decoder") from exc
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise CheckpointError(
+                f"{config_path} has no readable added_tokens_decoder; restore the checkpoint's "
+                "own tokenizer_config.json") from None
         n = len(ranks)
+        bad = [i for i, c in added.items() if not isinstance(c, str) or not 0 <= i < MAX_TOKEN_ID]
+        if bad:
+            raise CheckpointError(
+                f"{config_path}: added token {bad[0]} is not a string with an id in "
+                f"0..{MAX_TOKEN_ID - 1}; restore the checkpoint's own tokenizer_config.json")
         if any(i < n for i in added):
             raise CheckpointError(f"{config_path}: added token ids overlap the {n} BPE ranks")
         token_bytes = [b""] * (n + (max(added) + 1 - n if added else 0))
@@ -239,7 +251,7 @@ class Tokenizer:
             value = config.get(key)
             if isinstance(value, dict):
                 value = value.get("content")
-            return specials.get(value or default)
+            return specials.get(value if isinstance(value, str) and value else default)
 
         return cls(
             hf=build_hf_tokenizer(ranks, split_pattern_from_dir(d)),

@@ -34,7 +34,8 @@ import numpy as np
 from engine.config import ModelConfig
 from engine.errors import CheckpointError, EngineError, ReadError
 from engine.io import ALIGN, FileTable, TensorSpec, align_down, align_up, aligned_buffer
-from engine.safetensors import DTYPES, SafetensorsIndex, TensorInfo
+from engine.jsonfile import load_json
+from engine.safetensors import DTYPES, SafetensorsIndex, TensorInfo, overlap
 from engine.weights import TensorNames
 
 TRUNK_BIN = "trunk.bin"
@@ -257,8 +258,9 @@ def pack(checkpoint_dir: str | Path, out_dir: str | Path,
     done: set[int] = set()
     if state_file.is_file():
         state = _load_json(state_file)
-        if state.get("fingerprint") == fp:
-            done = {int(i) for i in state.get("done", [])}
+        listed = state.get("done")
+        if state.get("fingerprint") == fp and isinstance(listed, list):
+            done = {i for i in listed if type(i) is int}
     fd, direct = _open_out(out / TRUNK_BIN)
     copier = _Copier(fd, direct)
     copied = sum(r.nbytes for r in runs if r.layer in done)
@@ -294,21 +296,22 @@ def pack(checkpoint_dir: str | Path, out_dir: str | Path,
             "layers_copied": n_copied, "already_packed": False, "out": str(out)}
 
 
+MAX_TRUNK_JSON = 64 << 20  # the release's trunk.json is ~1 MB
+
+
 def _load_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-        if not isinstance(data, dict):
-            raise ValueError
-        return data
-    except (OSError, ValueError):
-        raise CheckpointError(f"{path} is unreadable or not JSON; delete it and re-pack.") \
-            from None
+    return load_json(path, MAX_TRUNK_JSON, "delete it and re-pack.")
 
 
 def trunk_specs(trunk_dir: Path, index: SafetensorsIndex, names: TensorNames, n_layers: int,
                 checkpoint_dir: Path) -> dict[int, list[TensorSpec]]:
-    """Per layer, where its tensors live in a packed trunk (checked against the checkpoint)."""
+    """Per layer, where its tensors live in a packed trunk: trunk.json checked against its
+    schema, against trunk.bin's size (every tensor inside its own layer's span, the spans
+    disjoint) and against the checkpoint, so a corrupt or hostile file never hands the
+    model another layer's bytes."""
     meta_path = trunk_dir / TRUNK_JSON
+    repack = (f"re-pack it with `python -m engine pack {checkpoint_dir} {trunk_dir}-new` "
+              "(or `k3tui pack`)")
     if not meta_path.is_file() and (trunk_dir / PROGRESS).is_file():
         raise CheckpointError(
             f"packing into {trunk_dir} is not finished; rerun `python -m engine pack "
@@ -320,52 +323,78 @@ def trunk_specs(trunk_dir: Path, index: SafetensorsIndex, names: TensorNames, n_
             f"{checkpoint_dir} {trunk_dir}`."
         )
     meta = _load_json(meta_path)
+
+    def need(obj: Any, key: str, kind: type, where: str) -> Any:
+        """obj[key] if it is a `kind` (an int: non-negative, not a bool), else refuse."""
+        value = obj.get(key) if isinstance(obj, dict) else None
+        if isinstance(value, kind) and not (kind is int and (isinstance(value, bool) or value < 0)):
+            return value
+        got = f"{value!r}"[:40] if isinstance(obj, dict) and key in obj else "missing"
+        want = "a non-negative integer" if kind is int else f"a JSON {_KINDS[kind]}"
+        raise CheckpointError(f"{meta_path}: {where}{key} is {got}, expected {want}; {repack}.")
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{meta_path}: {what}; {repack}.")
+
     runs = layer_runs(index, names, n_layers)
-    if meta.get("fingerprint") is not None and meta["fingerprint"] != fingerprint(
-            checkpoint_dir, index, runs):
+    fp = meta.get("fingerprint")
+    if fp is not None and fp != fingerprint(checkpoint_dir, index, runs):
         raise CheckpointError(
             f"the trunk in {trunk_dir} was packed from a different checkpoint than "
-            f"{checkpoint_dir}; re-pack it with `python -m engine pack {checkpoint_dir} "
-            f"{trunk_dir}-new`."
+            f"{checkpoint_dir}; {repack}."
         )
-    if meta.get("align") != ALIGN or meta.get("n_layers") != n_layers:
-        raise CheckpointError(
-            f"{meta_path} describes {meta.get('n_layers')} layers aligned to {meta.get('align')}"
-            f" but the checkpoint has {n_layers} (align {ALIGN}); re-pack it."
-        )
+    if need(meta, "align", int, "") != ALIGN or need(meta, "n_layers", int, "") != n_layers:
+        raise bad(f"it describes {meta['n_layers']} layers aligned to {meta['align']} but the "
+                  f"checkpoint has {n_layers} (align {ALIGN})")
+    layers = need(meta, "layers", list, "")
+    if len(layers) != n_layers:
+        raise bad(f"it lists {len(layers)} of {n_layers} layers")
     binary = trunk_dir / TRUNK_BIN
     size = binary.stat().st_size if binary.is_file() else -1
     out: dict[int, list[TensorSpec]] = {}
-    for entry, run in zip(meta.get("layers", []), runs):
-        L = int(entry["layer"])
+    spans = []
+    for i, (entry, run) in enumerate(zip(layers, runs)):
+        where = f"layers[{i}]."
+        L = need(entry, "layer", int, where)
+        got = need(entry, "tensors", dict, where)
         want = {t.name: t for t in run.tensors}
-        got = entry.get("tensors", {})
-        if L != run.layer or set(got) != set(want) or entry.get("shard") != run.shard.name \
-                or int(entry.get("run_start", -1)) != run.start:
+        if L != run.layer or set(got) != set(want) \
+                or need(entry, "shard", str, where) != run.shard.name \
+                or need(entry, "run_start", int, where) != run.start:
+            raise bad(f"layer {run.layer} does not match the checkpoint's tensors (the trunk "
+                      "was packed from another checkpoint)")
+        base, span = need(entry, "file_off", int, where), need(entry, "nbytes", int, where)
+        if base % ALIGN or base + span > size:
             raise CheckpointError(
-                f"{meta_path}: layer {run.layer} does not match the checkpoint's tensors; the "
-                "trunk was packed from another checkpoint; re-pack it."
+                f"{binary} is {size} bytes but layer {L} needs bytes up to {base + span}; the "
+                f"pack is incomplete or corrupt; {repack}."
             )
-        base = int(entry["file_off"])
-        if base % ALIGN or base + int(entry["nbytes"]) > size:
-            raise CheckpointError(
-                f"{binary} is {size} bytes but layer {L} needs bytes up to "
-                f"{base + int(entry['nbytes'])}; the pack is incomplete; rerun pack."
-            )
+        spans.append((base, base + span, L))
         specs = []
         for name, t in got.items():
+            tw = f"{where}tensors[{name!r}]."
+            off, nb = need(t, "off", int, tw), need(t, "nbytes", int, tw)
+            dtype, shape = need(t, "dtype", str, tw), need(t, "shape", list, tw)
             ref = want[name]
-            if int(t["nbytes"]) != ref.nbytes or t["dtype"] != ref.dtype \
-                    or tuple(t["shape"]) != ref.shape:
-                raise CheckpointError(
-                    f"{meta_path}: tensor {name} differs from the checkpoint's; re-pack it."
-                )
-            specs.append(TensorSpec(name, binary, base + int(t["off"]), ref.nbytes,
+            if nb != ref.nbytes or dtype != ref.dtype or tuple(shape) != ref.shape:
+                raise bad(f"tensor {name} is {dtype} {shape} in {nb} bytes but the checkpoint's "
+                          f"is {ref.dtype} {list(ref.shape)} in {ref.nbytes}")
+            if off + nb > span:
+                raise bad(f"tensor {name} spans bytes [{off}, {off + nb}) of layer {L}, which "
+                          f"holds only {span}: it points outside its own layer")
+            specs.append(TensorSpec(name, binary, base + off, ref.nbytes,
                                     DTYPES[ref.dtype], ref.shape))
+        clash = overlap([(s.offset, s.offset + s.nbytes, s.name) for s in specs])
+        if clash:
+            raise bad(f"tensors {clash[0]} and {clash[1]} of layer {L} overlap")
         out[L] = specs
-    if len(out) != n_layers:
-        raise CheckpointError(f"{meta_path} lists {len(out)} of {n_layers} layers; re-pack it.")
+    clash = overlap(spans)
+    if clash:
+        raise bad(f"layers {clash[0]} and {clash[1]} overlap in {TRUNK_BIN}")
     return out
+
+
+_KINDS = {dict: "object", list: "list", str: "string"}
 
 
 def plain_copy(checkpoint_dir: str | Path, dest: str | Path) -> dict[str, Any]:

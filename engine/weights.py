@@ -148,7 +148,8 @@ class ResidentSource:
                 continue
             rest = name[len(self.names.prefix) + len("layers.") :]
             num, _, short = rest.partition(".")
-            self._layers.setdefault(int(num), {})[short] = arr
+            if num.isdigit():  # any other name is not a layer tensor the model asks for
+                self._layers.setdefault(int(num), {})[short] = arr
         self.nbytes = sum(a.nbytes for a in self._arrays.values())
 
     @contextmanager
