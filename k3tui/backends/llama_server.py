@@ -545,8 +545,8 @@ def build_command(info: BinaryInfo, shards: list[Path], *, plan_args: Sequence[s
         if reason:
             reasons.append((f"{flag} {val or ''}".strip(), reason))
     if env:
-        reasons.append(("env LLAMA_API_KEY", "the API key (needed beyond loopback) in the "
-                                             "server's environment, not on its command line"))
+        reasons.append(("env LLAMA_API_KEY", ("the API key (needed beyond loopback) in the "
+                                              "server's environment, not on its command line")))
     return LlamaCommand(argv, reasons, warnings, shards, model_bytes, host, port,
                         api_key if not loopback else None, alias, key_file, env)
 
