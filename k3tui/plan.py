@@ -50,6 +50,8 @@ DEFAULT_CTX = 8192
 ISOLATION_NEXT = ("on systemd: `loginctl enable-linger $USER` and a cgroup v2 boot with user "
                   "memory delegation")
 DEFAULT_REASONING_BUDGET = 2048
+# blockers about where the checkpoint is downloaded: they do not stop serving a model that is here
+DOWNLOAD_BLOCKERS = ("not_a_dir", "disk_space", "pseudo_fs")
 
 
 @dataclass
@@ -82,6 +84,11 @@ class Plan:
     @property
     def blockers(self) -> list[Finding]:
         return [f for f in self.findings if f.level == "blocker"]
+
+    @property
+    def launch_blockers(self) -> list[Finding]:
+        """The blockers that stop `k3tui serve` (and the chat) from starting the backend."""
+        return [f for f in self.blockers if f.code not in DOWNLOAD_BLOCKERS]
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -299,16 +306,21 @@ def _plan_llama(report: MachineReport, plan: Plan, ctx: int, budget: int) -> Non
     if limit < LLAMA_MIN_BYTES:
         plan.findings.append(Finding(
             "blocker", "memory_limit_too_small",
-            f"only {fmt_gib(max(limit, 0))} would be left for llama-server "
-            f"(it needs at least {fmt_gib(LLAMA_MIN_BYTES)})",
-            "free memory (stop other GPU processes) or use the bundled engine"))
+            f"only {fmt_gib(max(limit, 0))} would be left for llama-server ({reason}; it "
+            f"needs at least {fmt_gib(LLAMA_MIN_BYTES)}), so no memory limit could confine it",
+            "free memory (stop other GPU processes), set `memory_limit_gb` in [llama_server], "
+            "or use the bundled engine"))
     plan.memory_limit_bytes = max(0, int(limit))
     plan.memory_limit_reason = reason
     if report.isolation.method == "none":
+        # on unified memory an unconfined server is the lockup itself: serve refuses it
         plan.findings.append(Finding(
-            "warn", "no_isolation",
+            "blocker" if gpu.unified_memory else "warn", "no_isolation",
             "no way to enforce the memory limit here (no systemd user scope with MemoryMax, no "
-            "writable cgroup v2): k3tui can only watch llama-server's memory",
+            "writable cgroup v2): "
+            + ("on unified memory k3tui refuses to start llama-server unconfined (--force "
+               "overrides)" if gpu.unified_memory else "k3tui can only watch llama-server's "
+                                                       "memory"),
             ISOLATION_NEXT))
 
 
@@ -395,8 +407,10 @@ def format_plan(plan: Plan, report: MachineReport) -> str:
                        f"memory.max and no swap{check}")
             else:
                 how = ("NOT applied: no systemd user scope or writable cgroup v2 here "
-                       f"({getattr(iso, 'detail', '') or 'none found'}); k3tui warns and "
-                       "starts llama-server without it")
+                       f"({getattr(iso, 'detail', '') or 'none found'}); k3tui "
+                       + ("refuses to start llama-server without it (--force overrides)"
+                          if report.gpu.unified_memory else
+                          "warns and starts llama-server without it"))
             out.append(f"              {how}")
         out.append("Why these flags:")
         out += [f"  {flag:<24} {why}" for flag, why in plan.flag_reasons]

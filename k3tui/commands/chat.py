@@ -224,6 +224,11 @@ def smoke(session: Session, args: argparse.Namespace) -> int:
     def ready(app) -> None:
         def check() -> None:
             chat = app.chat
+            failed = getattr(app.screen, "failure", None)  # the start-up screen's refusal
+            if failed is not None:
+                result["failed"] = failed
+                app.exit(1)
+                return
             if app.screen is not chat:
                 return  # still starting the backend
             if not result.get("sent"):
@@ -242,6 +247,11 @@ def smoke(session: Session, args: argparse.Namespace) -> int:
 
     app = make_app(session, args, on_ready=ready, sample_hz=2.0)
     app.run(headless=True, size=(100, 30))
+    if "failed" in result:
+        failed = result["failed"]
+        print(f"smoke: the backend did not start: {failed.message.splitlines()[0]}\n"
+              f"next: {failed.next_step}", file=sys.stderr)
+        return 1
     if "tokens" not in result:
         print("smoke: the chat never finished a turn (see the backend log above).",
               file=sys.stderr)

@@ -21,8 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="checkpoint folder (bundled) or .gguf file / folder (llama-server)")
     parser.add_argument("--port", type=int, help="port to listen on (default: a free one)")
     parser.add_argument("--force", action="store_true",
-                        help="start even when other processes hold GPU memory on a "
-                             "unified-memory machine (risks freezing it)")
+                        help="start despite a refusal: other processes holding GPU memory "
+                             "on a unified-memory machine, a memory limit that leaves too "
+                             "little or cannot be applied (risks freezing the machine)")
     parser.add_argument("--dry-run", action="store_true",
                         help="show the command and the memory limit, start nothing")
     parser.add_argument("--machine", metavar="NAME|FILE",
@@ -78,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{backend.kind} ready: {backend.base_url}/v1 (model {backend.model}){key}\n"
               f"log: {backend.log_path}\nCtrl-C stops it.", flush=True)
         backend.wait()
-        raise K3Error(f"The {backend.kind} server {exit_story(backend)}.\n"
+        raise K3Error(f"The {backend.kind} backend {exit_story(backend)}.\n"
                       f"last log lines ({backend.log_path}):\n{backend.log_tail(15)}",
                       "read the log, fix the cause, and run `k3tui serve` again")
     except KeyboardInterrupt:

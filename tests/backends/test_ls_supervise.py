@@ -149,11 +149,13 @@ def test_ls_binding_beyond_loopback_adds_a_stored_api_key(split):
     ready = prepare_launch(cfg, report=spark_report(), runner=systemd_that_applies)
     key = load_credentials()["server_api_key"]
     server = ready.command
-    assert server[server.index("--api-key") + 1] == key and len(key) >= 24
-    assert key not in ready.describe()  # shown masked
+    assert len(key) >= 24 and key not in server and "--api-key" not in server  # not in ps
+    key_file = server[server.index("--api-key-file") + 1]
+    assert key_file.startswith(str(get_paths().root))
+    assert key not in ready.describe()
     assert get_paths().credentials_file.stat().st_mode & 0o777 == 0o600
     again = prepare_launch(cfg, report=spark_report(), runner=systemd_that_applies)
-    assert key in again.command  # the same key, not a new one each start
+    assert again.prepared.command.api_key == key  # the same key, not a new one each start
 
 
 def test_ls_user_extra_args_cannot_override_model_or_host(split):

@@ -121,6 +121,10 @@ def test_storage_findings(change, code, level):
 def test_missing_isolation_is_reported_for_llama_server():
     r = load_report("dgx-spark")
     r.isolation.method = "none"
+    # unified memory: an unconfined llama-server is the lockup, so serve refuses it
+    assert "no_isolation" in codes(make_plan(r, "gguf"), "blocker")
+    r = load_report("workstation-128g")
+    r.isolation.method = "none"
     assert "no_isolation" in codes(make_plan(r, "gguf"), "warn")
     assert "no_isolation" not in codes(make_plan(load_report("dgx-spark"), "gguf"))
 

@@ -86,6 +86,7 @@ class StartupScreen(Screen[Any]):
         self.start = start
         self.log_path = log_path
         self.last_line = ""
+        self.failure: K3Error | None = None  # why the last attempt failed (read by --smoke)
 
     def compose(self) -> ComposeResult:
         with Vertical(id="startup"):
@@ -133,14 +134,15 @@ class StartupScreen(Screen[Any]):
     def run_start(self) -> None:
         self.app.call_from_thread(self._warn, ())   # a retry decides afresh
         self.app.call_from_thread(self._show, "starting…")
+        self.failure = None
         try:
             backend = self.start(self._progress)
-        except K3Error as exc:
-            self.app.call_from_thread(self._show, f"{exc.message}\nnext: {exc.next_step}\n"
-                                      "press r to retry, Esc to quit", "bold red")
-            return
         except Exception as exc:  # never a traceback on screen
-            self.app.call_from_thread(self._show, f"The backend did not start: {exc}\n"
-                                      "press r to retry, Esc to quit", "bold red")
+            failure = exc if isinstance(exc, K3Error) else \
+                K3Error(f"The backend did not start: {exc}", "read the log below")
+            self.app.call_from_thread(self._show, f"{failure.message}\nnext: "
+                                      f"{failure.next_step}\npress r to retry, Esc to quit",
+                                      "bold red")
+            self.failure = failure
             return
         self.app.call_from_thread(self.dismiss, backend)
