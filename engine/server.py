@@ -64,6 +64,7 @@ MAX_BODY_MB = 4.0      # a long conversation is well under 1 MB of JSON
 READ_TIMEOUT = 10.0    # seconds a client may take for its request head, or stall in its body
 MAX_JSON_DEPTH = 64    # a chat request nests 4 levels deep
 MAX_INT = 2**31 - 1    # bound of the integer sampling fields
+MIN_TEMPERATURE = 1e-6  # below it sampling is greedy in all but overflow
 
 
 # ---------------------------------------------------------------------------------------
@@ -326,10 +327,13 @@ def parse_chat_request(body: Any, default_budget: int) -> ChatRequest:
     top_p = _number(body, "top_p", float, 0.95, lo=0.0, hi=1.0)
     if top_p == 0:  # the sampler keeps the smallest set of tokens reaching top_p: none
         raise BadRequest("'top_p' must be above 0 and at most 1")
+    temperature = _number(body, "temperature", float, 0.6, lo=0.0, hi=100.0)
+    if 0 < temperature < MIN_TEMPERATURE:  # logits / temperature would overflow to inf
+        raise BadRequest(f"'temperature' must be 0 (greedy) or from {MIN_TEMPERATURE:g} to 100")
     return ChatRequest(
         messages=messages,
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", float, 0.6, lo=0.0, hi=100.0),
+        temperature=temperature,
         top_p=top_p,
         top_k=_number(body, "top_k", int, 0, lo=0, hi=MAX_INT),
         seed=seed,

@@ -139,6 +139,7 @@ DEEP = b'{"messages": %s, "metadata": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
 WRONG = [
     ({"temperature": 10**400}, "temperature"),  # an integer float() cannot hold
     ({"top_p": 0}, "top_p"),                    # the sampler would keep no token at all
+    ({"temperature": 1e-310}, "temperature"),   # logits / temperature overflow to NaN
     ({"top_k": 10**30}, "top_k"),
     ({"max_tokens": 1e300}, "max_tokens"),
     ({"temperature": "hot"}, "temperature"),
