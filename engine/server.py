@@ -13,6 +13,11 @@ Design:
   `MAX_WAITING` waiting requests get 503. Closing the connection sets a cancel event that
   the generator checks between tokens and layers, so generation stops within one token.
 * Binding anything but loopback requires `--api-key`.
+* Hostile input is refused before it costs anything: a body over `--max-body-mb` gets 413
+  (from Content-Length, or as soon as a chunked body passes it), a client that stalls
+  sending its request head or body is closed after `--read-timeout`, JSON with NaN,
+  Infinity or more than MAX_JSON_DEPTH levels gets 400; parsing and tokenising run in a
+  worker thread, so /health answers while a big prompt is read or a generation runs.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import asyncio
 import hmac
 import ipaddress
 import json
+import math
 import os
 import secrets
 import socket
@@ -37,6 +43,7 @@ from typing import Any
 import anyio
 import psutil
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -53,6 +60,11 @@ DEFAULT_CTX = 8192
 PING_SECONDS = 15.0
 PUBLIC_PATHS = ("/health", "/v1/health")
 LOADING_PATHS = PUBLIC_PATHS + ("/metrics",)
+MAX_BODY_MB = 4.0      # a long conversation is well under 1 MB of JSON
+READ_TIMEOUT = 10.0    # seconds a client may take for its request head, or stall in its body
+MAX_JSON_DEPTH = 64    # a chat request nests 4 levels deep
+MAX_INT = 2**31 - 1    # bound of the integer sampling fields
+MIN_TEMPERATURE = 1e-6  # below it sampling is greedy in all but overflow
 
 
 # ---------------------------------------------------------------------------------------
@@ -64,6 +76,8 @@ ERROR_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
+    413: "invalid_request_error",
     500: "server_error",
     501: "not_supported_error",
     503: "unavailable_error",
@@ -74,8 +88,12 @@ def error_body(code: int, message: str, kind: str | None = None, **extra: Any) -
     return {"error": {"code": code, "message": message, "type": kind or ERROR_TYPES.get(code, "server_error"), **extra}}
 
 
-def error_response(code: int, message: str, kind: str | None = None, **extra: Any) -> JSONResponse:
-    return JSONResponse(error_body(code, message, kind, **extra), status_code=code)
+def error_response(code: int, message: str, kind: str | None = None, *, close: bool = False,
+                   **extra: Any) -> JSONResponse:
+    """`close`: end the connection after the answer (its body was not read, so the
+    connection cannot carry another request)."""
+    headers = {"Connection": "close"} if close else None
+    return JSONResponse(error_body(code, message, kind, **extra), status_code=code, headers=headers)
 
 
 class BadRequest(Exception):
@@ -185,6 +203,40 @@ class Metrics:
 # request parsing
 
 
+def _refuse_constant(name: str) -> Any:
+    raise BadRequest(f"the request body has {name}, which is not a JSON number; send a finite number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise BadRequest(f"the number {text[:40]} is out of range; send a finite number")
+    return value
+
+
+def parse_json(raw: bytes) -> Any:
+    """Strict JSON: no NaN / Infinity (nor 1e400, which would read as infinity), at most
+    MAX_JSON_DEPTH levels of nesting. Raises BadRequest."""
+    too_deep = BadRequest(f"the request body nests more than {MAX_JSON_DEPTH} levels deep")
+    try:
+        value = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except RecursionError:  # deeper than Python's own limit
+        raise too_deep from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the request body is not valid JSON ({exc})") from None
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        elif not isinstance(item, list):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise too_deep
+        stack += [(child, depth + 1) for child in item]
+    return value
+
+
 @dataclass
 class ChatRequest:
     messages: list
@@ -203,17 +255,19 @@ class ChatRequest:
     ignore_eos: bool = False
 
 
-def _number(body: dict, key: str, kind: type, default: Any, lo: float | None = None,
-            hi: float | None = None) -> Any:
+def _number(body: dict, key: str, kind: type, default: Any, lo: float, hi: float) -> Any:
+    """body[key] as `kind` within [lo, hi] (bounds checked before any conversion, so a
+    huge integer cannot overflow float()), or `default` when absent or null."""
     value = body.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-        raise BadRequest(f"'{key}' must be {'an integer' if kind is int else 'a number'}")
-    value = kind(value)
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise BadRequest(f"'{key}' must be between {lo} and {hi}" if hi is not None else f"'{key}' must be at least {lo}")
-    return value
+    what = "an integer" if kind is int else "a number"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            kind is int and isinstance(value, float) and not value.is_integer()):
+        raise BadRequest(f"'{key}' must be {what}, not {json.dumps(value)[:40]}")
+    if not lo <= value <= hi:
+        raise BadRequest(f"'{key}' must be {what} from {lo:g} to {hi:g}")
+    return kind(value)
 
 
 def parse_chat_request(body: Any, default_budget: int) -> ChatRequest:
@@ -225,7 +279,7 @@ def parse_chat_request(body: Any, default_budget: int) -> ChatRequest:
     max_tokens = None
     for key in ("n_predict", "max_completion_tokens", "max_tokens"):  # llama-server: n_predict wins
         if body.get(key) is not None:
-            max_tokens = _number(body, key, int, None, lo=-1)
+            max_tokens = _number(body, key, int, None, lo=-1, hi=MAX_INT)
             if max_tokens == 0:
                 raise BadRequest(f"'{key}' must be at least 1 (or -1 for no limit)")
             max_tokens = None if max_tokens == -1 else max_tokens
@@ -266,16 +320,22 @@ def parse_chat_request(body: Any, default_budget: int) -> ChatRequest:
     budget = default_budget
     for key in ("reasoning_budget_tokens", "thinking_budget_tokens", "reasoning_budget"):
         if body.get(key) is not None:
-            budget = _number(body, key, int, default_budget, lo=-1)
+            budget = _number(body, key, int, default_budget, lo=-1, hi=MAX_INT)
             break
     seed = body.get("seed")
-    seed = secrets.randbits(31) if seed is None or seed == -1 else _number(body, "seed", int, 0, lo=0)
+    seed = secrets.randbits(31) if seed is None or seed == -1 else _number(body, "seed", int, 0, lo=0, hi=2**63 - 1)
+    top_p = _number(body, "top_p", float, 0.95, lo=0.0, hi=1.0)
+    if top_p == 0:  # the sampler keeps the smallest set of tokens reaching top_p: none
+        raise BadRequest("'top_p' must be above 0 and at most 1")
+    temperature = _number(body, "temperature", float, 0.6, lo=0.0, hi=100.0)
+    if 0 < temperature < MIN_TEMPERATURE:  # logits / temperature would overflow to inf
+        raise BadRequest(f"'temperature' must be 0 (greedy) or from {MIN_TEMPERATURE:g} to 100")
     return ChatRequest(
         messages=messages,
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", float, 0.6, lo=0.0, hi=100.0),
-        top_p=_number(body, "top_p", float, 0.95, lo=0.0, hi=1.0),
-        top_k=_number(body, "top_k", int, 0, lo=0),
+        temperature=temperature,
+        top_p=top_p,
+        top_k=_number(body, "top_k", int, 0, lo=0, hi=MAX_INT),
         seed=seed,
         stop=[s for s in stop if s],
         stream=bool(body.get("stream", False)),
@@ -483,8 +543,11 @@ def empty_answer_note(job: Job) -> str | None:
 
 class Service:
     def __init__(self, *, model_name: str, steer_demo: bool, reasoning_budget: int,
-                 api_keys: list[str], info: dict[str, Any] | None = None) -> None:
+                 api_keys: list[str], info: dict[str, Any] | None = None,
+                 max_body_mb: float = MAX_BODY_MB, read_timeout: float = READ_TIMEOUT) -> None:
         self.model_name = model_name
+        self.max_body_mb = max_body_mb
+        self.read_timeout = read_timeout
         self.steer_demo = steer_demo
         self.reasoning_budget = reasoning_budget
         self.api_keys = api_keys
@@ -535,19 +598,66 @@ class Service:
         return self._guard(app)
 
     def _guard(self, app: Callable) -> Callable:
-        """API key and loading checks in front of every route (pure ASGI: streams pass)."""
+        """API key, loading and body checks in front of every route (pure ASGI: streams
+        pass). The route gets the body already read, within its limits."""
 
         async def guarded(scope, receive, send):
             if scope["type"] != "http":
                 return await app(scope, receive, send)
             path = scope.get("path", "")
+            refusal = None
             if self.api_keys and path not in PUBLIC_PATHS and not self._authorised(scope):
-                return await error_response(401, "Invalid API Key")(scope, receive, send)
-            if self.loaded is None and path not in LOADING_PATHS:
-                return await error_response(503, "Loading model")(scope, receive, send)
-            return await app(scope, receive, send)
+                refusal = BadRequest("Invalid API Key", 401)
+            elif self.loaded is None and path not in LOADING_PATHS:
+                refusal = BadRequest("Loading model", 503)
+            else:
+                try:
+                    body = await self._read_body(scope, receive)
+                except BadRequest as exc:
+                    refusal = exc
+            if refusal is not None:
+                return await error_response(refusal.code, str(refusal), close=True)(scope, receive, send)
+            if body is None:
+                return None  # the client went away while sending
+
+            replayed = False
+
+            async def replay():
+                nonlocal replayed
+                if replayed:
+                    return await receive()  # from now on: only the disconnect
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+
+            return await app(scope, replay, send)
 
         return guarded
+
+    async def _read_body(self, scope: dict, receive: Callable) -> bytes | None:
+        """The whole body, or BadRequest 413 once it passes the limit (by Content-Length
+        before a byte is read, else while counting) and 408 when the client stalls."""
+        limit = int(self.max_body_mb * 2**20)
+        too_large = BadRequest(
+            f"the request body is larger than the server's limit of {self.max_body_mb:g} MiB; "
+            "send a shorter conversation (or start the server with a larger --max-body-mb)", 413)
+        length = dict(scope.get("headers", [])).get(b"content-length")
+        if length is not None and int(length) > limit:  # h11 has checked it is a number
+            raise too_large
+        chunks, size, more = [], 0, True
+        while more:
+            with anyio.move_on_after(self.read_timeout) as waited:
+                message = await receive()
+            if waited.cancelled_caught:
+                raise BadRequest(f"the request body stalled for {self.read_timeout:g} s; "
+                                 "send it in one go", 408)
+            if message["type"] == "http.disconnect":
+                return None
+            size += len(message.get("body", b""))
+            if size > limit:
+                raise too_large
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        return b"".join(chunks)
 
     def _authorised(self, scope: dict) -> bool:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
@@ -614,51 +724,62 @@ class Service:
         }
         return JSONResponse(body)
 
-    async def _json(self, request: Request) -> Any:
+    async def _json(self, request: Request, then: Callable[[Any], Any] = lambda body: body) -> Any:
+        """The body parsed (and passed through `then`) in a worker thread: a big body
+        costs the event loop nothing."""
+        raw = await request.body()
+        return await run_in_threadpool(lambda: then(parse_json(raw)))
+
+    def _prompt(self, body: Any) -> tuple[ChatRequest, list[int]]:
+        """The request and its prompt ids (worker thread: tokenising takes seconds for a
+        megabyte)."""
+        req = parse_chat_request(body, self.reasoning_budget)
         try:
-            return json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise BadRequest(f"the request body is not valid JSON ({exc})") from exc
+            return req, self.template.render(req.messages, thinking=req.thinking, effort=req.effort)
+        except TemplateError as exc:
+            raise BadRequest(str(exc)) from exc
 
     async def tokenize(self, request: Request) -> Response:
         """llama-server's /tokenize: {"content"} -> {"tokens"} (specials stay text)."""
-        try:
-            body = await self._json(request)
+
+        def encode(body: Any) -> list[int]:
             if not isinstance(body, dict) or not isinstance(body.get("content"), str):
                 raise BadRequest("'content' must be a string")
+            return self.loaded.tok.encode(body["content"])
+
+        try:
+            return JSONResponse({"tokens": await self._json(request, encode)})
         except BadRequest as exc:
             return error_response(exc.code, str(exc))
-        return JSONResponse({"tokens": self.loaded.tok.encode(body["content"])})
 
     async def detokenize(self, request: Request) -> Response:
-        try:
-            body = await self._json(request)
+        def decode(body: Any) -> str:
             tokens = body.get("tokens") if isinstance(body, dict) else None
             if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
                 raise BadRequest("'tokens' must be an array of integers")
+            return self.loaded.tok.decode(tokens)
+
+        try:
+            return JSONResponse({"content": await self._json(request, decode)})
         except BadRequest as exc:
             return error_response(exc.code, str(exc))
-        return JSONResponse({"content": self.loaded.tok.decode(tokens)})
 
     async def apply_template(self, request: Request) -> Response:
         """The XTML prompt a chat request would be given, as text (llama-server's route)."""
+
+        def as_text(body: Any) -> dict[str, Any]:
+            ids = self._prompt(body)[1]
+            return {"prompt": self.loaded.tok.decode(ids), "n_tokens": len(ids)}
+
         try:
-            req = parse_chat_request(await self._json(request), self.reasoning_budget)
-            ids = self.template.render(req.messages, thinking=req.thinking, effort=req.effort)
+            return JSONResponse(await self._json(request, as_text))
         except BadRequest as exc:
             return error_response(exc.code, str(exc))
-        except TemplateError as exc:
-            return error_response(400, str(exc))
-        return JSONResponse({"prompt": self.loaded.tok.decode(ids), "n_tokens": len(ids)})
 
     async def chat(self, request: Request) -> Response:
+        loaded, template = self.loaded, self.template
         try:
-            req = parse_chat_request(await self._json(request), self.reasoning_budget)
-            loaded, template = self.loaded, self.template
-            try:
-                prompt = template.render(req.messages, thinking=req.thinking, effort=req.effort)
-            except TemplateError as exc:
-                raise BadRequest(str(exc)) from exc
+            req, prompt = await self._json(request, self._prompt)
             if len(prompt) >= loaded.n_ctx:
                 raise BadRequest(
                     f"request ({len(prompt)} tokens) exceeds the available context size "
@@ -975,6 +1096,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"context tokens per conversation (default {DEFAULT_CTX})")
     parser.add_argument("--reasoning-budget", type=int, default=-1, metavar="N",
                         help="default max tokens of thinking before the answer is forced (-1 = no limit)")
+    parser.add_argument("--max-body-mb", type=float, default=MAX_BODY_MB, metavar="MB",
+                        help=f"largest request body in MiB; bigger ones get 413 (default {MAX_BODY_MB:g})")
+    parser.add_argument("--read-timeout", type=float, default=READ_TIMEOUT, metavar="S",
+                        help="seconds a client may take to send a request's headers, or stall in "
+                        f"its body, before the connection is closed (default {READ_TIMEOUT:g})")
     parser.add_argument("--steer-demo", action="store_true",
                         help="demo for random-weight models: readable words in a scripted think/answer shape")
     parser.add_argument("--debug-load-delay", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -982,6 +1108,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from engine.planner import add_memory_arguments
 
     add_memory_arguments(parser)
+
+
+def h11_with_head_deadline(seconds: float) -> type:
+    """uvicorn's h11 protocol, closing a connection whose next request head has not fully
+    arrived `seconds` after it opened or after its last answer. uvicorn itself only times
+    out a keep-alive connection that sends nothing at all after a response: a client that
+    connects and never sends, or sends half a request line, would hold a socket forever."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeadDeadline(H11Protocol):
+        _deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            self._deadline = self.loop.call_later(seconds, self._expire)
+
+        def _expire(self) -> None:
+            # IDLE: no complete request head since the timer was armed (a request being
+            # answered is past IDLE; a stalled body is the route's 408)
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeadDeadline
 
 
 def is_loopback(host: str) -> bool:
@@ -1014,6 +1178,8 @@ def main(args: argparse.Namespace) -> int:
             "tokenizer_config.json (for a synthesised model: python -m engine synth writes them)")
     if args.ctx_size < 16:
         return _fail("--ctx-size must be at least 16 tokens", 2)
+    if not (0 < args.max_body_mb < 2**20 and 0 < args.read_timeout < 86400):
+        return _fail("--max-body-mb and --read-timeout must be positive numbers", 2)
     try:
         sock = socket.create_server((args.host.strip("[]"), args.port),
                                     family=socket.AF_INET6 if ":" in args.host else socket.AF_INET)
@@ -1025,7 +1191,8 @@ def main(args: argparse.Namespace) -> int:
 
     name = args.model_name or (DEMO_NOTICE if args.steer_demo else checkpoint.resolve().name)
     service = Service(model_name=name, steer_demo=args.steer_demo,
-                      reasoning_budget=args.reasoning_budget, api_keys=api_keys)
+                      reasoning_budget=args.reasoning_budget, api_keys=api_keys,
+                      max_body_mb=args.max_body_mb, read_timeout=args.read_timeout)
 
     import uvicorn
 
@@ -1039,7 +1206,8 @@ def main(args: argparse.Namespace) -> int:
             await super().shutdown(sockets=sockets)
 
     config = uvicorn.Config(service.app(), log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=3, http="h11")
+                            timeout_graceful_shutdown=3, timeout_keep_alive=5,
+                            http=h11_with_head_deadline(args.read_timeout))
     server = Server(config)
     failed: list[str] = []
 

@@ -271,7 +271,9 @@ class Tokenizer:
         """Plain text to ids; special-token strings in `text` stay ordinary text."""
         if not text:
             return []
-        return self.hf.encode(text, add_special_tokens=False).ids
+        # encode_batch lets go of the GIL while it works (encode does not): a megabyte
+        # of text tokenised in the server's worker thread leaves its event loop running
+        return self.hf.encode_batch([text], add_special_tokens=False)[0].ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=False)]

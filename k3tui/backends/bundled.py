@@ -53,8 +53,6 @@ def start_engine(checkpoint: Path | str, *, args: Sequence[str] = (), host: str 
     # With port 0 the engine binds a free port itself and names it in its "listening on"
     # line (no window in which another program could take a port chosen for it).
     argv = [*engine_argv, str(checkpoint), "--host", host, "--port", str(port)]
-    if api_key:
-        argv += ["--api-key", api_key]
     if model_name:
         argv += ["--model-name", model_name]
     argv += list(args)
@@ -62,9 +60,13 @@ def start_engine(checkpoint: Path | str, *, args: Sequence[str] = (), host: str 
     logs.mkdir(parents=True, exist_ok=True)
     log_path = logs / f"engine-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{port}.log"
     env = dict(os.environ, PYTHONUNBUFFERED="1")  # the "listening" line must reach the log now
-    shown = ["***" if i and argv[i - 1] == "--api-key" else a for i, a in enumerate(argv)]
+    # The key goes by the environment, which only its user can read (argv is in everyone's
+    # `ps`); an inherited K3_API_KEY is dropped when k3tui sends none, or it would lock k3tui out.
+    env.pop("K3_API_KEY", None)
+    if api_key:
+        env["K3_API_KEY"] = api_key
     with open(log_path, "ab") as log:
-        log.write(("# k3tui: " + " ".join(shown) + "\n").encode())
+        log.write(("# k3tui: " + " ".join(argv) + "\n").encode())
         log.flush()
         try:  # same process group: a closed terminal stops the engine too (no orphans)
             proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,

@@ -88,3 +88,27 @@ def test_ls_missing_checkpoint_is_refused(tmp_path):
     with pytest.raises(K3Error) as exc:
         launch_engine(tmp_path / "nowhere")
     assert "k3tui download" in exc.value.next_step
+
+
+def test_ls_engine_key_goes_by_environment_not_argv(checkpoint, started):
+    """The key is in no argv (every local user reads /proc/PID/cmdline), nor in the log,
+    yet the engine enforces it."""
+    from pathlib import Path
+
+    from k3tui.backends.bundled import start_engine
+
+    key = "k3-argv-secret-6f1d"
+    backend = start_engine(checkpoint, api_key=key, args=["--steer-demo"])
+    started.append(backend)
+    assert key.encode() not in Path(f"/proc/{backend.pid}/cmdline").read_bytes()
+    assert key not in " ".join(backend.command) and key not in backend.log_path.read_text()
+    models = backend.base_url + "/v1/models"
+    assert httpx.get(models).status_code == 401
+    assert httpx.get(models, headers={"Authorization": f"Bearer {key}"}).status_code == 200
+
+
+def test_ls_engine_without_key_ignores_an_inherited_one(checkpoint, started, monkeypatch):
+    monkeypatch.setenv("K3_API_KEY", "left-over-from-the-shell")
+    backend = launch_engine(checkpoint, steer_demo=True)  # loopback: k3tui sends no key
+    started.append(backend)
+    assert httpx.get(backend.base_url + "/v1/models").status_code == 200

@@ -116,18 +116,18 @@ def make_loaded(test_tok):
 
 @pytest.fixture
 def inproc(test_tok):
-    """Factory: inproc(delay=..., steer_demo=..., gate=..., **service kwargs) -> InProcServer."""
+    """Factory: inproc(delay=..., steer_demo=..., gate=..., tok=..., **service kwargs) -> InProcServer."""
     from engine.server import Loaded, Service
 
     servers = []
 
     def make(delay=0.0, steer_demo=False, loaded=True, api_keys=(), reasoning_budget=-1,
-             n_ctx=4096, counter=None, fail_at=None, gate=None):
+             n_ctx=4096, counter=None, fail_at=None, gate=None, tok=None):
         service = Service(model_name="fake-k3", steer_demo=steer_demo, reasoning_budget=reasoning_budget,
                           api_keys=list(api_keys))
         ld = None
         if loaded:
-            ld = Loaded(tok=test_tok, generate=fake_generate(test_tok.vocab_size, delay, counter, fail_at, gate),
+            ld = Loaded(tok=tok or test_tok, generate=fake_generate(test_tok.vocab_size, delay, counter, fail_at, gate),
                         make_params=FakeParams, n_ctx=n_ctx, info={"memory_plan": {"mode": "resident"}})
         srv = InProcServer(service, ld)
         servers.append(srv)
