@@ -10,8 +10,10 @@ State keys, read by `k3tui jobs` and the TUI:
     files (download: [{name, size, done, status}]), layer (pack)
     (+ target, argv, pid_start, retries, errors)
 
-One job per target: the parent takes an flock on `<jobs_dir>/locks/<hash>.lock` and the
-child inherits it, so the lock lives exactly as long as the job process.
+One job per target: the parent takes an flock on the target's lock file (a download's lives
+in its folder, `<dir>/.k3tui/download.lock`, so it holds across homes and users; others use
+`<jobs_dir>/locks/<hash>.lock`) and the child inherits it, so the lock lives exactly as
+long as the job process. The file says who holds it: pid, command, job id, home.
 """
 
 from __future__ import annotations
@@ -75,24 +77,57 @@ def _lock_file(target_key: str) -> Path:
     return d / (hashlib.sha1(target_key.encode()).hexdigest()[:16] + ".lock")
 
 
-def lock_target(target_key: str, owner: str) -> int:
-    """flock the target; returns the fd (close it to release). K3Error if taken."""
-    path = _lock_file(target_key)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+def _write_holder(fd: int, **holder) -> None:
+    data = json.dumps(holder).encode()
+    try:
+        os.pwrite(fd, data, 0)              # write, then cut: a reader never sees it empty
+        os.ftruncate(fd, len(data))
+    except OSError:                         # another user's lock file, opened read-only
+        pass
+
+
+def _holder_of(path: Path) -> dict:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return {}
+    try:
+        holder = json.loads(text)
+    except ValueError:
+        return {"command": text} if text else {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def lock_target(target_key: str, command: str, *, job_id: str | None = None,
+                path: Path | None = None) -> int:
+    """flock the target (`path`: its lock file, default one in the jobs folder); returns the
+    fd (close it to release). K3Error naming the holder if taken."""
+    path = path or _lock_file(target_key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except PermissionError:                 # another user's lock file: flock works read-only
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        holder = path.read_text().strip() or "another k3tui process"
-        if holder.startswith("job "):
-            jid = holder[4:]
+        holder = _holder_of(path)
+        jid = holder.get("job")
+        if jid and state_path(jid).exists():
             raise K3Error(f"Job {jid} is already working on {target_key}.",
                           f"watch it with `k3tui jobs attach {jid}` or stop it with "
                           f"`k3tui jobs cancel {jid}`", 2) from None
-        raise K3Error(f"{holder} is already working on {target_key}.",
-                      "wait for it to finish (only one job per folder)", 2) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, owner.encode(), 0)
+        pid, cmd = holder.get("pid"), holder.get("command") or "a k3tui command"
+        who = f"pid {pid}: `{cmd}`" if pid else f"`{cmd}`"
+        home = holder.get("home")
+        where = f", with K3TUI_HOME={home}" if home and home != str(get_paths().root) else ""
+        raise K3Error(f"Another k3tui ({who}{where}) is already working on {target_key}.",
+                      "wait for it to finish" + (f" or stop it with `kill {pid}` (it keeps "
+                      "its partial files)" if pid else "") + "; only one job per folder",
+                      2) from None
+    _write_holder(fd, pid=os.getpid(), command=command, job=job_id,
+                  home=str(get_paths().root))
     return fd
 
 
@@ -111,10 +146,14 @@ def new_state(job_id: str, kind: str, argv: list[str], target_key: str) -> dict:
             "argv": argv, "pid_start": None, "retries": 0, "errors": []}
 
 
-def start_job(kind: str, argv: list[str], target_key: str) -> str:
-    """Run `argv` as a detached job; returns its id. K3Error if the target is busy."""
+def start_job(kind: str, argv: list[str], target_key: str, *, lock_file: Path | None = None,
+              command: str | None = None) -> str:
+    """Run `argv` as a detached job; returns its id. K3Error if the target is busy.
+    `lock_file`: where the target's lock lives (see `lock_target`); `command`: what the
+    lock says the job runs (default: argv)."""
     job_id = f"{kind}-{time.strftime('%m%d-%H%M%S')}-{secrets.token_hex(2)}"
-    lock_fd = lock_target(target_key, f"job {job_id}")
+    command = command or " ".join(argv)
+    lock_fd = lock_target(target_key, command, job_id=job_id, path=lock_file)
     try:
         state = new_state(job_id, kind, argv, target_key)
         _write_state(state)
@@ -126,6 +165,8 @@ def start_job(kind: str, argv: list[str], target_key: str) -> str:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True,
                                     pass_fds=(lock_fd,), env=env, close_fds=True)
+        _write_holder(lock_fd, pid=proc.pid, command=command, job=job_id,
+                      home=str(get_paths().root))   # the job holds it from now on
     finally:
         os.close(lock_fd)       # the child keeps the lock alive through its inherited copy
     # Reap it if we outlive it (a TUI), so it never lingers as a zombie.

@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "refetch bad ones")
     parser.add_argument("--rehash", action="store_true",
                         help="with --verify: re-hash every file, changed or not")
+    parser.add_argument("--retry-corrupt", action="store_true",
+                        help="fetch again files that arrived twice with the same wrong sha256 "
+                        "(kept in DIR/.k3tui/corrupt/)")
     parser.add_argument("--timeout", type=float, help="seconds of silence before a retry "
                         "(default 30)")
     parser.add_argument("--detach", action="store_true",
@@ -61,12 +64,15 @@ def resume_command(repo: str, revision: str, target: Path, include: list[str],
         words.append("--verify")
     if args.rehash:
         words.append("--rehash")
+    if args.retry_corrupt:
+        words.append("--retry-corrupt")
     if foreground:
         words.append("--foreground")
     return shlex.join(words)
 
 
 def _defaults(args: argparse.Namespace) -> tuple[str, str, Path, list[str]]:
+    from k3tui.hub.remote import check_repo_id
     from k3tui.paths import get_paths
 
     cfg = None
@@ -82,6 +88,7 @@ def _defaults(args: argparse.Namespace) -> tuple[str, str, Path, list[str]]:
     if not repo:
         raise K3Error("Which repo? No model is configured.",
                       "run `k3tui setup`, or give one: `k3tui download OWNER/NAME --dir DIR`", 2)
+    check_repo_id(repo)                       # before it names the default folder
     same = model is not None and model.repo == repo
     revision = args.revision or (model.revision if same and model.revision else "main")
     if args.dir:
@@ -148,9 +155,12 @@ def run(args: argparse.Namespace) -> int:
         argv.append("--verify")
     if args.rehash:
         argv.append("--rehash")
+    if args.retry_corrupt:
+        argv.append("--retry-corrupt")
     if args.timeout:
         argv += ["--timeout", str(args.timeout)]
-    job_id = jobs.start_job("download", argv, str(target))
+    job_id = jobs.start_job("download", argv, str(target), lock_file=_lock_file(target),
+                            command=resume_command(repo, revision, target, include, args))
     print(f"Started job {job_id}: it keeps going if this terminal closes.")
     if args.detach:
         print(f"Watch it with `k3tui jobs attach {job_id}`.")
@@ -160,10 +170,17 @@ def run(args: argparse.Namespace) -> int:
     return attach(job_id)
 
 
+def _lock_file(target: Path) -> Path:
+    """In the folder itself, so two homes (two users, root and a user) see the same lock."""
+    from k3tui.hub.store import LocalStore
+
+    return LocalStore(target).lock_file
+
+
 def _options(args: argparse.Namespace):
     from k3tui.hub import Options, hub_token
 
-    kw = {"token": hub_token()}
+    kw = {"token": hub_token(), "retry_corrupt": args.retry_corrupt}
     if args.timeout:
         kw["timeout_s"] = args.timeout
     return Options.from_env(**kw)
@@ -178,7 +195,7 @@ def _run_here(snap, target: Path, args: argparse.Namespace, check: str, resume: 
     from k3tui.commands.jobs import render_state
     from k3tui.hub import download
 
-    lock = jobs.lock_target(str(target), f"k3tui download (pid {__import__('os').getpid()})")
+    lock = jobs.lock_target(str(target), resume, path=_lock_file(target))
     console = Console()
     state = {"id": "foreground", "kind": "download", "status": "running", "message": ""}
     try:

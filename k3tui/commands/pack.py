@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     if reporter is not None:
         return _run_in_job(reporter, ckpt, out, remember)
     if args.foreground:
-        lock = jobs.lock_target(str(out), f"k3tui pack (pid {os.getpid()})")
+        lock = jobs.lock_target(str(out), f"k3tui pack {ckpt} {out}")
         try:
             summary = _pack(ckpt, out, _printer())
         finally:

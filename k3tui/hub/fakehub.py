@@ -8,7 +8,9 @@ redirect), gated/invalid-token answers, and per-file fault plans for the content
     hub = FakeHub(folder, "acme/tiny", cdn=True)
     hub.faults["model-00001.safetensors"] = [Fault.cut(5_000_000), Fault.status(503)]
 
-Each GET of a file's bytes pops the next fault of that file. `hub.log` records every
+Each GET of a file's bytes pops the next fault of that file. A hostile hub: `hub.listed_as`
+lists a file under another name (`{"config.json": "../x"}`, then `rescan()`), and
+`hub.wrong_sha256` advertises a wrong sha256 for the LFS files it names. `hub.log` records every
 request (method, path, range, whether Authorization was sent, which port) and every body
 sent (file, start, bytes actually written to the socket).
 """
@@ -103,6 +105,8 @@ class FakeHub:
         self.gated_token, self.noaccess_tokens = gated_token, set(noaccess_tokens)
         self.lfs_min = lfs_min
         self.faults: dict[str, list[Fault]] = {}
+        self.listed_as: dict[str, str] = {}         # real relative path → name in the listing
+        self.wrong_sha256: set[str] = set()         # listed names whose sha256 is a lie
         self.throttle_bps: float | None = None      # per response; lets a test kill mid-file
         self.log: list[dict] = []
         self.held: list[threading.Event] = []      # released by stop()
@@ -126,6 +130,7 @@ class FakeHub:
         files = {}
         for full in sorted(p for p in self.root.rglob("*") if p.is_file()):
             rel = full.relative_to(self.root).as_posix()
+            rel = self.listed_as.get(rel, rel)
             size = full.stat().st_size
             if size >= self.lfs_min:
                 sha = _file_sha256(full)
@@ -251,7 +256,10 @@ class FakeHub:
                     if blobs:
                         s.update(size=f["size"], blobId=f["oid"])
                         if f["lfs"]:
-                            s["lfs"] = {"sha256": f["sha256"], "size": f["size"],
+                            sha = f["sha256"]
+                            if f["path"] in self.wrong_sha256:
+                                sha = hashlib.sha256(b"not " + sha.encode()).hexdigest()
+                            s["lfs"] = {"sha256": sha, "size": f["size"],
                                         "pointerSize": f["lfs"]["pointerSize"]}
                     siblings.append(s)
                 info = {"id": self.repo_id, "modelId": self.repo_id, "sha": commit,
@@ -268,11 +276,13 @@ class FakeHub:
                                   form.get("paths", []) if p in files]).encode())
         if path.startswith(res):
             rev, _, name = path[len(res):].partition("/")
+            if rev not in ("main", commit) and self.listed_as:   # `main/../x` arrives as `x`
+                rev, name = commit, path[len(res):]
             if rev not in ("main", commit):
                 return self._error(h, 404, "RevisionNotFound", f"Invalid rev id: {rev}")
             if not self._auth_ok(h, need_access=True):
                 return
-            f = files.get(name)
+            f = files.get(name) or self._as_sent(name, files)
             if f is None:
                 return self._error(h, 404, "EntryNotFound", f"{name} does not exist",
                                    {"X-Repo-Commit": commit})
@@ -283,6 +293,14 @@ class FakeHub:
                     "X-Linked-Etag": f'"{f["sha256"]}"', "X-Linked-Size": str(f["size"])})
             return self._body(h, f, commit)
         return self._error(h, 404, "RepoNotFound", "Repository not found")
+
+    @staticmethod
+    def _as_sent(name: str, files: dict) -> dict | None:
+        """A hostile listed name arrives as the client's URL library normalised it
+        (`main/sub/../../x` → `x`): serve it by its last component, as a lax mirror would."""
+        last = name.replace("\\", "/").rsplit("/", 1)[-1]
+        return next((f for f in files.values()
+                     if f["path"].replace("\\", "/").rsplit("/", 1)[-1] == last), None)
 
     def _body(self, h, f: dict, commit: str) -> None:
         size, start, end, status = f["size"], 0, f["size"] - 1, 200

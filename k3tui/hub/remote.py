@@ -176,6 +176,20 @@ def explain(exc: BaseException, repo: str, revision: str = "main",
                    "rerun; if it persists, check the repo page " + page)
 
 
+_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9_.-]{1,96}")
+
+
+def check_repo_id(repo: str) -> str:
+    """Refuse what cannot be a Hub model id (OWNER/NAME of letters, digits, '-', '_', '.')
+    before any request: a typo then gets one line instead of a 404 after a round trip."""
+    name = repo.partition("/")[2]
+    if not _REPO_ID.fullmatch(repo) or ".." in repo or "--" in repo or \
+            name.startswith((".", "-")) or name.endswith((".", ".git")):
+        raise K3Error(f"{repo!r} is not a Hub repo id (it must be OWNER/NAME, e.g. "
+                      "moonshotai/Kimi-K3).", "give the full id: `k3tui download OWNER/NAME`", 2)
+    return repo
+
+
 def fetch_snapshot(repo: str, revision: str = "main", include: list[str] | None = None, *,
                    token: str | None | bool = None, timeout: float = META_TIMEOUT_S,
                    attempts: int = 4, backoff_s: float = 1.0) -> RepoSnapshot:
@@ -186,6 +200,7 @@ def fetch_snapshot(repo: str, revision: str = "main", include: list[str] | None 
     """
     from huggingface_hub import HfApi
 
+    check_repo_id(repo)
     if token is None:
         token = hub_token()
     endpoint = hub_endpoint()

@@ -7,6 +7,15 @@ Layout inside the target folder (all on one filesystem, so the final rename is a
     .k3tui/partial/<name>.part.json     sidecar: expected digest, size, commit, etag, written
     .k3tui/verified.json                {name: {size, mtime_ns, digest, commit}}: a file whose
                                         size and mtime still match is not re-hashed
+    .k3tui/mismatch.json                {name: {expected, got}}: the last digest a file arrived
+                                        with when it did not match the Hub's
+    .k3tui/corrupt/<name>               a file that arrived with the same wrong digest twice,
+                                        kept for inspection
+    .k3tui/download.lock                flock of the one download job working on this folder
+                                        (its pid and command inside), whatever its $K3TUI_HOME
+
+Every Hub file name becomes a path through `LocalStore.path()` only: the Hub (or a mirror at
+HF_ENDPOINT) is not trusted to name files inside the folder.
 """
 
 from __future__ import annotations
@@ -14,9 +23,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import threading
 from pathlib import Path
 
+from k3tui.errors import K3Error
 from k3tui.hub.remote import RemoteFile
 
 HASH_BLOCK = 8 << 20
@@ -82,24 +93,100 @@ def read_json(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
+META = ".k3tui"
+
+
+def name_problem(name: str) -> str | None:
+    """Why a file name from a Hub listing must not become a path, or None if it may: only
+    plain relative POSIX paths, outside k3tui's own folder, are accepted."""
+    if not name:
+        return "is empty"
+    if any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in name):
+        return "contains a control character"
+    if "\\" in name:
+        return "contains a backslash"
+    if name.startswith("/"):
+        return "is an absolute path"
+    if re.match(r"[A-Za-z]:", name):
+        return "is a drive path"
+    parts = name.split("/")
+    if ".." in parts:
+        return "climbs out of its folder with '..'"
+    if "" in parts or "." in parts:
+        return "has an empty or '.' component"
+    if parts[0] == META:
+        return f"would overwrite k3tui's own {META}/ folder"
+    return None
+
+
+class UnsafeName(K3Error):
+    """A Hub file name that would not stay inside the target folder."""
+
+    def __init__(self, root: Path, name: str, why: str):
+        super().__init__(f"The Hub's file list names {name!r}, which {why}, so the whole "
+                         f"download into {root} is refused.",
+                         "check the repo and HF_ENDPOINT (only use a mirror you trust), or "
+                         "choose another --dir if the folder holds a symlink leading out", 2)
+        self.name = name
+
+
 class LocalStore:
     def __init__(self, root: Path):
         self.root = Path(root)
-        self.meta = self.root / ".k3tui"
+        self.meta = self.root / META
         self._lock = threading.Lock()
 
+    def path(self, name: str, base: Path | None = None, suffix: str = "") -> Path:
+        """The one place a Hub file name becomes a path: `base/name+suffix` (base: the
+        folder). UnsafeName unless the name is a plain relative path and the result, with
+        the symlinks that exist now resolved, stays inside the folder."""
+        why = name_problem(name)
+        path = (base or self.root) / f"{name}{suffix}"
+        if why is None:
+            try:
+                real = path.resolve()
+                inside = real.is_relative_to(self.root.resolve())
+            except (OSError, RuntimeError):       # a symlink loop
+                real, inside = path, False
+            if not inside:
+                why = f"leads outside the folder through a symlink (to {real})"
+        if why is not None:
+            raise UnsafeName(self.root, name, why)
+        return path
+
+    def check_names(self, names) -> None:
+        """Refuse a listing up front if any of its names (or the paths derived from them)
+        would leave the folder; the lock file too, since it is written in `.k3tui/`."""
+        self.path("download.lock", self.meta)
+        for name in names:
+            self.final(name)
+            self.part(name)
+            self.sidecar(name)
+            self.corrupt(name)
+
     def final(self, name: str) -> Path:
-        return self.root / name
+        return self.path(name)
 
     def part(self, name: str) -> Path:
-        return self.meta / "partial" / f"{name}.part"
+        return self.path(name, self.meta / "partial", ".part")
 
     def sidecar(self, name: str) -> Path:
-        return self.meta / "partial" / f"{name}.part.json"
+        return self.path(name, self.meta / "partial", ".part.json")
+
+    def corrupt(self, name: str) -> Path:
+        return self.path(name, self.meta / "corrupt")
+
+    @property
+    def lock_file(self) -> Path:
+        return self.path("download.lock", self.meta)
 
     @property
     def records_file(self) -> Path:
         return self.meta / "verified.json"
+
+    @property
+    def mismatch_file(self) -> Path:
+        return self.meta / "mismatch.json"
 
     def ensure(self) -> None:
         (self.meta / "partial").mkdir(parents=True, exist_ok=True)
@@ -108,18 +195,24 @@ class LocalStore:
     def records(self) -> dict:
         return read_json(self.records_file) or {}
 
-    def record(self, name: str, size: int, mtime_ns: int, digest: str, commit: str) -> None:
+    def _update(self, path: Path, name: str, value: dict | None) -> None:
+        """Set (or with None drop) one file's entry of a JSON record file."""
         with self._lock:
-            recs = self.records()
-            recs[name] = {"size": size, "mtime_ns": mtime_ns, "digest": digest,
-                          "commit": commit}
-            atomic_write_json(self.records_file, recs)
+            recs = read_json(path) or {}
+            if value is None and name not in recs:
+                return
+            if value is None:
+                del recs[name]
+            else:
+                recs[name] = value
+            atomic_write_json(path, recs)
+
+    def record(self, name: str, size: int, mtime_ns: int, digest: str, commit: str) -> None:
+        self._update(self.records_file, name, {"size": size, "mtime_ns": mtime_ns,
+                                               "digest": digest, "commit": commit})
 
     def forget(self, name: str) -> None:
-        with self._lock:
-            recs = self.records()
-            if recs.pop(name, None) is not None:
-                atomic_write_json(self.records_file, recs)
+        self._update(self.records_file, name, None)
 
     def recorded_ok(self, rf: RemoteFile, mtime: bool = True) -> bool:
         """The final file is what we verified last time: same digest and size (and mtime)."""
@@ -131,6 +224,27 @@ class LocalStore:
         return bool(rec) and rec.get("digest") == expected_digest(rf) and \
             rec.get("size") == st.st_size == rf.size and \
             (not mtime or rec.get("mtime_ns") == st.st_mtime_ns)
+
+    # -- digests that did not match ----------------------------------------------------------
+    def _mismatch(self, rf: RemoteFile) -> dict:
+        rec = (read_json(self.mismatch_file) or {}).get(rf.name)
+        ok = isinstance(rec, dict) and rec.get("expected") == expected_digest(rf)
+        return rec if ok else {}
+
+    def last_mismatch(self, rf: RemoteFile) -> str | None:
+        """The digest `rf` last arrived with when it did not match the Hub's (for the same
+        expected digest), or None."""
+        return self._mismatch(rf).get("got") or None
+
+    def known_corrupt(self, rf: RemoteFile) -> bool:
+        """`rf` arrived twice with the same wrong digest: fetching it again would only
+        repeat that (the copy is in `corrupt(name)`)."""
+        return bool(self._mismatch(rf).get("twice"))
+
+    def note_mismatch(self, rf: RemoteFile, got: str | None, twice: bool = False) -> None:
+        """Remember the digest `rf` arrived with (None: forget it)."""
+        self._update(self.mismatch_file, rf.name, None if got is None else
+                     {"expected": expected_digest(rf), "got": got, "twice": twice})
 
     # -- partials ----------------------------------------------------------------------------
     def resumable_bytes(self, rf: RemoteFile) -> int:

@@ -14,9 +14,10 @@ from pathlib import Path
 from k3tui.errors import K3Error
 from k3tui.hub.progress import Progress, ProgressEvent, Ticker
 from k3tui.hub.remote import RemoteFile, RepoSnapshot, http
-from k3tui.hub.store import LocalStore, expected_digest, hash_file, new_hasher
+from k3tui.hub.store import LocalStore, UnsafeName, expected_digest, hash_file, new_hasher
 from k3tui.hub.transfer import (
     Cancelled,
+    CorruptAtHub,
     DiskFull,
     FileFailed,
     FileFetch,
@@ -100,6 +101,7 @@ def plan_download(snapshot: RepoSnapshot, target: Path, *, check: str = "size") 
     """
     assert check in CHECKS
     store = LocalStore(target)
+    store.check_names(f.name for f in snapshot.files)   # one bad name refuses them all
     plan = DownloadPlan(snapshot, Path(target), free=free_bytes(target))
     for rf in snapshot.files:
         final = store.final(rf.name)
@@ -145,8 +147,8 @@ def download(snapshot: RepoSnapshot, target: Path, *, workers: int = 4,
     opts = opts or Options.from_env()
     stop = stop or threading.Event()
     store = LocalStore(target)
+    plan = plan_download(snapshot, target, check=check)     # checks every name first
     store.ensure()
-    plan = plan_download(snapshot, target, check=check)
     by_name = {f.name: f for f in snapshot.files}
     progress = Progress([(f.name, f.size) for f in snapshot.files],
                         stall_after_s=max(10.0, opts.timeout_s / 2))
@@ -226,6 +228,10 @@ def download(snapshot: RepoSnapshot, target: Path, *, workers: int = 4,
                          halt=True)
                 elif isinstance(exc, HubRefused):
                     fail(rf.name, f"{rf.name}: {exc.error.message}", exc.error, halt=True)
+                elif isinstance(exc, UnsafeName):     # a symlink appeared during the download
+                    fail(rf.name, exc.message, exc, halt=True)
+                elif isinstance(exc, CorruptAtHub):
+                    fail(rf.name, exc.error.message, exc.error)
                 elif isinstance(exc, FileFailed):
                     fail(rf.name, str(exc))
                 elif isinstance(exc, OSError):

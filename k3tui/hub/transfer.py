@@ -17,6 +17,7 @@ on disk (see shared notes, part A). Here:
 from __future__ import annotations
 
 import errno
+import math
 import os
 import queue
 import random
@@ -26,6 +27,7 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from k3tui.errors import K3Error
 from k3tui.hub.progress import Progress
 from k3tui.hub.remote import RemoteFile, RepoSnapshot, explain, is_transient, redact
 from k3tui.hub.store import LocalStore, drop_page_cache, expected_digest, hash_file, new_hasher
@@ -71,6 +73,7 @@ class Options:
     low_speed_bps: float = 4_000      # a connection slower than this for low_speed_s is
     low_speed_s: float = 60.0         # dropped and reopened (curl's --speed-limit idea)
     token: str | None = None
+    retry_corrupt: bool = False       # fetch files known to arrive with a wrong digest again
 
     @classmethod
     def from_env(cls, **kw) -> Options:
@@ -109,6 +112,15 @@ class HubRefused(Exception):
         self.error = error
 
 
+class CorruptAtHub(Exception):
+    """The file arrived twice with the same wrong digest: the Hub's digest is wrong (or its
+    bytes are), so fetching it again is pointless until someone fixes the repo."""
+
+    def __init__(self, error):
+        super().__init__(str(error))
+        self.error = error
+
+
 class _HashThread:
     """Feeds chunks to a hasher on another thread so hashing overlaps receiving."""
 
@@ -137,12 +149,36 @@ def same_origin(a: str, b: str) -> bool:
     return (ua.scheme, ua.hostname, ua.port) == (ub.scheme, ub.hostname, ub.port)
 
 
+RETRY_AFTER_CAP_S = 600.0         # a server asking for longer is treated as asking for this
+
+
+def retry_after_s(value: str | None, now: float | None = None) -> float:
+    """Seconds a `Retry-After` header asks us to wait: delta-seconds or an HTTP date
+    (RFC 9110), never negative, at most RETRY_AFTER_CAP_S; 0 if absent or unreadable."""
+    from email.utils import parsedate_to_datetime
+
+    value = (value or "").strip()
+    if not value:
+        return 0.0
+    try:
+        wait = float(value)
+    except ValueError:
+        try:
+            when = parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return 0.0
+        if when.tzinfo is None:           # HTTP dates are GMT; a zone-less one is read so too
+            import datetime
+
+            when = when.replace(tzinfo=datetime.UTC)
+        wait = when.timestamp() - (time.time() if now is None else now)
+    return 0.0 if math.isnan(wait) else min(max(wait, 0.0), RETRY_AFTER_CAP_S)
+
+
 def _retry_after(exc: BaseException) -> float:
     resp = getattr(exc, "response", None)
-    try:
-        return float(resp.headers.get("Retry-After", 0)) if resp is not None else 0.0
-    except (TypeError, ValueError):
-        return 0.0
+    headers = getattr(resp, "headers", None)
+    return retry_after_s(headers.get("Retry-After") if headers is not None else None)
 
 
 class FileFetch:
@@ -175,13 +211,17 @@ class FileFetch:
     # -- lifecycle -------------------------------------------------------------------------
     def run(self, initial_counted: int) -> None:
         """`initial_counted`: partial bytes the caller already reported as initial."""
-        rf = self.rf
+        rf, store = self.rf, self.store
+        if store.known_corrupt(rf):
+            if not self.opts.retry_corrupt:
+                raise CorruptAtHub(self._corrupt_error(store.last_mismatch(rf)))
+            store.note_mismatch(rf, store.last_mismatch(rf))   # once more: the same bytes stop it
         self.part.parent.mkdir(parents=True, exist_ok=True)
-        keep = self.store.resumable_bytes(rf)
+        keep = store.resumable_bytes(rf)
         if keep != initial_counted:   # partial changed since planning: recount honestly
             self.progress.reset_file(rf.name)
             self.progress.initial_bytes(rf.name, keep)
-        self.fd = os.open(self.part, os.O_WRONLY | os.O_CREAT, 0o644)
+        self.fd = os.open(self.part, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         try:
             for attempt in range(2):  # a digest mismatch restarts the file once
                 self._open_partial(keep)
@@ -191,17 +231,41 @@ class FileFetch:
                     # when the Hub gave no hash at all (not seen on huggingface.co)
                     self._finish(digest)
                     return
+                if digest == store.last_mismatch(rf):
+                    # the same wrong bytes twice (in this run or the one before): not the
+                    # network's fault, so keep them for inspection and stop fetching them
+                    self._set_aside(digest)
+                    raise CorruptAtHub(self._corrupt_error(digest))
+                store.note_mismatch(rf, digest)
                 self.log(f"{rf.name}: digest mismatch (got {digest[:12]}…, expected "
                          f"{expected_digest(rf)[:12]}…); fetching it again")
                 self.progress.error(f"{rf.name}: corrupt download, refetching")
                 self.progress.reset_file(rf.name)
                 keep = 0
-            self.store.discard_partial(rf.name)
-            raise FileFailed(f"{rf.name} arrived corrupt twice (sha256 mismatch)")
+            store.discard_partial(rf.name)
+            raise FileFailed(f"{rf.name} arrived corrupt twice, with a different digest each "
+                             "time (damaged in transit); rerun to fetch it again")
         finally:
             if self.fd >= 0:
                 os.close(self.fd)
                 self.fd = -1
+
+    def _set_aside(self, digest: str) -> None:
+        """Move the corrupt partial to `.k3tui/corrupt/` and remember it arrived twice."""
+        aside = self.store.corrupt(self.rf.name)
+        aside.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(self.part, aside)
+        self.store.sidecar(self.rf.name).unlink(missing_ok=True)
+        self.store.note_mismatch(self.rf, digest, twice=True)
+        self.progress.status(self.rf.name, "failed")
+
+    def _corrupt_error(self, got: str | None) -> K3Error:
+        rf = self.rf
+        kind = "sha256" if rf.sha256 else "git blob sha1"
+        return K3Error(f"The Hub's {kind} for {rf.name} does not match its bytes (got {got}, "
+                       f"expected {expected_digest(rf)} twice).",
+                       f"the copy is kept in {self.store.corrupt(rf.name)}; tell the repo's "
+                       "owner, or rerun with --retry-corrupt to fetch it once more")
 
     def _open_partial(self, keep: int) -> None:
         os.ftruncate(self.fd, keep)
@@ -355,6 +419,7 @@ class FileFetch:
         final.parent.mkdir(parents=True, exist_ok=True)
         os.replace(self.part, final)
         self.store.sidecar(rf.name).unlink(missing_ok=True)
+        self.store.note_mismatch(rf, None)
         st = final.stat()
         self.store.record(rf.name, st.st_size, st.st_mtime_ns, digest, self.snap.commit)
         self.progress.status(rf.name, "done")

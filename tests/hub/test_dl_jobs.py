@@ -19,6 +19,7 @@ from k3tui import jobs
 from k3tui.errors import K3Error
 from k3tui.hub import CHUNK_BYTES
 from k3tui.hub.fakehub import Fault
+from k3tui.hub.store import LocalStore
 
 
 def newest_job() -> dict:
@@ -79,7 +80,8 @@ def test_dl_one_job_per_folder_and_cancel_keeps_partial(hub, repo_dir, tmp_path)
     again = k3("download", REPO_ID, "--dir", str(out), "--detach")
     assert f"Job {state['id']} is already downloading" in again.stdout
     with pytest.raises(K3Error, match=f"Job {state['id']} is already working"):
-        jobs.start_job("download", jobs.k3tui_argv("--version"), str(out))
+        jobs.start_job("download", jobs.k3tui_argv("--version"), str(out),
+                       lock_file=LocalStore(out).lock_file)
     busy = k3("download", REPO_ID, "--dir", str(out), "--foreground", check=False)
     assert busy.returncode == 2 and "already working" in busy.stderr
     assert "Traceback" not in busy.stderr
