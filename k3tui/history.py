@@ -52,10 +52,6 @@ SIDECARS = ("", "-wal", "-shm")  # SQLite's WAL files travel with the database
 _CORRUPT_CODES = {sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB}
 
 
-class CorruptStore(Exception):
-    """The file is not a SQLite database, or its pages are damaged."""
-
-
 def _is_corrupt(exc: sqlite3.DatabaseError) -> bool:
     return getattr(exc, "sqlite_errorcode", None) in _CORRUPT_CODES
 
@@ -94,35 +90,50 @@ class History:
         self.path = Path(path)
         private_dir(self.path.parent)
         self._clock = clock
-        self.notice = ""  # one sentence for the user when the store had to be replaced
-        try:
-            self._open()
-        except CorruptStore as exc:
-            self.close()
+        self.notice = ""  # for the user, when the store had to be replaced
+        self._db = None
+        problem = self._damage()
+        if problem:
             moved = self._move_aside()
-            self._open()
             recovered = moved.with_name(moved.name + ".recovered")
             self.notice = (
-                f"The chat history {self.path} could not be read ({exc}); it was moved to "
+                f"The chat history {self.path} could not be read ({problem}); it was moved to "
                 f"{moved} and a new, empty history started. To try to recover it: quit, run "
                 f"`sqlite3 {moved} .recover | sqlite3 {recovered}`, then move {recovered} "
                 f"to {self.path}.")
+        self._open()
+
+    def _damage(self) -> str:
+        """Why the existing file is not a usable database ("" if it is, or is new).
+
+        Checked read-only, before a writable connection could checkpoint a WAL into a
+        damaged file or delete it: what is moved aside is exactly what was there."""
+        try:
+            if self.path.stat().st_size == 0:
+                return ""
+        except FileNotFoundError:
+            return ""
+        db = None
+        try:
+            db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True)
+            problems = [r[0] for r in db.execute("PRAGMA quick_check(3)")]
+            return "" if problems == ["ok"] else "; ".join(problems)
+        except sqlite3.DatabaseError as exc:
+            return str(exc) if _is_corrupt(exc) else ""  # anything else: _open says it
+        finally:
+            if db is not None:
+                db.close()
 
     def _open(self) -> None:
         # Created 0600 before SQLite opens it: its -wal and -shm then get the same mode.
         for suffix in SIDECARS:
             private_file(Path(f"{self.path}{suffix}"), create=not suffix)
-        self._db = None
         try:
             # isolation_level=None: autocommit, so a kill never loses a committed message.
             self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             self._db.row_factory = sqlite3.Row
             self._db.execute("PRAGMA busy_timeout=5000")
             self._db.execute("PRAGMA journal_mode=WAL")
-            # Damage in a page no query reads yet would otherwise surface mid-chat.
-            problems = [r[0] for r in self._db.execute("PRAGMA quick_check(3)")]
-            if problems != ["ok"]:
-                raise CorruptStore("; ".join(problems))
             # WAL + NORMAL: a commit survives the TUI being killed; no fsync stalls the UI.
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA foreign_keys=ON")
@@ -130,8 +141,6 @@ class History:
             # An answer still "streaming" belongs to a TUI or backend that died mid-answer.
             self._db.execute("UPDATE messages SET status='interrupted' WHERE status='streaming'")
         except sqlite3.DatabaseError as exc:
-            if _is_corrupt(exc):
-                raise CorruptStore(str(exc)) from None
             from k3tui.errors import K3Error
 
             self.close()
