@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
@@ -147,6 +148,6 @@ class JobsScreen(Screen):
                 # A file name from the Hub is neither markup nor terminal codes.
                 table.add_row(Text(clean(name)), f"{done / GB:.1f}/{size / GB:.1f}",
                               f"{pct:.0f}")
-        table.caption = Text(clean(f"{counts['done']} done · {counts['queued']} queued · "
-                                   f"{counts['failed']} failed · {job.get('message') or ''}"))
+        table.caption = escape(clean(f"{counts['done']} done · {counts['queued']} queued · "
+                                     f"{counts['failed']} failed · {job.get('message') or ''}"))
         return table
