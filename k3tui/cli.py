@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     module = importlib.import_module(f"k3tui.commands.{args.command}")
     try:
+        from k3tui.paths import secure_home
+
+        secure_home()  # what an older k3tui (or a loose umask) left readable by others
         return int(module.run(args) or 0)
     except K3Error as exc:
         print(f"k3tui: {exc}", file=sys.stderr)

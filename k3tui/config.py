@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from k3tui.errors import K3Error
-from k3tui.paths import get_paths
+from k3tui.paths import get_paths, private_open
 
 MODEL_KINDS = ("safetensors", "gguf", "remote")
 BACKEND_KINDS = ("bundled", "llama-server", "remote")
@@ -270,9 +270,9 @@ def save_config(cfg: Config, path: Path | None = None) -> Path:
             if key in table and table[key] == value:
                 continue  # untouched: keep the user's formatting
             table[key] = value
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".toml.tmp")
-    tmp.write_text(tomlkit.dumps(doc), encoding="utf-8")
+    with private_open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(tomlkit.dumps(doc))
     os.replace(tmp, path)
     return path
 
@@ -323,11 +323,8 @@ def save_credential(key: str, value: str, path: Path | None = None) -> Path:
     doc.add(tomlkit.comment("k3tui secrets: mode 0600, never logged."))
     for k, v in sorted(creds.items()):
         doc[k] = v
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".toml.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+    with private_open(tmp, "w", encoding="utf-8") as fh:
         fh.write(tomlkit.dumps(doc))
-    os.chmod(tmp, 0o600)
     os.replace(tmp, path)
     return path

@@ -3,18 +3,24 @@
 WAL mode so the TUI can be killed at any moment; numbered migrations kept in
 `PRAGMA user_version`. The user's message is committed before a request is sent, the
 answer is saved while it streams (status "streaming"), and a store opened after a crash
-marks any answer still "streaming" as "interrupted". No UI imports here.
+marks any answer still "streaming" as "interrupted". A file that is not a database or is
+corrupt is moved aside (never deleted) and a fresh store started; `notice` says where the
+old one went. The files are private (0600). No UI imports here.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from k3tui.paths import private_dir, private_file
+from k3tui.textsafe import clean
 
 # Each entry upgrades the schema from version i to i+1. Never edit a released entry; append.
 MIGRATIONS: list[str] = [
@@ -42,6 +48,12 @@ MIGRATIONS: list[str] = [
 ]
 
 STATUSES = ("done", "streaming", "stopped", "interrupted", "error")
+SIDECARS = ("", "-wal", "-shm")  # SQLite's WAL files travel with the database
+_CORRUPT_CODES = {sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB}
+
+
+def _is_corrupt(exc: sqlite3.DatabaseError) -> bool:
+    return getattr(exc, "sqlite_errorcode", None) in _CORRUPT_CODES
 
 
 @dataclass(frozen=True)
@@ -76,19 +88,79 @@ class History:
 
             path = get_paths().history_db
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(self.path.parent)
         self._clock = clock
-        # isolation_level=None: autocommit, so a kill never loses a committed message.
-        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        # WAL + NORMAL: a commit survives the TUI being killed; no fsync stalls the UI.
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA foreign_keys=ON")
-        self._db.execute("PRAGMA busy_timeout=5000")
-        self._migrate()
-        # An answer still "streaming" belongs to a TUI or backend that died mid-answer.
-        self._db.execute("UPDATE messages SET status='interrupted' WHERE status='streaming'")
+        self.notice = ""  # for the user, when the store had to be replaced
+        self._db = None
+        problem = self._damage()
+        if problem:
+            moved = self._move_aside()
+            recovered = moved.with_name(moved.name + ".recovered")
+            self.notice = (
+                f"The chat history {self.path} could not be read ({problem}); it was moved to "
+                f"{moved} and a new, empty history started. To try to recover it: quit, run "
+                f"`sqlite3 {moved} .recover | sqlite3 {recovered}`, then move {recovered} "
+                f"to {self.path}.")
+        self._open()
+
+    def _damage(self) -> str:
+        """Why the existing file is not a usable database ("" if it is, or is new).
+
+        Checked read-only, before a writable connection could checkpoint a WAL into a
+        damaged file or delete it: what is moved aside is exactly what was there."""
+        try:
+            if self.path.stat().st_size == 0:
+                return ""
+        except FileNotFoundError:
+            return ""
+        db = None
+        try:
+            db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True)
+            problems = [r[0] for r in db.execute("PRAGMA quick_check(3)")]
+            return "" if problems == ["ok"] else "; ".join(problems)
+        except sqlite3.DatabaseError as exc:
+            return str(exc) if _is_corrupt(exc) else ""  # anything else: _open says it
+        finally:
+            if db is not None:
+                db.close()
+
+    def _open(self) -> None:
+        # Created 0600 before SQLite opens it: its -wal and -shm then get the same mode.
+        for suffix in SIDECARS:
+            private_file(Path(f"{self.path}{suffix}"), create=not suffix)
+        try:
+            # isolation_level=None: autocommit, so a kill never loses a committed message.
+            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            self._db.row_factory = sqlite3.Row
+            self._db.execute("PRAGMA busy_timeout=5000")
+            self._db.execute("PRAGMA journal_mode=WAL")
+            # WAL + NORMAL: a commit survives the TUI being killed; no fsync stalls the UI.
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._migrate()
+            # An answer still "streaming" belongs to a TUI or backend that died mid-answer.
+            self._db.execute("UPDATE messages SET status='interrupted' WHERE status='streaming'")
+        except sqlite3.DatabaseError as exc:
+            from k3tui.errors import K3Error
+
+            self.close()
+            raise K3Error(f"The chat history {self.path} cannot be opened: {exc}.",
+                          "check that the file and its folder are yours and the disk is not "
+                          "full, then run this again") from None
+
+    def _move_aside(self) -> Path:
+        """Rename the database and its WAL files to `NAME.corrupt-<UTC time>[-wal|-shm]`."""
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        moved = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
+        n = 1
+        while any(Path(f"{moved}{s}").exists() for s in SIDECARS):  # two in one second
+            n += 1
+            moved = self.path.with_name(f"{self.path.name}.corrupt-{stamp}-{n}")
+        for suffix in SIDECARS:
+            old = Path(f"{self.path}{suffix}")
+            if old.exists():
+                os.rename(old, f"{moved}{suffix}")
+        return moved
 
     @property
     def schema_version(self) -> int:
@@ -99,6 +171,7 @@ class History:
         if version > len(MIGRATIONS):
             from k3tui.errors import K3Error
 
+            self.close()
             raise K3Error(f"The chat history {self.path} was written by a newer k3tui "
                           f"(schema {version}).", "upgrade k3tui, or move that file away")
         for number in range(version, len(MIGRATIONS)):
@@ -110,7 +183,8 @@ class History:
             self._db.execute("COMMIT")
 
     def close(self) -> None:
-        self._db.close()
+        if self._db is not None:
+            self._db.close()
 
     # conversations -------------------------------------------------------------------
     def new_conversation(self, title: str = "New chat", *, backend: str = "",
@@ -208,4 +282,5 @@ class History:
                 lines += ["<details><summary>Reasoning</summary>", "", m.reasoning.rstrip(), "",
                           "</details>", ""]
             lines += [m.content.rstrip(), ""]
-        return "\n".join(lines).rstrip() + "\n"
+        # Rows saved before text was cleaned on arrival: `cat` of an export must be safe too.
+        return clean("\n".join(lines).rstrip() + "\n")

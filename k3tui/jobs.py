@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from k3tui.errors import K3Error
-from k3tui.paths import get_paths
+from k3tui.paths import get_paths, private_dir, private_open
 
 STATUSES = ("running", "done", "failed", "cancelled")
 ENV_ID, ENV_LOCK = "K3TUI_JOB_ID", "K3TUI_JOB_LOCK_FD"
@@ -39,9 +39,7 @@ START_GRACE_S = 30.0      # a job that has not written its pid yet is "starting"
 
 
 def jobs_dir() -> Path:
-    d = get_paths().jobs_dir
-    d.mkdir(parents=True, exist_ok=True)
-    return d
+    return private_dir(get_paths().jobs_dir)
 
 
 def state_path(job_id: str) -> Path:
@@ -56,7 +54,8 @@ def k3tui_argv(*args: str) -> list[str]:
 def _write_state(state: dict) -> None:
     path = state_path(state["id"])
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps(state, indent=1))
+    with private_open(tmp, "w") as fh:
+        fh.write(json.dumps(state, indent=1))
     os.replace(tmp, path)
 
 
@@ -161,7 +160,7 @@ def start_job(kind: str, argv: list[str], target_key: str, *, lock_file: Path | 
         # the job must import this same k3tui even from an uninstalled checkout
         src = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-        with open(state["log"], "ab") as log:
+        with private_open(state["log"]) as log:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True,
                                     pass_fds=(lock_fd,), env=env, close_fds=True)

@@ -62,3 +62,85 @@ def get_paths() -> Paths:
     from platformdirs import user_data_path
 
     return Paths(user_data_path("k3tui", appauthor=False))
+
+
+# --- privacy: chats, logs and keys are the user's alone -------------------------------------
+# The home is 0700 and what k3tui writes in it 0600. Something found looser (made by an
+# older k3tui, or a umask) is tightened, and the user told once per process on stderr.
+PRIVATE_DIRS = ("jobs", "jobs/locks", "logs", "exports")  # under the root; models/ is not
+_told = False
+
+
+def _tell(path: Path, was: int, now: int) -> None:
+    global _told
+    if not _told:
+        _told = True
+        import sys
+
+        print(f"k3tui: {path} was readable by other users (mode {was:04o}); k3tui's files "
+              f"are now private to you ({now:04o}).", file=sys.stderr)
+
+
+def _tighten(path: Path, mode: int) -> None:
+    try:
+        was = path.stat().st_mode & 0o777
+        if was & 0o077:
+            os.chmod(path, was & ~0o077 | (mode & 0o700))
+            _tell(path, was, was & ~0o077 | (mode & 0o700))
+    except FileNotFoundError:
+        pass
+
+
+def private_dir(path: Path | str) -> Path:
+    """`path` and its missing parents created 0700; if it is k3tui's root or inside it,
+    it and the folders up to the root are tightened to 0700."""
+    path = Path(path)
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    for p in reversed(missing):
+        try:
+            p.mkdir(mode=0o700)
+        except FileExistsError:
+            pass  # made meanwhile by another process
+    root = get_paths().root
+    if path == root or root in path.parents:
+        for p in (path, *path.parents):
+            _tighten(p, 0o700)
+            if p == root:
+                break
+    return path
+
+
+def private_file(path: Path | str, *, create: bool = True) -> Path:
+    """`path` exists (when `create`) as 0600, without ever being readable by others."""
+    path = Path(path)
+    if create:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+    _tighten(path, 0o600)
+    return path
+
+
+def private_open(path: Path | str, mode: str = "ab", **kwargs):
+    """`open(path, mode)` for a file k3tui writes (a log, a state file): its folder
+    private, the file created 0600 or tightened to it."""
+    path = Path(path)
+    private_dir(path.parent)
+    private_file(path)
+    return open(path, mode, **kwargs)
+
+
+def secure_home() -> None:
+    """Tighten the root, its private folders and the files in them (one notice at most)."""
+    root = get_paths().root
+    if not root.is_dir():
+        return
+    private_dir(root)
+    for entry in root.iterdir():
+        if entry.is_file() and not entry.is_symlink():
+            _tighten(entry, 0o600)
+    for name in PRIVATE_DIRS:
+        folder = root / name
+        if folder.is_dir() and not folder.is_symlink():
+            _tighten(folder, 0o700)
+            for entry in folder.iterdir():
+                if entry.is_file() and not entry.is_symlink():
+                    _tighten(entry, 0o600)

@@ -17,7 +17,7 @@ from typing import Any
 from k3tui.backends.llama_server import wait_ready
 from k3tui.backends.running import ProgressCallback, RunningBackend
 from k3tui.errors import K3Error
-from k3tui.paths import get_paths
+from k3tui.paths import get_paths, private_open
 
 ENGINE_ARGV = (sys.executable, "-m", "engine", "serve")
 
@@ -57,7 +57,6 @@ def start_engine(checkpoint: Path | str, *, args: Sequence[str] = (), host: str 
         argv += ["--model-name", model_name]
     argv += list(args)
     logs = get_paths().logs_dir
-    logs.mkdir(parents=True, exist_ok=True)
     log_path = logs / f"engine-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{port}.log"
     env = dict(os.environ, PYTHONUNBUFFERED="1")  # the "listening" line must reach the log now
     # The key goes by the environment, which only its user can read (argv is in everyone's
@@ -65,7 +64,7 @@ def start_engine(checkpoint: Path | str, *, args: Sequence[str] = (), host: str 
     env.pop("K3_API_KEY", None)
     if api_key:
         env["K3_API_KEY"] = api_key
-    with open(log_path, "ab") as log:
+    with private_open(log_path) as log:
         log.write(("# k3tui: " + " ".join(argv) + "\n").encode())
         log.flush()
         try:  # same process group: a closed terminal stops the engine too (no orphans)

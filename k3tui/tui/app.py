@@ -36,6 +36,7 @@ from k3tui.backends.events import (
 )
 from k3tui.history import History
 from k3tui.monitor import Monitor, Sample
+from k3tui.textsafe import clean
 from k3tui.tui.stats import LatencyStats, format_gb
 from k3tui.tui.widgets.messages import AssistantMessage, UserMessage, code_blocks
 from k3tui.tui.widgets.panes import IOPane, LatencyPane
@@ -74,7 +75,7 @@ class BackendInfo:
         for i, (part, style) in enumerate(parts):
             if i:
                 text.append(" │ ", style="dim")
-            text.append(part, style=style)
+            text.append(clean(part), style=style)  # the model id is the server's text
         return text
 
 
@@ -317,9 +318,10 @@ class ChatScreen(Screen):
                 "model": self.k3app.backend.model}
 
     def _backend_failed(self, message: str, next_step: str) -> None:
+        """`message` is the server's words: never markup (a `[` must not end the chat)."""
         hint = f" {next_step}." if next_step else ""
-        self.notify(f"{message}.{hint} Your history is saved; press ctrl+r to retry.",
-                    title="backend problem", severity="error", timeout=12)
+        self.notify(clean(f"{message}.{hint} Your history is saved; press ctrl+r to retry."),
+                    title="backend problem", severity="error", timeout=12, markup=False)
 
     # actions ---------------------------------------------------------------------------
     def action_stop(self) -> None:
@@ -642,6 +644,9 @@ class ChatApp(App):
         return next(s for s in self.screen_stack if isinstance(s, ChatScreen))
 
     def on_ready(self) -> None:
+        if self.history.notice:  # e.g. an unreadable history was moved aside
+            self.notify(self.history.notice, title="chat history", severity="warning",
+                        timeout=60, markup=False)
         if self.starter is not None:
             self.start_backend()
         if self._on_ready is not None:
@@ -674,7 +679,7 @@ class ChatApp(App):
             logs = [p for p in get_paths().logs_dir.glob("*.log") if p.stat().st_mtime >= since]
             return str(max(logs, key=lambda p: p.stat().st_mtime)) if logs else None
 
-        title = f"starting the {self.backend.kind} backend: {self.backend.model}"
+        title = clean(f"starting the {self.backend.kind} backend: {self.backend.model}")
         self.push_screen(StartupScreen(title, self.starter, log_path), started)
 
     def copy(self, text: str) -> list[str]:

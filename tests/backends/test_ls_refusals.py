@@ -186,5 +186,6 @@ def test_the_api_key_reaches_the_real_server_in_a_0600_file_not_argv(model, star
     assert httpx.get(backend.base_url + "/props").status_code == 401  # /v1/models is public
     ok = httpx.get(backend.base_url + "/props", headers={"Authorization": f"Bearer {key}"})
     assert ok.status_code == 200
+    assert stat.S_IMODE(Path(backend.log_path).stat().st_mode) == 0o600  # its log is private
     backend.stop()
     assert not key_file.exists()  # gone with the server

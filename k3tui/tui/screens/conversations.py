@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import time
 
+from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -14,16 +15,14 @@ from textual.widgets import Footer, Input, OptionList, Static
 from textual.widgets.option_list import Option
 
 from k3tui.history import History
+from k3tui.paths import get_paths, private_dir, private_open
+from k3tui.textsafe import clean
 
 
 def export_path(history: History, conversation_id: int):
-    from k3tui.paths import get_paths
-
     conv = history.get_conversation(conversation_id)
     slug = re.sub(r"[^A-Za-z0-9]+", "-", conv.title if conv else "chat").strip("-")[:40]
-    folder = get_paths().root / "exports"
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder / f"{conversation_id}-{slug or 'chat'}.md"
+    return private_dir(get_paths().root / "exports") / f"{conversation_id}-{slug or 'chat'}.md"
 
 
 class ConversationsScreen(ModalScreen[int | None]):
@@ -62,8 +61,8 @@ class ConversationsScreen(ModalScreen[int | None]):
         options.clear_options()
         for conv in self.history.list_conversations():
             when = time.strftime("%Y-%m-%d %H:%M", time.localtime(conv.updated))
-            options.add_option(Option(f"{conv.title[:50]:<50} {conv.message_count:>3} msgs  {when}",
-                                      id=str(conv.id)))
+            line = f"{clean(conv.title)[:50]:<50} {conv.message_count:>3} msgs  {when}"
+            options.add_option(Option(Text(line), id=str(conv.id)))  # a title is not markup
         for i in range(options.option_count):
             if options.get_option_at_index(i).id == target:
                 options.highlighted = i
@@ -123,5 +122,6 @@ class ConversationsScreen(ModalScreen[int | None]):
         if cid is None:
             return
         path = export_path(self.history, cid)
-        path.write_text(self.history.export_markdown(cid), encoding="utf-8")
-        self.notify(f"Exported to {path}")
+        with private_open(path, "w", encoding="utf-8") as fh:
+            fh.write(self.history.export_markdown(cid))
+        self.notify(f"Exported to {path}", markup=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
@@ -16,6 +17,8 @@ from textual.binding import Binding
 from textual.containers import Vertical
 from textual.screen import Screen
 from textual.widgets import Footer, ProgressBar, Static
+
+from k3tui.textsafe import clean
 
 GB = 1e9
 
@@ -60,7 +63,7 @@ def overall_line(state: dict[str, Any]) -> Text:
     done = (state.get("done_bytes") or 0) / GB
     total = (state.get("total_bytes") or 0) / GB
     rate = (state.get("rate_bps") or 0) / 1e6
-    status = state.get("status", "?")
+    status = clean(str(state.get("status", "?")))
     text = Text(no_wrap=True, overflow="ellipsis")
     text.append(f"{status:<9}", style="bold")
     text.append(f"{done:,.1f} / {total:,.1f} GB  ")
@@ -120,7 +123,7 @@ class JobsScreen(Screen):
     def _detail(self, job: dict[str, Any], states: list[dict[str, Any]]) -> Table | Text:
         files = job.get("files") or []
         if self.kind != "download" or not files:
-            lines = [job.get("message") or ""]
+            lines = [clean(str(job.get("message") or ""))]
             others = len(states) - 1
             if others:
                 lines.append(f"{others} earlier {self.kind} job(s)")
@@ -140,8 +143,11 @@ class JobsScreen(Screen):
                 size = f.get("size") or 0
                 done = f.get("done") or 0
                 pct = 100 * done / size if size else 0
-                name = f.get("name", "?") + ("" if status == "downloading" else f" ({status})")
-                table.add_row(name, f"{done / GB:.1f}/{size / GB:.1f}", f"{pct:.0f}")
-        table.caption = (f"{counts['done']} done · {counts['queued']} queued · "
-                         f"{counts['failed']} failed · {job.get('message') or ''}")
+                name = str(f.get("name", "?")) + ("" if status == "downloading"
+                                                  else f" ({status})")
+                # A file name from the Hub is neither markup nor terminal codes.
+                table.add_row(Text(clean(name)), f"{done / GB:.1f}/{size / GB:.1f}",
+                              f"{pct:.0f}")
+        table.caption = escape(clean(f"{counts['done']} done · {counts['queued']} queued · "
+                                     f"{counts['failed']} failed · {job.get('message') or ''}"))
         return table

@@ -15,6 +15,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Log, Static
 
 from k3tui.errors import K3Error
+from k3tui.textsafe import clean
 
 
 def tail(path: str | Path | None, n: int = 200) -> list[str]:
@@ -24,7 +25,8 @@ def tail(path: str | Path | None, n: int = 200) -> list[str]:
         with open(path, "rb") as fh:
             fh.seek(0, 2)
             fh.seek(max(0, fh.tell() - 64 * 1024))
-            return fh.read().decode("utf-8", "replace").splitlines()[-n:]
+            # A backend's log is its own text: sanitised before the F5 view shows it.
+            return [clean(line) for line in fh.read().decode("utf-8", "replace").splitlines()[-n:]]
     except OSError:
         return []
 

@@ -15,6 +15,8 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Static
 
+from k3tui.textsafe import clean
+
 SEAL_CHARS = 1200  # ~200 tokens: re-rendering this much per flush is cheap
 
 
@@ -68,7 +70,8 @@ class MarkdownSegment(Static):
         self.source = source
         dark = getattr(self.app, "current_theme", None)
         code_theme = "monokai" if dark is None or dark.dark else "friendly"
-        self.update(RichMarkdown(source, code_theme=code_theme, hyperlinks=True))
+        # Rich Markdown would pass escape sequences through to the terminal.
+        self.update(RichMarkdown(clean(source), code_theme=code_theme, hyperlinks=True))
 
 
 class StreamedMarkdown(Vertical):

@@ -10,6 +10,7 @@ from textual.containers import Vertical
 from textual.timer import Timer
 from textual.widgets import Collapsible, Static
 
+from k3tui.textsafe import clean
 from k3tui.tui.widgets.markdown import StreamedMarkdown
 
 STATUS_TEXT = {
@@ -30,6 +31,7 @@ def code_blocks(markdown: str) -> list[str]:
 
 class UserMessage(Static):
     def __init__(self, text: str, **kwargs) -> None:
+        text = clean(text)  # a pasted prompt can carry escape sequences too
         super().__init__(text, markup=False, **kwargs)
         self.text = text
         self.border_title = "you"
@@ -51,10 +53,11 @@ class AssistantMessage(Vertical):
     def __init__(self, *, content: str = "", reasoning: str = "", status: str = "streaming",
                  note: str = "", **kwargs) -> None:
         super().__init__(**kwargs)
-        self.content = content
-        self.reasoning = reasoning
+        # From the history: a row saved before text was cleaned on arrival may hold escapes.
+        self.content = clean(content)
+        self.reasoning = clean(reasoning)
         self.status = status
-        self.note = note
+        self.note = clean(note)
         self._pending = {"reasoning": "", "content": ""}
         self._last_flush = 0.0
         self._flush_timer: Timer | None = None
@@ -75,7 +78,7 @@ class AssistantMessage(Vertical):
         with Collapsible(title=self._reasoning_title(), collapsed=collapsed, classes="reasoning"):
             yield StreamedMarkdown(self.reasoning, classes="reasoning-md")
         yield StreamedMarkdown(self.content, classes="answer-md")
-        yield Static("", classes="status-line")
+        yield Static("", classes="status-line", markup=False)  # notes quote the server
 
     def on_mount(self) -> None:
         self.query_one(".reasoning", Collapsible).display = bool(self.reasoning)
@@ -101,7 +104,7 @@ class AssistantMessage(Vertical):
     def show_waiting(self, text: str) -> None:
         """A status line under the empty answer while the server loads its model; the
         first token clears it."""
-        self.note = text
+        self.note = clean(text)
         self._show_status()
 
     def _end_waiting(self) -> None:
@@ -152,7 +155,7 @@ class AssistantMessage(Vertical):
     async def finish(self, status: str, note: str = "") -> None:
         """Flush what is pending and stop the streams; the status line says how it ended."""
         self.status = status
-        self.note = note
+        self.note = clean(note)
         await self.flush()
         if self.reasoning:
             self.reasoning_block.title = self._reasoning_title()
