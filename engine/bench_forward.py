@@ -29,11 +29,12 @@ from typing import Any
 import numpy as np
 
 from engine import kernels
-from engine.config import ModelConfig
-from engine.kda import KDAState
-from engine.mla import MLAState
-from engine.model import Model, expected_tensors
-from engine.moe import run_experts
+from engine.kernels import reference
+from engine.model.config import ModelConfig
+from engine.model.kda import KDAState
+from engine.model.mla import MLAState
+from engine.model.transformer import Model, expected_tensors
+from engine.model.moe import run_experts
 from engine.weights import ExpertWeights
 
 REAL_WIDTHS: dict[str, Any] = dict(
@@ -219,15 +220,15 @@ def time_mxfp4_ref(src: BenchSource, cfg: ModelConfig, rng) -> float:
     a = rng.standard_normal((1, cfg.moe_intermediate_size)).astype(np.float32)
     ex = src.pool[0]
     t = time.perf_counter()
-    kernels.mxfp4_linear_ref(z, ex.w1_packed, ex.w1_scale)
-    kernels.mxfp4_linear_ref(z, ex.w3_packed, ex.w3_scale)
-    kernels.mxfp4_linear_ref(a, ex.w2_packed, ex.w2_scale)
+    reference.mxfp4_linear_ref(z, ex.w1_packed, ex.w1_scale)
+    reference.mxfp4_linear_ref(z, ex.w3_packed, ex.w3_scale)
+    reference.mxfp4_linear_ref(a, ex.w2_packed, ex.w2_scale)
     return expert_bytes(ex) / (time.perf_counter() - t) / 1e9
 
 
 def checkpoint_decode(path: str, gen: int) -> dict[str, Any]:
     from engine.generate import GenParams, generate
-    from engine.model import load_model
+    from engine.model.transformer import load_model
 
     t = time.perf_counter()
     model = load_model(path)
@@ -253,7 +254,7 @@ def checkpoint_decode(path: str, gen: int) -> dict[str, Any]:
 def main(args: argparse.Namespace) -> int:
     if args.threads:
         try:
-            from engine import fused
+            from engine.kernels import fused
             fused.set_threads(args.threads)
         except ImportError:
             pass
@@ -299,7 +300,7 @@ def main(args: argparse.Namespace) -> int:
 
     q = src.layers[KDA_LAYER]["self_attn.q_proj.weight"]
     t = time.perf_counter()
-    kernels.linear_ref(xs[cfg.hidden_size], q)
+    reference.linear_ref(xs[cfg.hidden_size], q)
     res["bf16_numpy_reference_gb_per_s"] = q.nbytes / (time.perf_counter() - t) / 1e9
     res["mxfp4_numpy_reference_gb_per_s"] = time_mxfp4_ref(src, cfg, rng)
     res["load_average_1min"] = os.getloadavg()[0]

@@ -26,7 +26,7 @@ MESSAGES = [{"role": "user", "content": "Hello there"}]
 def _direct(ckpt: Path, n: int):
     from engine.chat_template import ChatTemplate
     from engine.generate import GenParams, generate
-    from engine.model import load_model
+    from engine.model.transformer import load_model
     from engine.steer import NEG
     from engine.tokenizer import Tokenizer
 

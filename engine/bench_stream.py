@@ -165,7 +165,7 @@ def _decode(model, prompt: list[int], tokens: int) -> tuple[list, float]:
 
 def _open(cmap, budget_gb: float, threads: int, warm: bool = False, guess: str = "auto"):
     """A StreamingSource under `budget_gb`; with `warm`, every weight read before the clock."""
-    from engine.model import load_model
+    from engine.model.transformer import load_model
     from engine.planner import make_plan
     from engine.streaming import StreamingSource
 

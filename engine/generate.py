@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.model import Cancelled, Model
+from engine.model.transformer import Cancelled, Model
 from engine.planner import GB
 from engine.sampler import Sampler
 from engine.streaming import current_rss, peak_rss

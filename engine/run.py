@@ -70,7 +70,7 @@ def default_stop_ids(eos_token_id: int | None, checkpoint: Path) -> list[int]:
 
 def main(args: argparse.Namespace) -> int:
     from engine.generate import GenParams, generate
-    from engine.model import load_model
+    from engine.model.transformer import load_model
     from engine.sampler import Sampler
 
     try:

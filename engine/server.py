@@ -1022,7 +1022,7 @@ def load_engine(checkpoint: Path, tokenizer_dir: Path, args: argparse.Namespace,
                 progress: LoadProgress, n_ctx: int) -> Loaded:
     """Tokenizer, weight source under the memory plan, model; generation via ENG's API."""
     from engine.generate import GenParams, generate
-    from engine.model import load_model
+    from engine.model.transformer import load_model
     from engine.streaming import open_source
 
     progress.phase = "tokenizer"

@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.config import ModelConfig
+from engine.model.config import ModelConfig
 from engine.errors import CheckpointError, ReadError
 from engine.experts import EvictionPolicy, ExpertCache
 from engine.io import Batch, FileTable, Layout, ReadPool, TensorSpec, aligned_buffer
@@ -70,7 +70,7 @@ class CheckpointMap:
 
     def __init__(self, checkpoint_dir: str | Path, trunk_dir: str | Path | None = None,
                  index: SafetensorsIndex | None = None):
-        from engine.model import open_checked
+        from engine.model.transformer import open_checked
 
         self.root = Path(checkpoint_dir)
         self.config, self.index, self.names = open_checked(self.root, index)
@@ -647,7 +647,7 @@ def open_source(checkpoint_dir: str | Path, args: argparse.Namespace | None = No
                 *, context: int | None = None, quiet: bool = False):
     """The resident source when no memory flag was given, else a planned StreamingSource."""
     if args is None or not wants_streaming(args):
-        from engine.model import open_checked
+        from engine.model.transformer import open_checked
 
         return ResidentSource(checkpoint_dir, index=open_checked(checkpoint_dir)[1])
     cmap = CheckpointMap(checkpoint_dir, getattr(args, "trunk", None))

@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.config import ModelConfig
-from engine.model import expected_tensors
+from engine.model.config import ModelConfig
+from engine.model.transformer import expected_tensors
 from engine.weights import EXPERT_PARTS, TensorNames
 
 _BASE: dict[str, Any] = dict(

@@ -25,7 +25,7 @@ from pathlib import Path
 from tokenizers import Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine.config import MAX_TOKEN_ID
+from engine.model.config import MAX_TOKEN_ID
 from engine.errors import CheckpointError
 from engine.jsonfile import load_json
 

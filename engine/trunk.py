@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.config import ModelConfig
+from engine.model.config import ModelConfig
 from engine.errors import CheckpointError, EngineError, ReadError
 from engine.io import ALIGN, FileTable, TensorSpec, align_down, align_up, aligned_buffer
 from engine.jsonfile import load_json

@@ -1,6 +1,6 @@
 """The seam between the model's math and where its bytes come from.
 
-`model.py` asks a `WeightSource` for one layer's trunk tensors and for the routed experts
+`model/transformer.py` asks a `WeightSource` for one layer's trunk tensors and for the routed experts
 a layer needs; it never knows whether they are resident (`ResidentSource`, below) or
 streamed from disk under a memory budget (`engine/streaming.py`). Arrays are the raw
 on-disk dtypes: BF16 as uint16 views, F32 as float32, MXFP4 packed/scale as uint8, so a

@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine import kernels
-from engine.config import ModelConfig
+from engine.kernels import mxfp4, reference
+from engine.model.config import ModelConfig
 from engine.errors import CheckpointError, ConfigError
-from engine.model import load_model
+from engine.model.transformer import load_model
 from engine.safetensors import SafetensorsIndex
 from engine.synth import flat_config, nested_config, synthesize, to_bf16
 from engine.weights import ResidentSource, TensorNames
@@ -113,7 +113,7 @@ def test_reads_all_dtypes(tmp_path):
     idx = SafetensorsIndex.open(tmp_path / "one.safetensors")
     assert np.array_equal(idx.read("a"), f32.reshape(2, 3))
     assert np.array_equal(idx.read("b"), f16)
-    assert np.array_equal(kernels.widen_bf16(idx.read("c")), [1.5, -2.0])
+    assert np.array_equal(reference.widen_bf16(idx.read("c")), [1.5, -2.0])
     assert idx.read("d").tolist() == [1, 2, 255]
     assert idx.tensors["c"].dtype == "BF16" and idx.tensors["a"].shape == (2, 3)
     assert SafetensorsIndex.open(tmp_path).tensors.keys() == idx.tensors.keys()  # dir of shards
@@ -215,25 +215,25 @@ def test_resident_source_layout_matches_the_release(tmp_path):
 def test_mxfp4_decode_positions_and_scales():
     packed = np.array([[0x21, 0xF8] + [0] * 14], np.uint8)  # codes 1,2 | 8(−0),15
     scale = np.array([[128]], np.uint8)
-    row = kernels.mxfp4_decode(packed, scale)[0]
+    row = mxfp4.mxfp4_decode(packed, scale)[0]
     assert row[:4].tolist() == [1.0, 2.0, 0.0, -12.0]  # low nibble = even element, ×2
-    assert kernels.mxfp4_decode(packed, np.array([[255]], np.uint8)).max() == 0  # NaN scale → 0
+    assert mxfp4.mxfp4_decode(packed, np.array([[255]], np.uint8)).max() == 0  # NaN scale → 0
 
 
 def test_mxfp4_round_trip():
     rng = np.random.default_rng(0)
     w = rng.standard_normal((64, 128)).astype(np.float32) * np.float32(0.3)
-    packed, scale = kernels.mxfp4_encode(w)
-    decoded = kernels.mxfp4_decode(packed, scale)
-    p2, s2 = kernels.mxfp4_encode(decoded)
+    packed, scale = mxfp4.mxfp4_encode(w)
+    decoded = mxfp4.mxfp4_decode(packed, scale)
+    p2, s2 = mxfp4.mxfp4_encode(decoded)
     assert np.array_equal(p2, packed) and np.array_equal(s2, scale)
-    assert np.array_equal(kernels.mxfp4_decode(p2, s2), decoded)
+    assert np.array_equal(mxfp4.mxfp4_decode(p2, s2), decoded)
     # nearest-value quantisation within half a step of the largest magnitude's grid
     assert np.abs(decoded - w).max() <= np.abs(w).max() / 2
 
 
 # ---- fused kernels == reference --------------------------------------------------------------
-from engine import fused  # noqa: E402
+from engine.kernels import fused  # noqa: E402
 
 
 @pytest.mark.parametrize("rows,cols,tokens", [(7, 64, 1), (300, 96, 3), (1100, 1024, 2)])
@@ -244,7 +244,7 @@ def test_fused_bf16_and_f32_equal_reference(rows, cols, tokens):
     bf = to_bf16(w32)
     for w in (bf, w32):
         got = fused.linear(x, w)
-        want = kernels.linear_ref(x, w)
+        want = reference.linear_ref(x, w)
         assert np.allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
         # a row computed alone gives the same bits as inside a batch
         assert np.array_equal(fused.linear(x[-1:], w)[0], got[-1])
@@ -258,7 +258,7 @@ def test_fused_mxfp4_equals_reference(rows, cols, tokens):
     scale[0, 0] = 255
     x = rng.standard_normal((tokens, cols)).astype(np.float32)
     got = fused.mxfp4_linear(x, packed, scale)
-    want = kernels.mxfp4_linear_ref(x, packed, scale)
+    want = reference.mxfp4_linear_ref(x, packed, scale)
     assert np.allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     assert np.array_equal(fused.mxfp4_linear(x[:1], packed, scale)[0], got[0])
 

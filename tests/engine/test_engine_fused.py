@@ -8,7 +8,8 @@ import numpy as np
 import numba
 import pytest
 
-from engine import fused, kernels
+from engine.kernels import fused
+from engine.kernels import mxfp4, reference
 
 
 def _fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
@@ -22,10 +23,10 @@ def emulate(x: np.ndarray, packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
     part = fma(hi_k, xo_k, lo_k·xe_k) with E2M1·2^-14 values; acc[g % 2] = fma(part, s_g,
     acc[g % 2]); then acc0 + acc1, a halving tree over the 16 lanes, × 2^14."""
     rows, half = packed.shape
-    e2m1 = kernels.E2M1 * np.float32(2.0**-14)
+    e2m1 = mxfp4.E2M1 * np.float32(2.0**-14)
     lo = e2m1[packed & 0x0F].reshape(rows, -1, 16)
     hi = e2m1[packed >> 4].reshape(rows, -1, 16)
-    s = kernels.MX_SCALE[scale]  # [rows, groups]
+    s = mxfp4.MX_SCALE[scale]  # [rows, groups]
     out = np.empty((x.shape[0], rows), np.float32)
     for t in range(x.shape[0]):
         xe = x[t, 0::2].reshape(-1, 16)
@@ -57,7 +58,7 @@ def test_mxfp4_bits_follow_the_documented_order(rows, cols, tokens):
     for parallel in (False, True):
         got = fused.mxfp4_linear(x, packed, scale, parallel)
         assert np.array_equal(got, emulate(x, packed, scale))
-    want = kernels.mxfp4_linear_ref(x, packed, scale)
+    want = reference.mxfp4_linear_ref(x, packed, scale)
     assert np.allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
@@ -69,10 +70,10 @@ def test_mxfp4_every_code_and_tiny_scales():
     x = rng.standard_normal((2, 64)).astype(np.float32)
     got = fused.mxfp4_linear(x, packed, scale, False)
     assert np.array_equal(got, emulate(x, packed, scale))
-    want = kernels.mxfp4_linear_ref(x, packed, scale)
+    want = reference.mxfp4_linear_ref(x, packed, scale)
     # any float32 order is off by a few ulps of Σ|w·x| (rows here cancel heavily), and
     # results below float32's normal range keep only a subnormal's absolute precision
-    bound = 1e-6 * np.abs(x) @ np.abs(kernels.mxfp4_decode(packed, scale)).T
+    bound = 1e-6 * np.abs(x) @ np.abs(mxfp4.mxfp4_decode(packed, scale)).T
     assert (np.abs(got - want) <= bound + np.finfo(np.float32).tiny).all()
 
 
@@ -113,7 +114,7 @@ def test_table_and_bit_decoders_agree_bit_for_bit():
     x = rng.standard_normal((5, 512)).astype(np.float32)
     out = np.empty((5, 50), np.float32)
     generic_matmul(packed, scale, np.ascontiguousarray(x[:, 0::2]), np.ascontiguousarray(x[:, 1::2]),
-                   out, kernels.MX_SCALE)
+                   out, mxfp4.MX_SCALE)
     assert np.array_equal(out, fused.mxfp4_linear(x, packed, scale, False), equal_nan=True)
 
 
@@ -122,7 +123,7 @@ def emulate_bf16(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """The BF16 kernel's documented order: 16-column chunk c of each whole 64-column block
     into accumulator c % 4, leftover chunks into accumulator 0, (a0 + a1) + (a2 + a3), a
     halving tree over the 16 lanes, then the last < 16 columns one fma at a time."""
-    wf = kernels.widen_bf16(w)
+    wf = reference.widen_bf16(w)
     rows, cols = w.shape
     out = np.empty((x.shape[0], rows), np.float32)
     blocks, chunks = cols // 64, (cols % 64) // 16
@@ -158,7 +159,7 @@ def test_bf16_bits_follow_the_documented_order(rows, cols, tokens):
     x = rng.standard_normal((tokens, cols)).astype(np.float32)
     got = fused.linear(x, w)
     assert np.array_equal(got, emulate_bf16(x, w))
-    want = kernels.linear_ref(x, w)
+    want = reference.linear_ref(x, w)
     assert np.allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
@@ -183,7 +184,7 @@ def test_bf16_same_bits_for_any_batch_threads_or_build():
 
 def test_widen_bf16_is_exact_for_every_bit_pattern():
     raw = np.arange(1 << 16, dtype=np.uint16).reshape(256, 256)
-    got = kernels.widen_bf16(raw)
+    got = reference.widen_bf16(raw)
     assert got.dtype == np.float32 and got.shape == raw.shape
     assert np.array_equal(got.view(np.uint32), raw.astype(np.uint32) << 16)  # NaN payloads too
-    assert kernels.widen_bf16(np.array(0x3F80, np.uint16)) == 1.0  # 0-d arrays work
+    assert reference.widen_bf16(np.array(0x3F80, np.uint16)) == 1.0  # 0-d arrays work

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import ModelConfig
+from engine.model.config import ModelConfig
 from engine.errors import CheckpointError, ConfigError
 from engine.safetensors import SafetensorsIndex, read_header
 from engine.synth import synthesize

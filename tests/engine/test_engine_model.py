@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from engine.generate import GenParams, generate
-from engine.model import load_model
+from engine.model.transformer import load_model
 from engine.synth import synthesize
 
 REPO = Path(__file__).resolve().parents[2]
@@ -155,7 +155,7 @@ def test_prefill_equals_single_steps(synth_model):
 
 def test_chunked_kda_prefill_equals_per_token_steps(tmp_path):
     """A long prompt takes the chunked KDA form; steps take the per-token form."""
-    from engine.kda import CHUNKED_MIN_TOKENS, recurrence, recurrence_chunked
+    from engine.model.kda import CHUNKED_MIN_TOKENS, recurrence, recurrence_chunked
 
     rng = np.random.default_rng(0)
     T, H, D = 40, 3, 16
@@ -185,8 +185,10 @@ def test_chunked_kda_prefill_equals_per_token_steps(tmp_path):
 
 def test_synth_init_exercises_bias_and_caps(tmp_path):
     """Routing bias changes some selections and SiTU caps saturate on real activations."""
-    from engine.kernels import linear, rmsnorm, situ_glu, to_f32
-    from engine.moe import route
+    from engine.kernels import linear
+    from engine.model.ops import rmsnorm, situ_glu
+    from engine.kernels.reference import to_f32
+    from engine.model.moe import route
 
     model = load_model(synthesize(tmp_path / "m", "small", seed=1))
     cfg = model.config

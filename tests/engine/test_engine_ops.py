@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.attnres import attn_res
-from engine.config import ModelConfig
-from engine.kda import (
+from engine.model.attnres import attn_res
+from engine.model.config import ModelConfig
+from engine.model.kda import (
     KDAState,
     chunk_size,
     decay,
@@ -19,10 +19,11 @@ from engine.kda import (
     recurrence_chunked,
     short_conv,
 )
-from engine.kernels import mxfp4_decode, rmsnorm, situ_glu
-from engine.mla import MLAState, mla_mixer
-from engine.model import Model
-from engine.moe import DenseExpert, latent_moe, route
+from engine.kernels.mxfp4 import mxfp4_decode
+from engine.model.ops import rmsnorm, situ_glu
+from engine.model.mla import MLAState, mla_mixer
+from engine.model.transformer import Model
+from engine.model.moe import DenseExpert, latent_moe, route
 
 ABS, REL = 1e-5, 1e-4
 

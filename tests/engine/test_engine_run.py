@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from engine.generate import GenParams, generate
-from engine.model import load_model
+from engine.model.transformer import load_model
 from engine.planner import GB, add_memory_arguments, plan_from_args
 from engine.streaming import CheckpointMap
 from engine.synth import synthesize

@@ -13,7 +13,7 @@ from stream_helpers import Recorder, copy_checkpoint
 
 from engine.errors import PlanError, ReadError
 from engine.generate import GenParams, generate
-from engine.model import load_model
+from engine.model.transformer import load_model
 from engine.planner import GB, add_memory_arguments, make_plan, plan_from_args
 from engine.streaming import CheckpointMap, StreamingSource
 from engine.synth import synthesize

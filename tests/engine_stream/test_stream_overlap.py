@@ -8,9 +8,9 @@ from contextlib import contextmanager
 
 import pytest
 
-from engine import moe
+from engine.model import moe
 from engine.generate import GenParams, generate
-from engine.model import load_model
+from engine.model.transformer import load_model
 from engine.planner import GB, make_plan
 from engine.streaming import CheckpointMap, StreamingSource
 from engine.synth import synthesize

@@ -16,7 +16,7 @@ from stream_helpers import Recorder, copy_checkpoint
 from engine.errors import ReadError
 from engine.generate import GenParams, generate
 from engine.io import Layout
-from engine.model import load_model
+from engine.model.transformer import load_model
 from engine.planner import GB, add_memory_arguments, make_plan
 from engine.streaming import MODEL_TENSORS, CheckpointMap, StreamingSource, open_source
 from engine.synth import synthesize

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.config import ModelConfig
-from engine.kernels import linear, rmsnorm, sigmoid, silu, to_f32
+from engine.model.config import ModelConfig
+from engine.kernels import linear
+from engine.model.ops import rmsnorm, sigmoid, silu
+from engine.kernels.reference import to_f32
 
 L2_EPS = 1e-6
 

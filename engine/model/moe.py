@@ -8,16 +8,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.config import ModelConfig
-from engine.kernels import (
-    compute_threads,
-    linear,
-    mxfp4_linear,
-    rmsnorm,
-    sigmoid,
-    situ_glu,
-    to_f32,
-)
+from engine.model.config import ModelConfig
+from engine.kernels import compute_threads, linear, mxfp4_linear
+from engine.model.ops import rmsnorm, sigmoid, situ_glu
+from engine.kernels.reference import to_f32
 from engine.weights import ExpertWeights
 
 

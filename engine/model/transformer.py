@@ -11,32 +11,27 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from engine import kernels
-from engine.attnres import attn_res, fold
-from engine.config import ModelConfig
+from engine.model.attnres import attn_res, fold
+from engine.model.config import ModelConfig
 from engine.errors import CheckpointError, EngineError
-from engine.kda import KDAState, kda_mixer
-from engine.kernels import linear, rmsnorm, to_f32
-from engine.mla import MLAState, mla_mixer
-from engine.moe import dense_ffn, distinct, latent_moe, route
+from engine.model.kda import KDAState, kda_mixer
+from engine.kernels import linear
+from engine.model.ops import rmsnorm
+from engine.kernels.reference import to_f32
+from engine.model.mla import MLAState, mla_mixer
+from engine.model.moe import dense_ffn, distinct, latent_moe, route
+from engine.model.state import ModelState
 from engine.safetensors import SafetensorsIndex
 from engine.weights import ResidentSource, TensorNames, WeightSource
 
 
 class Cancelled(Exception):
     """Generation was cancelled between layers or tokens."""
-
-
-@dataclass
-class ModelState:
-    layers: list[KDAState | MLAState]
-    position: int = 0  # tokens consumed so far
-    ids: list[int] = field(default_factory=list)
 
 
 class Model:
@@ -286,7 +281,7 @@ def load_model(checkpoint_dir: str | Path, source: WeightSource | None = None) -
     cfg, index, _ = open_checked(checkpoint_dir,
                                  index if isinstance(index, SafetensorsIndex) else None)
     if kernels.FUSED:
-        from engine import fused
+        from engine.kernels import fused
 
         fused.warm_up()
     return Model(cfg, source or ResidentSource(checkpoint_dir, index=index))

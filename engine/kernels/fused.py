@@ -7,7 +7,7 @@ code rather than left to fast-math reassociation. Rows are split across threads;
 output element is produced by the same instruction sequence whatever the number of tokens
 or threads, so results depend on neither (tests/engine/test_engine_fused.py checks the
 bits against a numpy emulation of each documented order).
-Importing this module raises ImportError when numba is missing; kernels.py then uses
+Importing this module raises ImportError when numba is missing; kernels/__init__.py then uses
 the numpy reference.
 """
 
@@ -23,7 +23,7 @@ from numba import njit, prange
 from numba.core import cgutils, types
 from numba.core.extending import intrinsic
 
-from engine.kernels import E2M1, MX_GROUP, MX_SCALE
+from engine.kernels.mxfp4 import E2M1, MX_GROUP, MX_SCALE
 
 # OpenMP workers spin while idle by default: on a shared 2-core machine that burns the CPU
 # the other thread (or another process) needs. Must be set before the first parallel run.

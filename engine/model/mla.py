@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.config import ModelConfig
-from engine.kernels import linear, rmsnorm, sigmoid, softmax, to_f32
+from engine.model.config import ModelConfig
+from engine.kernels import linear
+from engine.model.ops import rmsnorm, sigmoid, softmax
+from engine.kernels.reference import to_f32
 
 
 @dataclass

@@ -11,7 +11,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from engine.kernels import softmax, to_f32
+from engine.model.ops import softmax
+from engine.kernels.reference import to_f32
 
 
 def fold(w: Mapping[str, np.ndarray], name: str) -> np.ndarray:
