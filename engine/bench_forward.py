@@ -33,7 +33,8 @@ from engine.kernels import reference
 from engine.model.config import ModelConfig
 from engine.model.kda import KDAState
 from engine.model.mla import MLAState
-from engine.model.transformer import Model, expected_tensors
+from engine.model.transformer import Model
+from engine.checkpoint.schema import expected_tensors
 from engine.model.moe import run_experts
 from engine.weights import ExpertWeights
 

@@ -132,7 +132,7 @@ def main(args: argparse.Namespace) -> int:
         if args.checkpoint:
             ckpt = Path(args.checkpoint)
         else:
-            from engine.synth import synthesize
+            from engine.checkpoint.synth import synthesize
 
             ckpt = synthesize(Path(tmp) / "small", "small", seed=0)
         bench_tokenizer(ckpt)

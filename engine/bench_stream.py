@@ -74,7 +74,7 @@ def _log(msg: str) -> None:
 
 def ensure_checkpoint(workdir: Path, checkpoint_gb: float | None) -> Path:
     """The bench-shape checkpoint in `workdir`, synthesised once (a marker says complete)."""
-    from engine.synth import checkpoint_bytes, synthesize
+    from engine.checkpoint.synth import checkpoint_bytes, synthesize
 
     experts = BENCH_EXPERTS
     if checkpoint_gb is not None:
@@ -306,7 +306,7 @@ def _spawn_rung(ck: Path, budget: str, args: argparse.Namespace, trunk: str | No
 
 def pack_ratio(ck: Path, scratch: Path) -> dict[str, float]:
     """Pack speed / plain copy speed of the same bytes (both cold, both fsynced)."""
-    from engine.trunk import TRUNK_BIN, drop_cache, pack, plain_copy
+    from engine.checkpoint.trunk import TRUNK_BIN, drop_cache, pack, plain_copy
 
     for p in (scratch / "trunk", scratch / "copy.bin"):
         if p.is_dir():

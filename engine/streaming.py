@@ -51,7 +51,7 @@ from engine.planner import (
     plan_from_args,
     wants_streaming,
 )
-from engine.safetensors import SafetensorsIndex, TensorInfo
+from engine.checkpoint.safetensors import SafetensorsIndex, TensorInfo
 from engine.weights import ExpertWeights, ResidentSource, expert_from_arrays
 
 MODEL_TENSORS = ("embed_tokens.weight", "lm_head.weight", "norm.weight",
@@ -70,7 +70,7 @@ class CheckpointMap:
 
     def __init__(self, checkpoint_dir: str | Path, trunk_dir: str | Path | None = None,
                  index: SafetensorsIndex | None = None):
-        from engine.model.transformer import open_checked
+        from engine.checkpoint.schema import open_checked
 
         self.root = Path(checkpoint_dir)
         self.config, self.index, self.names = open_checked(self.root, index)
@@ -90,7 +90,9 @@ class CheckpointMap:
                 "incomplete."
             )
         if trunk_dir is not None:
-            from engine.trunk import trunk_specs  # the packed trunk replaces the shard runs
+            from engine.checkpoint.trunk import (  # the packed trunk replaces the shard runs
+                trunk_specs,
+            )
 
             per_layer = trunk_specs(Path(trunk_dir), self.index, self.names, n, self.root)
         self.layers = [Layout(per_layer[i]) for i in range(n)]
@@ -647,7 +649,7 @@ def open_source(checkpoint_dir: str | Path, args: argparse.Namespace | None = No
                 *, context: int | None = None, quiet: bool = False):
     """The resident source when no memory flag was given, else a planned StreamingSource."""
     if args is None or not wants_streaming(args):
-        from engine.model.transformer import open_checked
+        from engine.checkpoint.schema import open_checked
 
         return ResidentSource(checkpoint_dir, index=open_checked(checkpoint_dir)[1])
     cmap = CheckpointMap(checkpoint_dir, getattr(args, "trunk", None))

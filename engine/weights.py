@@ -38,7 +38,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from engine.errors import CheckpointError
-from engine.safetensors import SafetensorsIndex
+from engine.checkpoint.safetensors import SafetensorsIndex
+from engine.checkpoint.schema import TensorNames
 
 # Running totals a source may report; generate turns them into per-token deltas.
 CUMULATIVE_STATS = (
@@ -50,7 +51,6 @@ CUMULATIVE_STATS = (
     "expert_misses",
     "evictions",
 )
-EXPERT_PARTS = ("w1", "w2", "w3")  # on-disk order of one expert's run: packed then scale
 
 
 @dataclass(frozen=True)
@@ -75,44 +75,6 @@ class WeightSource(Protocol):
     def model_tensor(self, name: str) -> np.ndarray: ...
 
     def stats(self) -> dict[str, Any]: ...
-
-
-@dataclass(frozen=True)
-class TensorNames:
-    """Full checkpoint names: `language_model.model.` prefix, head outside the model."""
-
-    prefix: str = "language_model.model."
-    head: str = "language_model.lm_head.weight"
-
-    @classmethod
-    def detect(cls, index: SafetensorsIndex) -> TensorNames:
-        for prefix, head in (
-            ("language_model.model.", "language_model.lm_head.weight"),
-            ("model.", "lm_head.weight"),
-        ):
-            if prefix + "embed_tokens.weight" in index:
-                return cls(prefix, head)
-        raise CheckpointError(
-            f"tensor language_model.model.embed_tokens.weight is missing from the checkpoint in "
-            f"{index.root}; this is not a Kimi-K3 checkpoint or the download is incomplete."
-        )
-
-    def model(self, short: str) -> str:
-        return self.head if short == "lm_head.weight" else self.prefix + short
-
-    def layer_prefix(self, layer: int) -> str:
-        return f"{self.prefix}layers.{layer}."
-
-    def expert_prefix(self, layer: int, expert: int) -> str:
-        return f"{self.prefix}layers.{layer}.block_sparse_moe.experts.{expert}."
-
-    def expert(self, layer: int, expert: int) -> list[str]:
-        """The six tensor names of one expert, in on-disk order."""
-        p = self.expert_prefix(layer, expert)
-        return [f"{p}{w}.weight_{k}" for w in EXPERT_PARTS for k in ("packed", "scale")]
-
-    def is_expert(self, name: str) -> bool:
-        return ".block_sparse_moe.experts." in name
 
 
 def expert_from_arrays(arrays: Sequence[np.ndarray]) -> ExpertWeights:

@@ -6,7 +6,7 @@ import argparse
 import json
 
 from engine import bench_forward
-from engine.synth import flat_config, synthesize
+from engine.checkpoint.synth import flat_config, synthesize
 
 
 def test_bench_forward_reports_fractions(monkeypatch, tmp_path, capsys):

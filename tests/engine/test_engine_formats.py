@@ -14,9 +14,10 @@ from engine.kernels import mxfp4, reference
 from engine.model.config import ModelConfig
 from engine.errors import CheckpointError, ConfigError
 from engine.model.transformer import load_model
-from engine.safetensors import SafetensorsIndex
-from engine.synth import flat_config, nested_config, synthesize, to_bf16
-from engine.weights import ResidentSource, TensorNames
+from engine.checkpoint.safetensors import SafetensorsIndex
+from engine.checkpoint.synth import flat_config, nested_config, synthesize, to_bf16
+from engine.weights import ResidentSource
+from engine.checkpoint.schema import TensorNames
 
 
 # ---- config --------------------------------------------------------------------------------

@@ -17,11 +17,11 @@ import pytest
 
 from engine.model.config import ModelConfig
 from engine.errors import CheckpointError, ConfigError
-from engine.safetensors import SafetensorsIndex, read_header
-from engine.synth import synthesize
+from engine.checkpoint.safetensors import SafetensorsIndex, read_header
+from engine.checkpoint.synth import synthesize
 from engine.tokenizer import Tokenizer
-from engine.trunk import pack, trunk_specs
-from engine.weights import TensorNames
+from engine.checkpoint.trunk import pack, trunk_specs
+from engine.checkpoint.schema import TensorNames
 
 REPO = Path(__file__).resolve().parents[2]
 DEEP = "[" * 100_000  # far past the JSON parser's recursion limit

@@ -14,7 +14,7 @@ import pytest
 
 from engine.generate import GenParams, generate
 from engine.model.transformer import load_model
-from engine.synth import synthesize
+from engine.checkpoint.synth import synthesize
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -16,7 +16,7 @@ from engine.generate import GenParams, generate
 from engine.model.transformer import load_model
 from engine.planner import GB, add_memory_arguments, plan_from_args
 from engine.streaming import CheckpointMap
-from engine.synth import synthesize
+from engine.checkpoint.synth import synthesize
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPT = "3,7,11,5,9,200,17"

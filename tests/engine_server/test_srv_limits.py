@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.synth import synthesize
+from engine.checkpoint.synth import synthesize
 
 CHAT = "/v1/chat/completions"
 HI = [{"role": "user", "content": "Hello there"}]

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from engine.synth import synthesize
+from engine.checkpoint.synth import synthesize
 
 CHAT = "/v1/chat/completions"
 HI = [{"role": "user", "content": "Hello there"}]

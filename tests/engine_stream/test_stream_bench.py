@@ -9,7 +9,7 @@ import sys
 
 from engine.planner import GB
 from engine.streaming import CheckpointMap
-from engine.synth import synthesize
+from engine.checkpoint.synth import synthesize
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

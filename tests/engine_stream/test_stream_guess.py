@@ -16,7 +16,7 @@ from engine.generate import GenParams, generate
 from engine.model.transformer import load_model
 from engine.planner import GB, add_memory_arguments, make_plan, plan_from_args
 from engine.streaming import CheckpointMap, StreamingSource
-from engine.synth import synthesize
+from engine.checkpoint.synth import synthesize
 from engine.weights import ResidentSource
 
 PROMPT = [3, 7, 11, 5, 9, 200, 17]

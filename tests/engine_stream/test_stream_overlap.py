@@ -13,7 +13,7 @@ from engine.generate import GenParams, generate
 from engine.model.transformer import load_model
 from engine.planner import GB, make_plan
 from engine.streaming import CheckpointMap, StreamingSource
-from engine.synth import synthesize
+from engine.checkpoint.synth import synthesize
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ from engine.io import Layout
 from engine.model.transformer import load_model
 from engine.planner import GB, add_memory_arguments, make_plan
 from engine.streaming import MODEL_TENSORS, CheckpointMap, StreamingSource, open_source
-from engine.synth import synthesize
-from engine.trunk import pack
+from engine.checkpoint.synth import synthesize
+from engine.checkpoint.trunk import pack
 from engine.weights import ResidentSource
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -12,9 +12,9 @@ from stream_helpers import copy_checkpoint, write_safetensors
 
 from engine.errors import CheckpointError, EngineError
 from engine.io import ALIGN
-from engine.safetensors import SafetensorsIndex
-from engine.trunk import pack, trunk_specs
-from engine.weights import TensorNames
+from engine.checkpoint.safetensors import SafetensorsIndex
+from engine.checkpoint.trunk import pack, trunk_specs
+from engine.checkpoint.schema import TensorNames
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -35,8 +35,8 @@ from engine.model.config import ModelConfig
 from engine.errors import CheckpointError, EngineError, ReadError
 from engine.io import ALIGN, FileTable, TensorSpec, align_down, align_up, aligned_buffer
 from engine.jsonfile import load_json
-from engine.safetensors import DTYPES, SafetensorsIndex, TensorInfo, overlap
-from engine.weights import TensorNames
+from engine.checkpoint.safetensors import DTYPES, SafetensorsIndex, TensorInfo, overlap
+from engine.checkpoint.schema import TensorNames
 
 TRUNK_BIN = "trunk.bin"
 TRUNK_JSON = "trunk.json"

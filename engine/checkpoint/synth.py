@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 
 from engine.model.config import ModelConfig
-from engine.model.transformer import expected_tensors
-from engine.weights import EXPERT_PARTS, TensorNames
+from engine.checkpoint.schema import expected_tensors
+from engine.checkpoint.schema import EXPERT_PARTS, TensorNames
 
 _BASE: dict[str, Any] = dict(
     rms_norm_eps=1e-5, situ_beta=4.0, situ_linear_beta=25.0, short_conv_kernel_size=4,
