@@ -36,7 +36,7 @@ from engine.model.mla import MLAState
 from engine.model.transformer import Model
 from engine.checkpoint.schema import expected_tensors
 from engine.model.moe import run_experts
-from engine.weights import ExpertWeights
+from engine.weights.source import ExpertTable, ExpertWeights
 
 REAL_WIDTHS: dict[str, Any] = dict(
     hidden_size=7168, num_hidden_layers=4, vocab_size=163840, rms_norm_eps=1e-5,
@@ -145,13 +145,18 @@ class BenchSource:
     def layer(self, index: int) -> Iterator[Mapping[str, np.ndarray]]:
         yield self.layers[index]
 
+    wants_guesses = False
+
     @contextmanager
-    def experts(self, layer: int, ids: Sequence[int]) -> Iterator[Mapping[int, ExpertWeights]]:
-        out = {}
+    def experts(self, layer: int, ids: Sequence[int]) -> Iterator[ExpertTable]:
+        out = ExpertTable()
         for e in ids:
             out[int(e)] = self.pool[self.next_slot % len(self.pool)]
             self.next_slot += 1
         yield out
+
+    def guess(self, layer: int, ids: Sequence[int]) -> None:
+        pass
 
     def model_tensor(self, name: str) -> np.ndarray:
         raise KeyError(name)
@@ -205,7 +210,7 @@ def time_mxfp4(src: BenchSource, cfg: ModelConfig, n: int, rng) -> tuple[float, 
     """Wall seconds, bytes and CPU seconds for one decode token through `n` routed experts
     (w1, w3, SiTU, w2), run as the MoE runs them (experts side by side on the threads)."""
     z = rng.standard_normal((1, cfg.routed_expert_hidden_size)).astype(np.float32)
-    chosen = {}
+    chosen = ExpertTable()
     for e in range(n):
         chosen[e] = src.pool[src.next_slot % len(src.pool)]
         src.next_slot += 1

@@ -112,8 +112,8 @@ def raw_throughput(src, rng: np.random.Generator, passes: int = 2) -> dict[str, 
     """The disk's O_DIRECT speed for this plan's per-token pattern, through the same pool.
     The disk is shared and its speed drifts, so the bench samples it before, between and
     after the timed decode blocks."""
-    from engine.io import aligned_buffer
-    from engine.streaming import EXPERT_CHUNK, EXPERT_PRIORITY, TRUNK_PRIORITY
+    from engine.weights.io import aligned_buffer
+    from engine.weights.streaming import EXPERT_CHUNK, EXPERT_PRIORITY, TRUNK_PRIORITY
 
     plan, cmap, pool = src.plan, src.map, src.pool
     g = plan.geometry
@@ -166,8 +166,8 @@ def _decode(model, prompt: list[int], tokens: int) -> tuple[list, float]:
 def _open(cmap, budget_gb: float, threads: int, warm: bool = False, guess: str = "auto"):
     """A StreamingSource under `budget_gb`; with `warm`, every weight read before the clock."""
     from engine.model.transformer import load_model
-    from engine.planner import make_plan
-    from engine.streaming import StreamingSource
+    from engine.weights.planner import make_plan
+    from engine.weights.streaming import StreamingSource
 
     g = cmap.geometry()
     plan = make_plan(g, budget_gb=budget_gb, threads=threads, guess_experts=guess)
@@ -188,8 +188,9 @@ def run_rung(ck: Path, budget: str, tokens: int, threads: int, trunk: str | None
     """One budget: raw disk speed, a decode alone (its peak RSS is the rung's), then the
     same decode alternating with a fully resident twin so that compute-only time and
     streamed time are measured under the same machine load."""
-    from engine.planner import GB
-    from engine.streaming import CheckpointMap, peak_rss
+    from engine.weights.planner import GB
+    from engine.weights.streaming import CheckpointMap
+    from engine.weights.sysmem import peak_rss
 
     cmap = CheckpointMap(ck, trunk)
     g = cmap.geometry()
@@ -347,8 +348,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from engine.planner import GB
-    from engine.streaming import CheckpointMap
+    from engine.weights.planner import GB
+    from engine.weights.streaming import CheckpointMap
 
     workdir = Path(args.workdir) if args.workdir else default_workdir()
     if args.checkpoint:

@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 
 from engine.model.transformer import Cancelled, Model
-from engine.planner import GB
+from engine.weights.planner import GB
 from engine.sampler import Sampler
-from engine.streaming import current_rss, peak_rss
+from engine.weights.sysmem import current_rss, peak_rss
 
 LogitsHook = Callable[[list[int], np.ndarray], np.ndarray]
 
@@ -97,8 +97,7 @@ class _StatsMeter:
         self.prev = self._read()
 
     def _read(self) -> dict[str, Any]:
-        stats = getattr(self.source, "stats", None)
-        return dict(stats()) if callable(stats) else {}
+        return dict(self.source.stats())
 
     def delta(self, seconds: float) -> dict[str, Any]:
         prev, cur = self.prev, self._read()

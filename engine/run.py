@@ -22,8 +22,9 @@ import numpy as np
 
 from engine.errors import EngineError
 from engine.jsonfile import load_json
-from engine.planner import GB, add_memory_arguments
-from engine.streaming import open_source, peak_rss
+from engine.weights.planner import GB, add_memory_arguments
+from engine.weights.streaming import open_source
+from engine.weights.sysmem import peak_rss
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

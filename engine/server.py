@@ -1023,7 +1023,7 @@ def load_engine(checkpoint: Path, tokenizer_dir: Path, args: argparse.Namespace,
     """Tokenizer, weight source under the memory plan, model; generation via ENG's API."""
     from engine.generate import GenParams, generate
     from engine.model.transformer import load_model
-    from engine.streaming import open_source
+    from engine.weights.streaming import open_source
 
     progress.phase = "tokenizer"
     progress.checkpoint_bytes = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
@@ -1105,7 +1105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="demo for random-weight models: readable words in a scripted think/answer shape")
     parser.add_argument("--debug-load-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--debug-token-delay", type=float, default=0.0, help=argparse.SUPPRESS)
-    from engine.planner import add_memory_arguments
+    from engine.weights.planner import add_memory_arguments
 
     add_memory_arguments(parser)
 

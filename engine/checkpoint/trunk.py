@@ -33,7 +33,7 @@ import numpy as np
 
 from engine.model.config import ModelConfig
 from engine.errors import CheckpointError, EngineError, ReadError
-from engine.io import ALIGN, FileTable, TensorSpec, align_down, align_up, aligned_buffer
+from engine.weights.io import ALIGN, FileTable, TensorSpec, align_down, align_up, aligned_buffer
 from engine.jsonfile import load_json
 from engine.checkpoint.safetensors import DTYPES, SafetensorsIndex, TensorInfo, overlap
 from engine.checkpoint.schema import TensorNames

@@ -12,7 +12,7 @@ from engine.model.config import ModelConfig
 from engine.kernels import compute_threads, linear, mxfp4_linear
 from engine.model.ops import rmsnorm, sigmoid, situ_glu
 from engine.kernels.reference import to_f32
-from engine.weights import ExpertWeights
+from engine.weights.source import ExpertSet, ExpertWeights
 
 
 @dataclass(frozen=True)
@@ -48,19 +48,18 @@ _POOL: tuple[int, ThreadPoolExecutor] | None = None  # (workers, pool)
 
 
 def run_experts(z: np.ndarray, tokens: list[np.ndarray], ids: list[int],
-                experts: Mapping[int, Expert], cfg: ModelConfig) -> list[np.ndarray]:
+                experts: ExpertSet, cfg: ModelConfig) -> list[np.ndarray]:
     """expert_mlp of expert ids[i] over rows z[tokens[i]], for each i.
 
-    A source's mapping may hand experts out in groups that stay valid only until a later
-    one is asked for, so by default each expert is fetched and used at once, in order.
-    When the mapping is a dict (ResidentSource's, or the streaming source's when the whole
-    set fits its cache; it may fill lazily and be read from several threads) and there
-    are several compute threads, experts run side by side instead (the fused kernels
-    release the GIL): one fork-join per layer rather than one per matrix. The same
-    kernels run either way, so results do not depend on it."""
+    A source may hand experts out in groups that stay valid only until a later one is
+    asked for, so by default each expert is fetched and used at once, in order. When the
+    set is `concurrent` (ResidentSource's, or the streaming source's when the whole set
+    fits its cache) and there are several compute threads, experts run side by side
+    instead (the fused kernels release the GIL): one fork-join per layer rather than one
+    per matrix. The same kernels run either way, so results do not depend on it."""
     global _POOL
     threads = compute_threads()
-    if threads <= 1 or len(ids) <= 1 or not isinstance(experts, dict):
+    if threads <= 1 or len(ids) <= 1 or not experts.concurrent:
         return [expert_mlp(z[tok], experts[e], cfg) for tok, e in zip(tokens, ids)]
     if _POOL is None or _POOL[0] != threads:
         _POOL = (threads, ThreadPoolExecutor(max_workers=threads, thread_name_prefix="k3-expert"))
@@ -85,7 +84,7 @@ def distinct(ids: np.ndarray) -> list[int]:
     return [int(e) for e in np.unique(ids)]
 
 
-def latent_moe(x: np.ndarray, w: Mapping[str, np.ndarray], experts: Mapping[int, Expert],
+def latent_moe(x: np.ndarray, w: Mapping[str, np.ndarray], experts: ExpertSet,
                ids: np.ndarray, weights: np.ndarray, cfg: ModelConfig,
                prefix: str = "block_sparse_moe.") -> np.ndarray:
     """x [T, hidden] (normalised), routing (ids, weights) [T, k], the chosen experts.

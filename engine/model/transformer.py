@@ -27,7 +27,8 @@ from engine.model.moe import dense_ffn, distinct, latent_moe, route
 from engine.model.state import ModelState
 from engine.checkpoint.safetensors import SafetensorsIndex
 from engine.checkpoint.schema import open_checked
-from engine.weights import ResidentSource, WeightSource
+from engine.weights.resident import ResidentSource
+from engine.weights.source import WeightSource
 
 
 class Cancelled(Exception):
@@ -91,7 +92,7 @@ class Model:
             blocks.append(h)
             prefix = None
         xn = rmsnorm(x, w["input_layernorm.weight"], eps)
-        if len(x) == 1 and cfg.is_moe(layer) and getattr(self.source, "wants_guesses", False):
+        if len(x) == 1 and cfg.is_moe(layer) and self.source.wants_guesses:
             self.source.guess(layer, self.likely_experts(w, x))
         if cfg.is_mla(layer):
             a = mla_mixer(xn, w, cfg, layer_state)

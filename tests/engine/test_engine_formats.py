@@ -16,7 +16,7 @@ from engine.errors import CheckpointError, ConfigError
 from engine.model.transformer import load_model
 from engine.checkpoint.safetensors import SafetensorsIndex
 from engine.checkpoint.synth import flat_config, nested_config, synthesize, to_bf16
-from engine.weights import ResidentSource
+from engine.weights.resident import ResidentSource
 from engine.checkpoint.schema import TensorNames
 
 

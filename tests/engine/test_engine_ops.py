@@ -24,6 +24,7 @@ from engine.model.ops import rmsnorm, situ_glu
 from engine.model.mla import MLAState, mla_mixer
 from engine.model.transformer import Model
 from engine.model.moe import DenseExpert, latent_moe, route
+from engine.weights.source import ExpertTable
 
 ABS, REL = 1e-5, 1e-4
 
@@ -185,8 +186,9 @@ def moe_weights(f: dict, src: str = "", prefix: str = "block_sparse_moe.") -> tu
         f"{prefix}shared_experts.up_proj.weight": f[f"{src}shared_w3_weight"],
         f"{prefix}shared_experts.down_proj.weight": f[f"{src}shared_w2_weight"],
     }
-    experts = {e: DenseExpert(f[f"{src}experts_{e}_w1_weight"], f[f"{src}experts_{e}_w2_weight"],
-                              f[f"{src}experts_{e}_w3_weight"]) for e in range(8)}
+    experts = ExpertTable({e: DenseExpert(f[f"{src}experts_{e}_w1_weight"],
+                                          f[f"{src}experts_{e}_w2_weight"],
+                                          f[f"{src}experts_{e}_w3_weight"]) for e in range(8)})
     return w, experts
 
 
@@ -205,6 +207,8 @@ def test_latent_moe(ops):
 class _DictSource:
     """A WeightSource over one fixture layer (layer index fixed by the fixture)."""
 
+    wants_guesses = False
+
     def __init__(self, layer: int, w: dict, experts: dict):
         self._layer, self._w, self._experts = layer, w, experts
 
@@ -215,7 +219,7 @@ class _DictSource:
 
     def experts(self, layer, ids):
         from contextlib import nullcontext
-        return nullcontext({e: self._experts[e] for e in ids})
+        return nullcontext(ExpertTable({e: self._experts[e] for e in ids}))
 
 
 @pytest.mark.parametrize("name", ["layer_kda", "layer_mla"])

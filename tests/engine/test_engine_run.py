@@ -14,8 +14,8 @@ import pytest
 
 from engine.generate import GenParams, generate
 from engine.model.transformer import load_model
-from engine.planner import GB, add_memory_arguments, plan_from_args
-from engine.streaming import CheckpointMap
+from engine.weights.planner import GB, add_memory_arguments, plan_from_args
+from engine.weights.streaming import CheckpointMap
 from engine.checkpoint.synth import synthesize
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

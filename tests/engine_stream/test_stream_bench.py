@@ -7,8 +7,8 @@ import os
 import subprocess
 import sys
 
-from engine.planner import GB
-from engine.streaming import CheckpointMap
+from engine.weights.planner import GB
+from engine.weights.streaming import CheckpointMap
 from engine.checkpoint.synth import synthesize
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

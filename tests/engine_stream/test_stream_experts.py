@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from engine.errors import PlanError
-from engine.experts import ExpertCache
+from engine.weights.experts import ExpertCache
 
 
 def test_stream_cache_lru_order_and_evictions():

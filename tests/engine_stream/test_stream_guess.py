@@ -14,10 +14,10 @@ from stream_helpers import Recorder, copy_checkpoint
 from engine.errors import PlanError, ReadError
 from engine.generate import GenParams, generate
 from engine.model.transformer import load_model
-from engine.planner import GB, add_memory_arguments, make_plan, plan_from_args
-from engine.streaming import CheckpointMap, StreamingSource
+from engine.weights.planner import GB, add_memory_arguments, make_plan, plan_from_args
+from engine.weights.streaming import CheckpointMap, StreamingSource
 from engine.checkpoint.synth import synthesize
-from engine.weights import ResidentSource
+from engine.weights.resident import ResidentSource
 
 PROMPT = [3, 7, 11, 5, 9, 200, 17]
 

@@ -11,7 +11,15 @@ import numpy as np
 import pytest
 
 from engine.errors import ReadError
-from engine.io import ALIGN, DirectFile, FileTable, Layout, ReadPool, TensorSpec, aligned_buffer
+from engine.weights.io import (
+    ALIGN,
+    DirectFile,
+    FileTable,
+    Layout,
+    ReadPool,
+    TensorSpec,
+    aligned_buffer,
+)
 
 
 def _cached_bytes(path: Path) -> int:

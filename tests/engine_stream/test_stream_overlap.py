@@ -11,8 +11,8 @@ import pytest
 from engine.model import moe
 from engine.generate import GenParams, generate
 from engine.model.transformer import load_model
-from engine.planner import GB, make_plan
-from engine.streaming import CheckpointMap, StreamingSource
+from engine.weights.planner import GB, make_plan
+from engine.weights.streaming import CheckpointMap, StreamingSource
 from engine.checkpoint.synth import synthesize
 
 
@@ -42,10 +42,10 @@ def test_stream_shared_experts_compute_while_expert_reads_are_in_flight(small, m
             events.append("down")
         return real_linear(x, w)
 
-    class Spy(dict):  # a dict, as the source's own view is, so experts still run in parallel
+    class Spy:
         def __init__(self, inner):
-            super().__init__(dict.fromkeys(inner))
             self.inner = inner
+            self.concurrent = inner.concurrent  # as the source's own set, so experts still run in parallel
 
         def __getitem__(self, e):
             events.append("expert")

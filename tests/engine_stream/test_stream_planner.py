@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from engine.errors import PlanError
-from engine.planner import (
+from engine.weights.planner import (
     GB,
     Geometry,
     MemoryFacts,
@@ -17,7 +17,7 @@ from engine.planner import (
     read_memory_facts,
     wants_streaming,
 )
-from engine.sysmem import Roots, read_cgroup
+from engine.weights.sysmem import Roots, read_cgroup
 
 MB = 1_000_000
 BIG = MemoryFacts(mem_total=64 * 2**30, mem_available=60 * 2**30, cgroup_limit=None,

@@ -15,13 +15,13 @@ from stream_helpers import Recorder, copy_checkpoint
 
 from engine.errors import ReadError
 from engine.generate import GenParams, generate
-from engine.io import Layout
+from engine.weights.io import Layout
 from engine.model.transformer import load_model
-from engine.planner import GB, add_memory_arguments, make_plan
-from engine.streaming import MODEL_TENSORS, CheckpointMap, StreamingSource, open_source
+from engine.weights.planner import GB, add_memory_arguments, make_plan
+from engine.weights.streaming import MODEL_TENSORS, CheckpointMap, StreamingSource, open_source
 from engine.checkpoint.synth import synthesize
 from engine.checkpoint.trunk import pack
-from engine.weights import ResidentSource
+from engine.weights.resident import ResidentSource
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPT = [3, 7, 11, 5, 9, 200, 17]
@@ -226,7 +226,7 @@ def test_stream_open_source_and_cli(small, capsys, tmp_path):
 
 
 def test_stream_experts_fetched_from_several_threads(small):
-    """When the set fits, the view is a dict the MoE may read from its compute threads."""
+    """When the set fits, the view is concurrent: the MoE may read it from its compute threads."""
     from concurrent.futures import ThreadPoolExecutor
 
     res = ResidentSource(small)
@@ -234,7 +234,7 @@ def test_stream_experts_fetched_from_several_threads(small):
         for L in (1, 2, 3, 1):
             ids = list(range(16)) if src.cache.nslots >= 16 else list(range(src.cache.nslots))
             with src.experts(L, ids) as ex, res.experts(L, ids) as ref:
-                assert isinstance(ex, dict) and set(ex) == set(ids)
+                assert ex.concurrent and set(ex) == set(ids)
                 with ThreadPoolExecutor(4) as pool:
                     got = list(pool.map(lambda e: ex[e], ids * 2))
                 for e, w in zip(ids * 2, got):

@@ -11,7 +11,7 @@ import pytest
 from stream_helpers import copy_checkpoint, write_safetensors
 
 from engine.errors import CheckpointError, EngineError
-from engine.io import ALIGN
+from engine.weights.io import ALIGN
 from engine.checkpoint.safetensors import SafetensorsIndex
 from engine.checkpoint.trunk import pack, trunk_specs
 from engine.checkpoint.schema import TensorNames

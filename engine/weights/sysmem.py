@@ -8,6 +8,7 @@ the cgroup and its ancestors up to the mount root (a limit set on a parent binds
 
 from __future__ import annotations
 
+import resource
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -252,3 +253,17 @@ def read_memory_facts(env: Roots | None = None) -> MemoryFacts:
     cg = read_cgroup(env)
     return MemoryFacts(total, mi.get("MemAvailable", mi.get("MemFree", total)),
                        cg.memory_limit_bytes, cg.memory_current_bytes)
+
+
+def current_rss() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        return 0
+
+
+def peak_rss() -> int:
+    """The kernel's high-water mark, never below the current RSS (the two counters are
+    synchronised lazily, so the mark can trail the current figure by a few pages)."""
+    return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, current_rss())

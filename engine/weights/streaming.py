@@ -27,7 +27,6 @@ no memory flag was given, else a plan (printed to stderr as a forecast) and this
 from __future__ import annotations
 
 import argparse
-import resource
 import sys
 import threading
 import time
@@ -41,9 +40,9 @@ import numpy as np
 
 from engine.model.config import ModelConfig
 from engine.errors import CheckpointError, ReadError
-from engine.experts import EvictionPolicy, ExpertCache
-from engine.io import Batch, FileTable, Layout, ReadPool, TensorSpec, aligned_buffer
-from engine.planner import (
+from engine.weights.experts import EvictionPolicy, ExpertCache
+from engine.weights.io import Batch, FileTable, Layout, ReadPool, TensorSpec, aligned_buffer
+from engine.weights.planner import (
     DEFAULT_CONTEXT,
     GB,
     Geometry,
@@ -52,7 +51,9 @@ from engine.planner import (
     wants_streaming,
 )
 from engine.checkpoint.safetensors import SafetensorsIndex, TensorInfo
-from engine.weights import ExpertWeights, ResidentSource, expert_from_arrays
+from engine.weights.resident import ResidentSource
+from engine.weights.source import ExpertSet, ExpertWeights, expert_from_arrays
+from engine.weights.sysmem import current_rss, peak_rss
 
 MODEL_TENSORS = ("embed_tokens.weight", "lm_head.weight", "norm.weight",
                  "output_attn_res_norm.weight", "output_attn_res_proj.weight")
@@ -320,16 +321,16 @@ class StreamingSource:
         return self.cache.nslots
 
     @contextmanager
-    def experts(self, layer: int, ids: Sequence[int]) -> Iterator[Mapping[int, ExpertWeights]]:
+    def experts(self, layer: int, ids: Sequence[int]) -> Iterator[ExpertSet]:
         wanted = list(dict.fromkeys(int(e) for e in ids))
         bad = [e for e in wanted if not 0 <= e < self.config.num_experts]
         if bad:
             raise CheckpointError(f"expert {bad[0]} of layer {layer} does not exist.")
         self._retire_guesses(layer, wanted)
         cap = max(1, self.cache.free_for_reuse)
-        view: _ExpertDict | _ExpertGroups
+        view: _ExpertsAtOnce | _ExpertGroups
         if len(wanted) <= cap:
-            view = _ExpertDict(_Group(self, layer, wanted), wanted)
+            view = _ExpertsAtOnce(_Group(self, layer, wanted), wanted)
         else:
             view = _ExpertGroups(self, layer, wanted, cap)
         try:
@@ -566,27 +567,27 @@ class _Group:
             self.held, self.ready = {}, {}
 
 
-class _ExpertDict(dict):
-    """The whole set fits the cache: a dict (so the MoE may run experts side by side on
-    its compute threads) whose items are fetched lazily, each waiting for its own read."""
+class _ExpertsAtOnce(Mapping[int, ExpertWeights]):
+    """The whole set fits the cache: every expert stays valid for the block, so the MoE may
+    fetch them from several compute threads at once; each waits only for its own read."""
+
+    concurrent = True
 
     def __init__(self, group: _Group, wanted: list[int]):
-        super().__init__(dict.fromkeys(wanted))
         self.group = group
+        self.wanted = wanted
+        self._asked = set(wanted)
 
     def __getitem__(self, e: int) -> ExpertWeights:
-        if not dict.__contains__(self, int(e)):
+        if int(e) not in self._asked:
             raise KeyError(e)
         return self.group.get(int(e))
 
-    def get(self, e, default=None):  # type: ignore[override]
-        return self[e] if dict.__contains__(self, int(e)) else default
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.wanted)
 
-    def values(self):  # type: ignore[override]
-        return [self[e] for e in self]
-
-    def items(self):  # type: ignore[override]
-        return [(e, self[e]) for e in self]
+    def __len__(self) -> int:
+        return len(self.wanted)
 
     def release(self) -> None:
         self.group.release()
@@ -596,6 +597,8 @@ class _ExpertGroups(Mapping[int, ExpertWeights]):
     """The set is larger than the cache can hold at once: served in groups in the order of
     `ids`; an expert stays valid only until one from a later group is asked for (iterate
     in order and use each at once, as the MoE's serial path does)."""
+
+    concurrent = False
 
     def __init__(self, src: StreamingSource, layer: int, wanted: list[int], cap: int):
         self.src = src
@@ -629,20 +632,6 @@ class _ExpertGroups(Mapping[int, ExpertWeights]):
         if self.group is not None:
             self.group.release()
             self.group = None
-
-
-def current_rss() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * resource.getpagesize()
-    except OSError:
-        return 0
-
-
-def peak_rss() -> int:
-    """The kernel's high-water mark, never below the current RSS (the two counters are
-    synchronised lazily, so the mark can trail the current figure by a few pages)."""
-    return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, current_rss())
 
 
 def open_source(checkpoint_dir: str | Path, args: argparse.Namespace | None = None,

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import PlanError
-from engine.sysmem import MemoryFacts, read_memory_facts
+from engine.weights.sysmem import MemoryFacts, read_memory_facts
 
 GB = 1e9
 # Per-preset (trunk GB, expert cache GB), as the peer's `--list-presets` for the real model.
