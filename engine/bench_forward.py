@@ -233,7 +233,7 @@ def time_mxfp4_ref(src: BenchSource, cfg: ModelConfig, rng) -> float:
 
 
 def checkpoint_decode(path: str, gen: int) -> dict[str, Any]:
-    from engine.generate import GenParams, generate
+    from engine.decode.generate import GenParams, generate
     from engine.model.transformer import load_model
 
     t = time.perf_counter()

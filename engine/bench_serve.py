@@ -1,6 +1,6 @@
 """Server and tokenizer overheads, measured side by side in one run.
 
-* serve — the same generation (same prompt, seed, token count) run by `engine.generate`
+* serve — the same generation (same prompt, seed, token count) run by `engine.decode.generate`
   in this process and through `python -m engine serve` over HTTP SSE; prints the time
   ratio, i.e. what the server adds per token. Runs are interleaved, best of 3 each.
 * tokenizer — encoding throughput of the HF-tokenizers path against tiktoken (the
@@ -24,11 +24,11 @@ MESSAGES = [{"role": "user", "content": "Hello there"}]
 
 
 def _direct(ckpt: Path, n: int):
-    from engine.chat_template import ChatTemplate
-    from engine.generate import GenParams, generate
+    from engine.text.chat_template import ChatTemplate
+    from engine.decode.generate import GenParams, generate
     from engine.model.transformer import load_model
-    from engine.steer import NEG
-    from engine.tokenizer import Tokenizer
+    from engine.decode.steer import NEG
+    from engine.text.tokenizer import Tokenizer
 
     tpl = ChatTemplate(Tokenizer.from_dir(ckpt))
     ids = tpl.render(MESSAGES)
@@ -95,7 +95,8 @@ def bench_serve(ckpt: Path, n: int) -> None:
 
 
 def bench_tokenizer(ckpt: Path) -> None:
-    from engine.tokenizer import SPLIT_PATTERN, TRAINING_TEXT, Tokenizer, read_ranks
+    from engine.text.tokenizer import SPLIT_PATTERN, Tokenizer, read_ranks
+    from engine.text.bpe_train import TRAINING_TEXT
 
     try:
         import tiktoken

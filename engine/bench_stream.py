@@ -152,7 +152,7 @@ def raw_throughput(src, rng: np.random.Generator, passes: int = 2) -> dict[str, 
 
 def _decode(model, prompt: list[int], tokens: int) -> tuple[list, float]:
     """Greedy tokens and the CPU seconds of the decode steps (compute + readers)."""
-    from engine.generate import GenParams, generate
+    from engine.decode.generate import GenParams, generate
 
     toks = []
     cpu0 = 0.0
@@ -210,7 +210,7 @@ def run_rung(ck: Path, budget: str, tokens: int, threads: int, trunk: str | None
     if not resident:
         # The same decode on a fully resident twin, alternating two tokens at a time, so
         # compute-only and streamed tokens are timed under the same machine load.
-        from engine.generate import GenParams, generate
+        from engine.decode.generate import GenParams, generate
 
         twin, twin_model = _open(cmap, full_gb, threads, warm=True)
         gens = [generate(twin_model, prompt, GenParams(max_tokens=tokens)),
@@ -240,10 +240,10 @@ def run_rung(ck: Path, budget: str, tokens: int, threads: int, trunk: str | None
     src.close()
 
     def mean(key: str) -> float:
-        return float(np.mean([t.stats.get(key, 0.0) or 0.0 for t in streamed])) if streamed else 0.0
+        return float(np.mean([getattr(t.stats, key) or 0.0 for t in streamed])) if streamed else 0.0
 
     def total(key: str) -> float:
-        return float(sum(t.stats.get(key, 0) or 0 for t in streamed))
+        return float(sum(getattr(t.stats, key) or 0 for t in streamed))
 
     guessed, adopted = total("experts_guessed"), total("experts_guessed_used")
     misses = total("expert_misses")

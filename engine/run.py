@@ -54,7 +54,7 @@ def default_stop_ids(eos_token_id: int | None, checkpoint: Path) -> list[int]:
     """config.json's eos_token_id plus the tokenizer's [EOS] and <|end_of_msg|>: the two
     config files of the release disagree (163586 vs 163585) and the model ends turns with
     either, so stop on both."""
-    from engine.tokenizer import MAX_TOKENIZER_CONFIG
+    from engine.text.tokenizer import MAX_TOKENIZER_CONFIG
 
     ids = {eos_token_id} if eos_token_id is not None else set()
     file = checkpoint / "tokenizer_config.json"
@@ -70,9 +70,9 @@ def default_stop_ids(eos_token_id: int | None, checkpoint: Path) -> list[int]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from engine.generate import GenParams, generate
+    from engine.decode.generate import GenParams, generate
     from engine.model.transformer import load_model
-    from engine.sampler import Sampler
+    from engine.decode.sampler import Sampler
 
     try:
         ids = _parse_ids(args.ids, "--ids")
@@ -130,8 +130,8 @@ def main(args: argparse.Namespace) -> int:
         "seconds_per_token": [round(t.seconds, 6) for t in tokens],
         "decode_seconds_per_token_mean": totals["s_per_token"],
         "stopped": bool(tokens and tokens[-1].stop),
-        "stats": tokens[-1].stats if tokens else {},
-        "per_token": [{"index": t.index, "id": t.id, "seconds": t.seconds, **t.stats}
+        "stats": tokens[-1].stats.as_dict() if tokens else {},
+        "per_token": [{"index": t.index, "id": t.id, "seconds": t.seconds, **t.stats.as_dict()}
                       for t in tokens],
         "totals": totals,
     }
@@ -148,9 +148,8 @@ STEP_HEADER = f"{'step':>4} {'token':>7} {'seconds':>8} {'hit %':>6} {'GB read':
 
 
 def step_line(tok) -> str:
-    st = tok.stats
-    hit = st.get("true_hit_rate")
-    gb = (st.get("gb_read_trunk") or 0.0) + (st.get("gb_read_experts") or 0.0)
+    hit = tok.stats.true_hit_rate
+    gb = tok.stats.gb_read or 0.0
     rate = 1 / tok.seconds if tok.seconds > 0 else 0.0
     return (f"{tok.index:>4} {tok.id:>7} {tok.seconds:>8.3f} "
             f"{(f'{hit * 100:.1f}' if hit is not None else '-'):>6} {gb:>8.3f} {rate:>6.2f}"
@@ -165,7 +164,7 @@ def run_totals(tokens: list, peak_rss_gb: float) -> dict[str, Any]:
     n = len(decode)
 
     def total(key: str, toks: list = decode) -> float:
-        return float(sum(t.stats.get(key) or 0 for t in toks))
+        return float(sum(getattr(t.stats, key) or 0 for t in toks))
 
     def gb(toks: list) -> float:
         return total("gb_read_trunk", toks) + total("gb_read_experts", toks)
@@ -190,7 +189,7 @@ def run_totals(tokens: list, peak_rss_gb: float) -> dict[str, Any]:
         "prefill_seconds": tokens[0].prefill_seconds if tokens else None,
         "prefill_gb_read": gb(tokens[:1]),
         "gb_read": gb(tokens),
-        "budget_gb": tokens[-1].stats.get("budget_gb") if tokens else None,
+        "budget_gb": tokens[-1].stats.budget_gb if tokens else None,
         "peak_rss_gb": peak_rss_gb,
     }
 

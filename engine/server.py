@@ -36,7 +36,7 @@ import threading
 import time
 import traceback
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +49,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine.chat_template import EFFORTS, ChatTemplate, TemplateError
+from engine.text.chat_template import EFFORTS, ChatTemplate, TemplateError
 from engine.errors import EngineError
-from engine.steer import DEMO_NOTICE, NEG, DemoSteer, Forced, think_to_response
-from engine.tokenizer import Tokenizer
+from engine.decode.steer import DEMO_NOTICE, NEG, DemoSteer, Forced, think_to_response
+from engine.decode.stats import TokenStats
+from engine.text.tokenizer import Tokenizer
 
 MAX_WAITING = 8
 FINGERPRINT = "k3-engine-0.1.0"
@@ -392,30 +393,13 @@ class Job:
     finish: str | None = None
 
 
-def k3_stats(tok_event: Any, budget_gb: float | None) -> dict[str, Any]:
-    stats = getattr(tok_event, "stats", None) or {}
-    gb = None
-    if "gb_read_trunk" in stats or "gb_read_experts" in stats:
-        gb = float(stats.get("gb_read_trunk", 0.0)) + float(stats.get("gb_read_experts", 0.0))
-    rss = stats.get("rss_gb")
-    if rss is None:
-        rss = psutil.Process().memory_info().rss / 1e9
-    seconds = getattr(tok_event, "seconds", None)
-    mb_per_s = stats.get("mb_per_s")
-    if mb_per_s is None and gb is not None and seconds:
-        mb_per_s = gb * 1000.0 / seconds
-    out = {
-        "s_per_token": seconds,
-        "gb_read": gb,
-        "mb_per_s": mb_per_s,
-        "true_hit_rate": stats.get("true_hit_rate"),
-        "rss_gb": rss,
-        "budget_gb": stats.get("budget_gb", budget_gb),
-        "compute_s": stats.get("compute_s"),
-        "wait_trunk_s": stats.get("wait_trunk_s"),
-        "wait_experts_s": stats.get("wait_experts_s"),
-    }
-    return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in out.items()}
+def k3_record(tok_event: Any, budget_gb: float | None) -> TokenStats:
+    """A token's statistics with what the server knows added: the RSS (measured here when
+    the generator does not report it) and the plan's budget. None: before the first token."""
+    stats = tok_event.stats if tok_event is not None else TokenStats()
+    rss = stats.rss_gb if stats.rss_gb is not None else psutil.Process().memory_info().rss / 1e9
+    budget = stats.budget_gb if stats.budget_gb is not None else budget_gb
+    return replace(stats, rss_gb=rss, budget_gb=budget)
 
 
 def run_job(job: Job, loaded: Loaded, template: ChatTemplate, metrics: Metrics, steer_demo: bool,
@@ -464,12 +448,12 @@ def run_job(job: Job, loaded: Loaded, template: ChatTemplate, metrics: Metrics, 
             job.predicted_s += seconds
             metrics.add("tokens_predicted_total")
             metrics.add("tokens_predicted_seconds_total", seconds)
-            k3 = k3_stats(t, loaded.budget_gb)
-            if k3["gb_read"]:
-                metrics.add("gb_read_total", k3["gb_read"])
+            k3 = k3_record(t, loaded.budget_gb)
+            if k3.gb_read:
+                metrics.add("gb_read_total", k3.gb_read)
             metrics.set("last_s_per_token", float(t.seconds))
-            if k3["true_hit_rate"] is not None:
-                metrics.set("last_true_hit_rate", k3["true_hit_rate"])
+            if k3.true_hit_rate is not None:
+                metrics.set("last_true_hit_rate", k3.true_hit_rate)
             was_reasoning = parser.in_reasoning
             delta = parser.feed(int(t.id))
             if was_reasoning:
@@ -711,7 +695,7 @@ class Service:
                 "params": {"temperature": 0.6, "top_p": 0.95, "top_k": 0,
                            "reasoning_budget_tokens": self.reasoning_budget},
             },
-            "chat_template": "Kimi-K3 XTML (engine/chat_template.py)",
+            "chat_template": "Kimi-K3 XTML (engine/text/chat_template.py)",
             "chat_template_caps": {"supports_thinking": True, "thinking_efforts": list(EFFORTS)},
             "bos_token": "[BOS]",
             "eos_token": "[EOS]",
@@ -870,18 +854,13 @@ class Service:
             "completion_tokens_details": {"reasoning_tokens": job.reasoning_tokens},
         }
 
-    def _final_k3(self, job: Job, last: dict[str, Any] | None) -> dict[str, Any]:
-        k3 = dict(last or k3_stats(None, self.loaded.budget_gb))
-        k3["reasoning_tokens"] = job.reasoning_tokens
-        note = empty_answer_note(job)
-        if note:
-            k3["note"] = note
-        if self.steer_demo:
-            k3["demo"] = DEMO_NOTICE
-        return k3
+    def _final_k3(self, job: Job, last: TokenStats | None) -> dict[str, Any]:
+        return replace(last or k3_record(None, self.loaded.budget_gb),
+                       reasoning_tokens=job.reasoning_tokens, note=empty_answer_note(job) or None,
+                       demo=DEMO_NOTICE if self.steer_demo else None).k3()
 
     async def _sse(self, job: Job, queue: asyncio.Queue, ids: ChunkIds, request: Request) -> AsyncIterator[str]:
-        yield ids.sse({"role": "assistant", "content": None}, k3=k3_stats(None, self.loaded.budget_gb))
+        yield ids.sse({"role": "assistant", "content": None}, k3=k3_record(None, self.loaded.budget_gb).k3())
         state: dict[str, Any] = {"k3": None}
         while True:
             try:
@@ -906,7 +885,7 @@ class Service:
         if item[0] == "token":
             _, k3, reasoning, content = item
             state["k3"] = k3 or state["k3"]
-            extra: dict[str, Any] = {"k3": state["k3"]}
+            extra: dict[str, Any] = {"k3": state["k3"].k3() if state["k3"] else None}
             if req.timings_per_token:
                 extra["timings"] = self._timings(job)
             out = ids.sse({"reasoning_content": reasoning}, **extra) if reasoning else ""
@@ -1021,7 +1000,7 @@ class EventStream(StreamingResponse):
 def load_engine(checkpoint: Path, tokenizer_dir: Path, args: argparse.Namespace,
                 progress: LoadProgress, n_ctx: int) -> Loaded:
     """Tokenizer, weight source under the memory plan, model; generation via ENG's API."""
-    from engine.generate import GenParams, generate
+    from engine.decode.generate import GenParams, generate
     from engine.model.transformer import load_model
     from engine.weights.streaming import open_source
 

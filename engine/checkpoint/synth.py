@@ -289,7 +289,7 @@ def synthesize(out_dir: str | Path, size: str = "tiny", seed: int = 0,
 
 def _write_tokenizer(out: Path, n_ranks: int) -> None:
     try:
-        from engine.tokenizer import write_test_tokenizer
+        from engine.text.bpe_train import write_test_tokenizer
     except ImportError:
         print("note: engine.tokenizer is missing; no tokenizer written", file=sys.stderr)
         return

@@ -19,7 +19,7 @@ from engine.model.config import ModelConfig
 from engine.errors import CheckpointError, ConfigError
 from engine.checkpoint.safetensors import SafetensorsIndex, read_header
 from engine.checkpoint.synth import synthesize
-from engine.tokenizer import Tokenizer
+from engine.text.tokenizer import Tokenizer
 from engine.checkpoint.trunk import pack, trunk_specs
 from engine.checkpoint.schema import TensorNames
 

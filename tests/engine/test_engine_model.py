@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.generate import GenParams, generate
+from engine.decode.generate import GenParams, generate
 from engine.model.transformer import load_model
 from engine.checkpoint.synth import synthesize
 
@@ -269,7 +269,7 @@ def test_logits_hook_steers_and_timing_is_reported(small_model):
     assert [t.index for t in toks] == [0, 1, 2, 3]
     for key in ("compute_s", "wait_trunk_s", "wait_experts_s", "gb_read_trunk", "gb_read_experts",
                 "mb_per_s", "true_hit_rate", "evictions", "rss_gb"):
-        assert key in toks[1].stats
+        assert key in toks[1].stats.as_dict()
 
 
 def test_run_stops_on_both_end_ids(tmp_path):

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from engine.generate import GenParams, generate
+from engine.decode.generate import GenParams, generate
 from engine.model.transformer import load_model
 from engine.weights.planner import GB, add_memory_arguments, plan_from_args
 from engine.weights.streaming import CheckpointMap
@@ -124,5 +124,5 @@ def test_generate_stats_carry_rss_for_a_resident_model(small):
     """No memory flags: the source reports no RSS, generate measures it itself."""
     toks = list(generate(load_model(small), [3, 7, 11], GenParams(max_tokens=2)))
     for t in toks:
-        assert 0 < t.stats["rss_gb"] <= t.stats["peak_rss_gb"]
-        assert t.stats["gb_read_experts"] == 0 and t.stats["true_hit_rate"] is None
+        assert 0 < t.stats.rss_gb <= t.stats.peak_rss_gb
+        assert t.stats.gb_read_experts == 0 and t.stats.true_hit_rate is None

@@ -11,7 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.tokenizer import Tokenizer, write_test_tokenizer
+from engine.decode.stats import TokenStats
+from engine.text.tokenizer import Tokenizer
+from engine.text.bpe_train import write_test_tokenizer
 
 N_RANKS = 1792
 
@@ -58,7 +60,8 @@ def fake_generate(vocab: int, delay: float = 0.0, counter: list | None = None, f
             tok = int(np.argmax(logits))
             generated.append(tok)
             yield FakeToken(tok, delay + 0.001, index, 0.002 if index == 0 else None,
-                            {"gb_read_trunk": 0.001, "gb_read_experts": 0.0, "compute_s": delay})
+                            TokenStats(s_per_token=delay + 0.001, gb_read_trunk=0.001,
+                                       gb_read_experts=0.0, compute_s=delay))
             if tok in params.stop_ids:
                 return
 

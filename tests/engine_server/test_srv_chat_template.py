@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.chat_template import (
+from engine.text.chat_template import (
     EFFORT_SENTENCE,
     ChatTemplate,
     Control,
@@ -12,7 +12,8 @@ from engine.chat_template import (
     render_segments,
     segments_to_text,
 )
-from engine.tokenizer import Tokenizer, _pieces, write_test_tokenizer
+from engine.text.tokenizer import Tokenizer, split_pieces
+from engine.text.bpe_train import write_test_tokenizer
 
 N = 1792
 REAL_BASE = 163584
@@ -43,7 +44,7 @@ def test_srv_spec_vector_layout(tpl, tok):
     segs = render_segments(SPEC_MESSAGES, thinking=False)
     layout = []
     for s in segs:
-        layout += [s.name] if isinstance(s, Control) else _pieces(s)
+        layout += [s.name] if isinstance(s, Control) else split_pieces(s)
     assert len(layout) == 37
     real_specials = {163586: "<|end_of_msg|>", 163587: "<|open|>", 163588: "<|close|>", 163589: "<|sep|>"}
     for want, got in zip(SPEC_VECTOR, layout):

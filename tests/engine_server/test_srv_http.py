@@ -125,7 +125,7 @@ def test_srv_length_inside_reasoning_says_so(inproc):
 
 
 def close_think_len(tok) -> int:
-    from engine.steer import tag_ids
+    from engine.decode.steer import tag_ids
 
     return len(tag_ids(tok, "<|close|>", "think"))
 

@@ -9,7 +9,8 @@ import random
 import pytest
 import tiktoken
 
-from engine.tokenizer import SPLIT_PATTERN, Tokenizer, read_ranks, write_test_tokenizer
+from engine.text.tokenizer import SPLIT_PATTERN, Tokenizer, read_ranks
+from engine.text.bpe_train import write_test_tokenizer
 
 N_RANKS = 1792
 
@@ -102,7 +103,7 @@ def test_srv_parity_random_strings(tok, oracle):
 
 
 def test_srv_parity_training_text(tok, oracle):
-    from engine.tokenizer import TRAINING_TEXT
+    from engine.text.bpe_train import TRAINING_TEXT
 
     assert tok.encode(TRAINING_TEXT) == oracle.encode(TRAINING_TEXT)
 
@@ -140,7 +141,7 @@ def test_srv_stream_decoder_replaces_invalid_bytes(tok):
 
 
 def test_srv_split_pattern_read_from_tokenization_kimi(tmp_path, vocab_dir):
-    from engine.tokenizer import split_pattern_from_dir
+    from engine.text.tokenizer import split_pattern_from_dir
 
     (tmp_path / "tokenization_kimi.py").write_text(
         'class T:\n    pat_str = "|".join([r"""[a-z]+""", r"""\\s+""", r"""."""])\n'

@@ -12,7 +12,7 @@ import pytest
 from stream_helpers import Recorder, copy_checkpoint
 
 from engine.errors import PlanError, ReadError
-from engine.generate import GenParams, generate
+from engine.decode.generate import GenParams, generate
 from engine.model.transformer import load_model
 from engine.weights.planner import GB, add_memory_arguments, make_plan, plan_from_args
 from engine.weights.streaming import CheckpointMap, StreamingSource
@@ -100,10 +100,10 @@ def test_stream_guess_demand_bytes_stay_the_minimum(small):
             assert round(experts) == not_resident * payload, tok.index
             assert cur["expert_misses"] - prev["expert_misses"] == not_resident
             if tok.index > 0:
-                assert tok.stats["experts_guessed"] > 0
-                unused = tok.stats["experts_guessed"] - tok.stats["experts_guessed_used"]
+                assert tok.stats.experts_guessed > 0
+                unused = tok.stats.experts_guessed - tok.stats.experts_guessed_used
                 # Wrong guesses are counted apart, once their read has landed.
-                assert tok.stats["gb_read_unused"] * GB <= unused * payload + 1
+                assert tok.stats.gb_read_unused * GB <= unused * payload + 1
             prev = cur
         src._reap_guesses(block=True)
         st = src.stats()

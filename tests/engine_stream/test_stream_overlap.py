@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import pytest
 
 from engine.model import moe
-from engine.generate import GenParams, generate
+from engine.decode.generate import GenParams, generate
 from engine.model.transformer import load_model
 from engine.weights.planner import GB, make_plan
 from engine.weights.streaming import CheckpointMap, StreamingSource

@@ -14,7 +14,7 @@ import pytest
 from stream_helpers import Recorder, copy_checkpoint
 
 from engine.errors import ReadError
-from engine.generate import GenParams, generate
+from engine.decode.generate import GenParams, generate
 from engine.weights.io import Layout
 from engine.model.transformer import load_model
 from engine.weights.planner import GB, add_memory_arguments, make_plan
@@ -137,7 +137,7 @@ def test_stream_bytes_per_token_are_the_minimum(small):
             assert round(trunk) == want_trunk, tok.index
             assert round(experts) == not_resident * expert_payload, tok.index
             assert cur["expert_misses"] - prev["expert_misses"] == not_resident
-            assert tok.stats["gb_read_trunk"] == pytest.approx(want_trunk / GB)
+            assert tok.stats.gb_read_trunk == pytest.approx(want_trunk / GB)
             prev = cur
         # The device delivered nothing beyond those bytes' aligned windows, plus the
         # read-ahead of the next (never requested) token's first streamed layers.

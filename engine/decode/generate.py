@@ -7,14 +7,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from engine.model.transformer import Cancelled, Model
-from engine.weights.planner import GB
-from engine.sampler import Sampler
-from engine.weights.sysmem import current_rss, peak_rss
+from engine.decode.sampler import Sampler
+from engine.decode.stats import StatsMeter, TokenStats
 
 LogitsHook = Callable[[list[int], np.ndarray], np.ndarray]
 
@@ -36,7 +34,7 @@ class GenToken:
     seconds: float  # wall time since the previous token (since the start for index 0)
     index: int
     prefill_seconds: float | None  # index 0 only: the prompt's forward pass
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: TokenStats = field(default_factory=TokenStats)
     stop: bool = False  # this id is one of params.stop_ids; it is the last token yielded
 
 
@@ -52,7 +50,7 @@ def generate(model: Model, prompt_ids: Sequence[int], params: GenParams, *,
     ids = [int(i) for i in prompt_ids]
     generated: list[int] = []
     state = None if params.full_recompute else model.new_state()
-    meter = _StatsMeter(model)
+    meter = StatsMeter(model.source)
     start = last = time.perf_counter()
     try:
         for index in range(params.max_tokens):
@@ -69,15 +67,15 @@ def generate(model: Model, prompt_ids: Sequence[int], params: GenParams, *,
             if logits_hook is not None:
                 logits = logits_hook(list(generated), logits)
             token = sample(logits)
-            now = time.perf_counter()
+            seconds = time.perf_counter() - (start if index == 0 else last)
             generated.append(token)
             ids.append(token)
             yield GenToken(
                 id=token,
-                seconds=now - (start if index == 0 else last),
+                seconds=seconds,
                 index=index,
                 prefill_seconds=compute if index == 0 else None,
-                stats=meter.delta(compute),
+                stats=meter.delta(seconds, compute),
                 stop=token in stops,
             )
             last = time.perf_counter()
@@ -85,47 +83,3 @@ def generate(model: Model, prompt_ids: Sequence[int], params: GenParams, *,
                 return
     except Cancelled:
         return
-
-
-class _StatsMeter:
-    """Per-token statistics (the interface's keys) from the source's running totals, plus
-    each token's expert hits/misses (so a run's hit rate can be totalled) and the RSS now
-    and at its peak, measured here when the source does not report them."""
-
-    def __init__(self, model: Model):
-        self.source = model.source
-        self.prev = self._read()
-
-    def _read(self) -> dict[str, Any]:
-        return dict(self.source.stats())
-
-    def delta(self, seconds: float) -> dict[str, Any]:
-        prev, cur = self.prev, self._read()
-        self.prev = cur
-
-        def d(key: str) -> float:
-            return float(cur.get(key, 0) or 0) - float(prev.get(key, 0) or 0)
-
-        gb = d("gb_read_trunk") + d("gb_read_experts")
-        hits, misses = int(d("expert_hits")), int(d("expert_misses"))
-        out = {
-            "compute_s": max(0.0, seconds - d("wait_trunk_s") - d("wait_experts_s")),
-            "wait_trunk_s": d("wait_trunk_s"),
-            "wait_experts_s": d("wait_experts_s"),
-            "gb_read_trunk": d("gb_read_trunk"),
-            "gb_read_experts": d("gb_read_experts"),
-            "mb_per_s": gb * 1000.0 / seconds if seconds > 0 else 0.0,
-            "true_hit_rate": hits / (hits + misses) if hits + misses else None,
-            "expert_hits": hits,
-            "expert_misses": misses,
-            "evictions": int(d("evictions")),
-            "rss_gb": cur.get("rss_gb", current_rss() / GB),
-            "peak_rss_gb": cur.get("peak_rss_gb", peak_rss() / GB),
-        }
-        if "budget_gb" in cur:
-            out["budget_gb"] = cur["budget_gb"]
-        if "experts_guessed" in cur:  # expert read-ahead: guesses made, adopted, bytes wasted
-            out["experts_guessed"] = int(d("experts_guessed"))
-            out["experts_guessed_used"] = int(d("experts_guessed_used"))
-            out["gb_read_unused"] = d("gb_read_unused")
-        return out

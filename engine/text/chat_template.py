@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from engine.tokenizer import StreamDecoder, Tokenizer
+from engine.text.tokenizer import StreamDecoder, Tokenizer
 
 OPEN, CLOSE, SEP, END_OF_MSG, EOS = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>", "[EOS]"
 CONTROL = (OPEN, CLOSE, SEP, END_OF_MSG)

@@ -19,8 +19,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from engine.chat_template import CLOSE, EOS, OPEN, SEP, OutputParser
-from engine.tokenizer import TRAINING_TEXT, Tokenizer
+from engine.text.chat_template import CLOSE, EOS, OPEN, SEP, OutputParser
+from engine.text.bpe_train import TRAINING_TEXT
+from engine.text.tokenizer import Tokenizer
 
 DEMO_NOTICE = "demo model — random weights, not Kimi-K3"
 NEG = -1e30
