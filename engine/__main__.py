@@ -14,7 +14,7 @@ COMMANDS = {
     "run": ("engine.run", "generate from a checkpoint (token ids in, ids and timings out)"),
     "synth": ("engine.checkpoint.synth", "write a random-weight Kimi-K3-architecture checkpoint"),
     "pack": ("engine.checkpoint.trunk", "pack a checkpoint's trunk into trunk.bin + trunk.json"),
-    "serve": ("engine.server", "serve a checkpoint over an OpenAI-compatible HTTP API"),
+    "serve": ("engine.serve.app", "serve a checkpoint over an OpenAI-compatible HTTP API"),
     "bench": ("engine.bench", "benchmarks: forward, stream, serve"),
 }
 

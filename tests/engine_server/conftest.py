@@ -108,7 +108,7 @@ class InProcServer:
 @pytest.fixture
 def make_loaded(test_tok):
     """Factory: a `Loaded` over the fake generator (for set_loaded after a delay)."""
-    from engine.server import Loaded
+    from engine.serve.worker import Loaded
 
     def make(n_ctx=64, delay=0.0):
         return Loaded(tok=test_tok, generate=fake_generate(test_tok.vocab_size, delay),
@@ -120,7 +120,8 @@ def make_loaded(test_tok):
 @pytest.fixture
 def inproc(test_tok):
     """Factory: inproc(delay=..., steer_demo=..., gate=..., tok=..., **service kwargs) -> InProcServer."""
-    from engine.server import Loaded, Service
+    from engine.serve.app import Service
+    from engine.serve.worker import Loaded
 
     servers = []
 

@@ -326,7 +326,7 @@ async def test_srv_concurrent_request_waits_its_turn(inproc):
 
 
 async def test_srv_too_many_waiting_is_503(inproc, monkeypatch):
-    from engine import server
+    from engine.serve import app as server
 
     monkeypatch.setattr(server, "MAX_WAITING", 1)
     gate = threading.Event()  # the running request holds the slot until the 503 is seen
