@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from engine import bench_forward
+from engine.bench import forward as bench_forward
 from engine.checkpoint.synth import flat_config, synthesize
 
 

@@ -20,7 +20,7 @@ def test_stream_bench_json_keys(tmp_path):
     floor = (2 * max(g.layer_bytes) + g.min_expert_slots * g.expert_slot_bytes) / GB
     budgets = [f"{floor:.6f}", f"{floor * 1.5:.6f}"]
     out = subprocess.run(
-        [sys.executable, "-m", "engine.bench_stream", "--checkpoint", str(ck), "--budget-gb",
+        [sys.executable, "-m", "engine.bench.stream", "--checkpoint", str(ck), "--budget-gb",
          budgets[0], "--ladder", ",".join(budgets), "--tokens", "3", "--json",
          "--workdir", str(tmp_path / "work")],
         capture_output=True, text=True, cwd=REPO, timeout=300)

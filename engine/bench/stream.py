@@ -290,7 +290,7 @@ def _cpu_s() -> float:
 
 
 def _spawn_rung(ck: Path, budget: str, args: argparse.Namespace, trunk: str | None) -> dict:
-    cmd = [sys.executable, "-m", "engine.bench_stream", "--rung", budget,
+    cmd = [sys.executable, "-m", "engine.bench.stream", "--rung", budget,
            "--checkpoint", str(ck), "--tokens", str(args.tokens), "--threads",
            str(args.threads), "--guess-experts", args.guess_experts]
     if trunk:
@@ -461,7 +461,7 @@ def render(res: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    _p = argparse.ArgumentParser(prog="python -m engine.bench_stream")
+    _p = argparse.ArgumentParser(prog="python -m engine.bench.stream")
     add_arguments(_p)
     _p.add_argument("--trunk", help=argparse.SUPPRESS)
     raise SystemExit(main(_p.parse_args()))

@@ -6,7 +6,7 @@
 * tokenizer — encoding throughput of the HF-tokenizers path against tiktoken (the
   parity oracle) on the same text and ranks, when tiktoken is installed.
 
-`python -m engine.bench_serve [CHECKPOINT] [--tokens N]` (default: a synthesised "small"
+`python -m engine.bench.serve [CHECKPOINT] [--tokens N]` (default: a synthesised "small"
 checkpoint in a temporary folder).
 """
 
@@ -142,6 +142,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(prog="python -m engine.bench_serve", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m engine.bench.serve", description=__doc__.split("\n")[0])
     add_arguments(p)
     raise SystemExit(main(p.parse_args()))

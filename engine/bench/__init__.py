@@ -2,10 +2,10 @@
 
 * forward — compute: one KDA layer and one MLA-MoE layer at the real widths, BF16 and
   MXFP4 matmul throughput as fractions of the memory bandwidth measured in the same run
-  (engine/bench_forward.py).
-* stream — I/O: the streaming source under memory budgets (engine/bench_stream.py).
+  (engine/bench/forward.py).
+* stream — I/O: the streaming source under memory budgets (engine/bench/stream.py).
 * serve — the HTTP server's cost per token against calling generate directly
-  (engine/bench_serve.py).
+  (engine/bench/serve.py).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import argparse
 import importlib
 
 BENCHES = {
-    "forward": "engine.bench_forward",
-    "stream": "engine.bench_stream",
-    "serve": "engine.bench_serve",
+    "forward": "engine.bench.forward",
+    "stream": "engine.bench.stream",
+    "serve": "engine.bench.serve",
 }
 
 
