@@ -5,7 +5,7 @@ intrinsics): the weight row is widened/decoded in registers and multiplied at on
 each weight byte is read from memory once, and the summation order is spelled out in the
 code rather than left to fast-math reassociation. Rows are split across threads; each
 output element is produced by the same instruction sequence whatever the number of tokens
-or threads, so results depend on neither (tests/engine/test_engine_fused.py checks the
+or threads, so results depend on neither (tests/engine/kernels/test_kernels_fused.py checks the
 bits against a numpy emulation of each documented order).
 Importing this module raises ImportError when numba is missing; kernels/__init__.py then uses
 the numpy reference.

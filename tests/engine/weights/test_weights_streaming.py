@@ -8,10 +8,11 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
-from stream_helpers import Recorder, copy_checkpoint
+from stream_helpers import Recorder
 
 from engine.errors import ReadError
 from engine.decode.generate import GenParams, generate
@@ -23,7 +24,7 @@ from engine.checkpoint.synth import synthesize
 from engine.checkpoint.trunk import pack
 from engine.weights.resident import ResidentSource
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = str(Path(__file__).resolve().parents[3])
 PROMPT = [3, 7, 11, 5, 9, 200, 17]
 
 
@@ -175,7 +176,7 @@ def test_stream_read_ahead_never_overwrites_a_slot_in_use(small):
                 assert [s.layer for s in src._ring] == [L]
 
 
-def test_stream_short_read_stops_generation(small, tmp_path):
+def test_stream_short_read_stops_generation(small, tmp_path, copy_checkpoint):
     ck = copy_checkpoint(small, tmp_path / "ck")
     src = source(ck, budget_gb=floor_gb(ck))
     model = load_model(ck, src)
@@ -191,7 +192,7 @@ def test_stream_short_read_stops_generation(small, tmp_path):
     src.close()
 
 
-def test_stream_expert_read_error_never_publishes_the_slot(small, tmp_path):
+def test_stream_expert_read_error_never_publishes_the_slot(small, tmp_path, copy_checkpoint):
     ck = copy_checkpoint(small, tmp_path / "ck")
     with source(ck, budget_gb=floor_gb(ck) * 2) as src:
         lay = src.map.expert_layout(3, 15)
@@ -204,7 +205,7 @@ def test_stream_expert_read_error_never_publishes_the_slot(small, tmp_path):
         assert (3, 0) in src.cache.resident()
 
 
-def test_stream_open_source_and_cli(small, capsys, tmp_path):
+def test_stream_open_source_and_cli(small, capsys, tmp_path, copy_checkpoint):
     p = argparse.ArgumentParser()
     add_memory_arguments(p)
     assert isinstance(open_source(small, p.parse_args([])), ResidentSource)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
+import struct
 import subprocess
 import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
-from stream_helpers import copy_checkpoint, write_safetensors
 
 from engine.errors import CheckpointError, EngineError
 from engine.weights.io import ALIGN
@@ -16,7 +17,31 @@ from engine.checkpoint.safetensors import SafetensorsIndex
 from engine.checkpoint.trunk import pack, trunk_specs
 from engine.checkpoint.schema import TensorNames
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = str(Path(__file__).resolve().parents[3])
+
+
+DT = {np.dtype("<u2"): "BF16", np.dtype("<f4"): "F32", np.dtype("u1"): "U8"}
+
+
+def write_safetensors(path: Path, tensors: list[tuple[str, np.ndarray]],
+                      gaps: dict[str, int] | None = None) -> None:
+    """Tensors in the given order; `gaps[name]` zero bytes are inserted before `name`."""
+    gaps = gaps or {}
+    header: dict = {"__metadata__": {"format": "pt"}}
+    blobs = []
+    off = 0
+    for name, arr in tensors:
+        pad = gaps.get(name, 0)
+        blobs.append(b"\0" * pad)
+        off += pad
+        raw = np.ascontiguousarray(arr).tobytes()
+        header[name] = {"dtype": DT[arr.dtype], "shape": list(arr.shape),
+                        "data_offsets": [off, off + len(raw)]}
+        blobs.append(raw)
+        off += len(raw)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    path.write_bytes(struct.pack("<Q", len(h)) + h + b"".join(blobs))
 
 
 def test_stream_pack_schema_and_bytes(tiny_a, tmp_path):
@@ -74,7 +99,7 @@ def test_stream_pack_resumes_after_interruption(tiny_a, tmp_path):
         (tmp_path / "whole" / "trunk.bin").read_bytes()
 
 
-def test_stream_trunk_from_another_checkpoint_is_refused(tiny_a, tmp_path):
+def test_stream_trunk_from_another_checkpoint_is_refused(tiny_a, tmp_path, copy_checkpoint):
     pack(tiny_a, tmp_path / "t")
     other = copy_checkpoint(tiny_a, tmp_path / "other")
     # Same layout, different weights: flip bytes at the start of layer 3's trunk run.
@@ -94,7 +119,7 @@ def test_stream_trunk_from_another_checkpoint_is_refused(tiny_a, tmp_path):
     assert len(specs) == 13
 
 
-def test_stream_pack_refuses_a_layer_with_a_gap(tiny_a, tmp_path):
+def test_stream_pack_refuses_a_layer_with_a_gap(tiny_a, tmp_path, copy_checkpoint):
     ck = copy_checkpoint(tiny_a, tmp_path / "gap")
     index = SafetensorsIndex.open(ck)
     shard = ck / "model-00003-of-000014.safetensors"

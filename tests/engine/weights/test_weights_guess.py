@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 import pytest
-from stream_helpers import Recorder, copy_checkpoint
+from stream_helpers import Recorder
 
 from engine.errors import PlanError, ReadError
 from engine.decode.generate import GenParams, generate
@@ -149,7 +149,7 @@ def test_stream_guess_keeps_the_layers_own_cached_experts(small):
         assert not {(1, e) for e in range(4)} & resident  # layer 1 comes round last
 
 
-def test_stream_guess_read_error(small, tmp_path):
+def test_stream_guess_read_error(small, tmp_path, copy_checkpoint):
     ck = copy_checkpoint(small, tmp_path / "ck")
     with source(ck, budget_gb=trunk_and_slots(ck, 12)) as src:
         lay = src.map.expert_layout(3, 15)

@@ -1,4 +1,4 @@
-"""Fixtures for the server tests: a test vocabulary, an in-process server with a small
+"""Fixtures for the server tests: an in-process server with a small
 numpy generator (same contract as engine.generate), and a real `python -m engine serve`."""
 
 from __future__ import annotations
@@ -6,16 +6,12 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from engine.decode.stats import TokenStats
-from engine.text.tokenizer import Tokenizer
-from engine.text.bpe_train import write_test_tokenizer
 
-N_RANKS = 1792
 
 
 class FakeToken:
@@ -66,18 +62,6 @@ def fake_generate(vocab: int, delay: float = 0.0, counter: list | None = None, f
                 return
 
     return gen
-
-
-@pytest.fixture(scope="session")
-def vocab_dir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("srv_vocab")
-    write_test_tokenizer(d, N_RANKS)
-    return d
-
-
-@pytest.fixture(scope="session")
-def test_tok(vocab_dir) -> Tokenizer:
-    return Tokenizer.from_dir(vocab_dir)
 
 
 class InProcServer:

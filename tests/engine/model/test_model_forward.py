@@ -16,7 +16,7 @@ from engine.decode.generate import GenParams, generate
 from engine.model.transformer import load_model
 from engine.checkpoint.synth import synthesize
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 # ---- tiny-a: the peer's oracle -------------------------------------------------------------

@@ -23,7 +23,7 @@ from engine.text.tokenizer import Tokenizer
 from engine.checkpoint.trunk import pack, trunk_specs
 from engine.checkpoint.schema import TensorNames
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DEEP = "[" * 100_000  # far past the JSON parser's recursion limit
 CAP = 2 << 30  # address space for a refused run; the tiny model runs in 1.5 GB
 

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
+from pathlib import Path
 
 from engine.weights.planner import GB
 from engine.weights.streaming import CheckpointMap
 from engine.checkpoint.synth import synthesize
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = str(Path(__file__).resolve().parents[3])
 
 
 def test_stream_bench_json_keys(tmp_path):

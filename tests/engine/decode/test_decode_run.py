@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -18,7 +18,7 @@ from engine.weights.planner import GB, add_memory_arguments, plan_from_args
 from engine.weights.streaming import CheckpointMap
 from engine.checkpoint.synth import synthesize
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = str(Path(__file__).resolve().parents[3])
 PROMPT = "3,7,11,5,9,200,17"
 TOKEN_KEYS = ("index", "id", "seconds", "compute_s", "wait_trunk_s", "wait_experts_s",
               "gb_read_trunk", "gb_read_experts", "mb_per_s", "true_hit_rate", "expert_hits",
