@@ -1,4 +1,5 @@
-"""`python -m engine COMMAND`: run, synth, pack, serve, bench (the dispatcher; __main__.py calls it).
+"""`python -m engine COMMAND`: run, synth, pack, serve, bench (the dispatcher that
+__main__.py calls).
 
 Each command's module exposes `add_arguments(parser)` and `main(args) -> int`; only the
 chosen one is imported.

@@ -23,7 +23,9 @@ BENCHES = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench", metavar="WHICH", required=True)
     for name, module in BENCHES.items():
-        sp = sub.add_parser(name, help=(importlib.import_module(module).__doc__ or "").split("\n")[0])
+        sp = sub.add_parser(
+            name, help=(importlib.import_module(module).__doc__ or "").split("\n")[0]
+        )
         importlib.import_module(module).add_arguments(sp)
 
 

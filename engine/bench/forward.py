@@ -29,13 +29,13 @@ from typing import Any
 import numpy as np
 
 from engine import kernels
+from engine.checkpoint.schema import expected_tensors
 from engine.kernels import reference
 from engine.model.config import ModelConfig
 from engine.model.kda import KDAState
 from engine.model.mla import MLAState
-from engine.model.transformer import Model
-from engine.checkpoint.schema import expected_tensors
 from engine.model.moe import run_experts
+from engine.model.transformer import Model
 from engine.weights.source import ExpertTable, ExpertWeights
 
 REAL_WIDTHS: dict[str, Any] = dict(
@@ -245,12 +245,21 @@ def checkpoint_decode(path: str, gen: int) -> dict[str, Any]:
     src = model.source
     trunk = sum(a.nbytes for L in range(cfg.num_hidden_layers) for a in src._layers[L].values())
     model_level = src.model_tensor("lm_head.weight").nbytes
-    one_expert = expert_bytes(src.expert(cfg.first_k_dense_replace, 0)) if cfg.num_hidden_layers > 1 else 0
-    active = one_expert * cfg.num_experts_per_token * sum(cfg.is_moe(L) for L in range(cfg.num_hidden_layers))
+    one_expert = 0
+    if cfg.num_hidden_layers > 1:
+        one_expert = expert_bytes(src.expert(cfg.first_k_dense_replace, 0))
+    active = (
+        one_expert
+        * cfg.num_experts_per_token
+        * sum(cfg.is_moe(L) for L in range(cfg.num_hidden_layers))
+    )
     touched = trunk + model_level + active
     return {
-        "checkpoint": path, "config": cfg.describe(), "load_seconds": round(load_s, 2),
-        "resident_gb": round(src.nbytes / 1e9, 3), "seconds_per_token": round(per_tok, 4),
+        "checkpoint": path,
+        "config": cfg.describe(),
+        "load_seconds": round(load_s, 2),
+        "resident_gb": round(src.nbytes / 1e9, 3),
+        "seconds_per_token": round(per_tok, 4),
         "weights_gb_touched_per_token": round(touched / 1e9, 3),
         "weights_gb_per_s": round(touched / per_tok / 1e9, 2),
         "generated_ids": [t.id for t in toks],
@@ -261,6 +270,7 @@ def main(args: argparse.Namespace) -> int:
     if args.threads:
         try:
             from engine.kernels import fused
+
             fused.set_threads(args.threads)
         except ImportError:
             pass
@@ -272,11 +282,15 @@ def main(args: argparse.Namespace) -> int:
     log(f"building one KDA-MoE and one MLA-MoE layer at the real widths + {args.pool} experts ...")
     src = BenchSource(cfg, args.pool)
     model = Model(cfg, src)
-    res: dict[str, Any] = {"memory_bandwidth_gb_per_s": bw / 1e9, "kernels": "fused (numba)"
-                           if kernels.FUSED else "numpy reference",
-                           "cpus": os.cpu_count(), "load_average_1min_before": load_before}
+    res: dict[str, Any] = {
+        "memory_bandwidth_gb_per_s": bw / 1e9,
+        "kernels": "fused (numba)" if kernels.FUSED else "numpy reference",
+        "cpus": os.cpu_count(),
+        "load_average_1min_before": load_before,
+    }
     try:
         import numba
+
         res["threads"] = numba.get_num_threads()
     except ImportError:
         res["threads"] = 1
@@ -289,9 +303,15 @@ def main(args: argparse.Namespace) -> int:
     res["mla_moe_layer_trunk_gb"] = src.trunk_bytes(MLA_LAYER) / 1e9
     res["active_experts_gb_per_layer"] = cfg.num_experts_per_token * expert_bytes(src.pool[0]) / 1e9
 
-    xs = {w: rng.standard_normal((1, w)).astype(np.float32)
-          for w in {a.shape[1] for L in (KDA_LAYER, MLA_LAYER) for a in src.layers[L].values()
-                    if a.ndim == 2}}
+    xs = {
+        w: rng.standard_normal((1, w)).astype(np.float32)
+        for w in {
+            a.shape[1]
+            for L in (KDA_LAYER, MLA_LAYER)
+            for a in src.layers[L].values()
+            if a.ndim == 2
+        }
+    }
     log("timing BF16 and MXFP4 matmuls ...")
     kernels.linear(xs[cfg.hidden_size], src.layers[KDA_LAYER]["self_attn.q_proj.weight"])  # warm
     for name, runs in (
@@ -313,7 +333,8 @@ def main(args: argparse.Namespace) -> int:
 
     # the real model: 69 KDA + 24 MLA layers (layer 0's dense FFN counted as a KDA-MoE layer)
     res["real_model_compute_s_per_token_estimate"] = (
-        69 * res["kda_moe_layer_ms"] + 24 * res["mla_moe_layer_ms"]) / 1000
+        69 * res["kda_moe_layer_ms"] + 24 * res["mla_moe_layer_ms"]
+    ) / 1000
     if args.checkpoint:
         del src, model
         log(f"decoding {args.gen} tokens of {args.checkpoint}, fully resident ...")
@@ -328,26 +349,42 @@ def main(args: argparse.Namespace) -> int:
 
 def print_report(r: dict[str, Any]) -> None:
     bw = r["memory_bandwidth_gb_per_s"]
-    print(f"memory bandwidth (copy, read+write): {bw:.1f} GB/s; kernels: {r['kernels']}, "
-          f"{r['threads']} threads")
-    print(f"KDA-MoE layer, one decode token: {r['kda_moe_layer_ms']:.1f} ms "
-          f"(trunk {r['kda_moe_layer_trunk_gb']:.2f} GB BF16 + experts "
-          f"{r['active_experts_gb_per_layer']:.2f} GB MXFP4)")
-    print(f"MLA-MoE layer, one decode token: {r['mla_moe_layer_ms']:.1f} ms "
-          f"(trunk {r['mla_moe_layer_trunk_gb']:.2f} GB BF16 + experts "
-          f"{r['active_experts_gb_per_layer']:.2f} GB MXFP4)")
-    print(f"BF16 matmul:  {r['bf16_gb_per_s']:.2f} GB/s = {r['bf16_fraction_of_bandwidth']:.0%} "
-          f"of bandwidth (numpy widen-then-multiply: {r['bf16_numpy_reference_gb_per_s']:.2f} GB/s)")
-    print(f"MXFP4 matmul: {r['mxfp4_gb_per_s']:.2f} GB/s = {r['mxfp4_fraction_of_bandwidth']:.0%} "
-          f"of bandwidth (numpy decode-then-multiply: {r['mxfp4_numpy_reference_gb_per_s']:.2f} GB/s)")
-    print(f"per CPU-second of our threads: BF16 {r['bf16_gb_per_cpu_s']:.2f} GB, MXFP4 "
-          f"{r['mxfp4_gb_per_cpu_s']:.2f} GB (load average {r['load_average_1min_before']:.1f} "
-          f"before, {r['load_average_1min']:.1f} after, on {r['cpus']} CPUs: a load above the "
-          "CPU count means other processes shared these cores during the run)")
-    print(f"real model (69 KDA + 24 MLA layers), compute only: "
-          f"~{r['real_model_compute_s_per_token_estimate']:.1f} s/token")
+    print(
+        f"memory bandwidth (copy, read+write): {bw:.1f} GB/s; kernels: {r['kernels']}, "
+        f"{r['threads']} threads"
+    )
+    print(
+        f"KDA-MoE layer, one decode token: {r['kda_moe_layer_ms']:.1f} ms "
+        f"(trunk {r['kda_moe_layer_trunk_gb']:.2f} GB BF16 + experts "
+        f"{r['active_experts_gb_per_layer']:.2f} GB MXFP4)"
+    )
+    print(
+        f"MLA-MoE layer, one decode token: {r['mla_moe_layer_ms']:.1f} ms "
+        f"(trunk {r['mla_moe_layer_trunk_gb']:.2f} GB BF16 + experts "
+        f"{r['active_experts_gb_per_layer']:.2f} GB MXFP4)"
+    )
+    print(
+        f"BF16 matmul:  {r['bf16_gb_per_s']:.2f} GB/s = {r['bf16_fraction_of_bandwidth']:.0%} "
+        f"of bandwidth (numpy widen-then-multiply: {r['bf16_numpy_reference_gb_per_s']:.2f} GB/s)"
+    )
+    print(
+        f"MXFP4 matmul: {r['mxfp4_gb_per_s']:.2f} GB/s = {r['mxfp4_fraction_of_bandwidth']:.0%} "
+        f"of bandwidth (numpy decode-then-multiply: {r['mxfp4_numpy_reference_gb_per_s']:.2f} GB/s)"
+    )
+    print(
+        f"per CPU-second of our threads: BF16 {r['bf16_gb_per_cpu_s']:.2f} GB, MXFP4 "
+        f"{r['mxfp4_gb_per_cpu_s']:.2f} GB (load average {r['load_average_1min_before']:.1f} "
+        f"before, {r['load_average_1min']:.1f} after, on {r['cpus']} CPUs: a load above the "
+        "CPU count means other processes shared these cores during the run)"
+    )
+    print(
+        f"real model (69 KDA + 24 MLA layers), compute only: "
+        f"~{r['real_model_compute_s_per_token_estimate']:.1f} s/token"
+    )
     if "checkpoint_decode" in r:
         c = r["checkpoint_decode"]
-        print(f"{c['checkpoint']} ({c['config']}), resident: {c['seconds_per_token']:.3f} s/token, "
-              f"{c['weights_gb_touched_per_token']:.2f} GB of weights per token = "
-              f"{c['weights_gb_per_s']:.2f} GB/s")
+        print(
+            f"{c['checkpoint']} ({c['config']}), resident: {c['seconds_per_token']:.3f} s/token, "
+            f"{c['weights_gb_touched_per_token']:.2f} GB of weights per token = "
+            f"{c['weights_gb_per_s']:.2f} GB/s"
+        )

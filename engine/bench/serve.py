@@ -24,10 +24,10 @@ MESSAGES = [{"role": "user", "content": "Hello there"}]
 
 
 def _direct(ckpt: Path, n: int):
-    from engine.text.chat_template import ChatTemplate
     from engine.decode.generate import GenParams, generate
-    from engine.model.transformer import load_model
     from engine.decode.steer import NEG
+    from engine.model.transformer import load_model
+    from engine.text.chat_template import ChatTemplate
     from engine.text.tokenizer import Tokenizer
 
     tpl = ChatTemplate(Tokenizer.from_dir(ckpt))
@@ -42,8 +42,15 @@ def _direct(ckpt: Path, n: int):
 
     def run() -> float:
         t0 = time.perf_counter()
-        count = sum(1 for _ in generate(model, ids, GenParams(max_tokens=n, temperature=0.6, seed=1,
-                                                              stop_ids=tuple(end)), logits_hook=no_end))
+        count = sum(
+            1
+            for _ in generate(
+                model,
+                ids,
+                GenParams(max_tokens=n, temperature=0.6, seed=1, stop_ids=tuple(end)),
+                logits_hook=no_end,
+            )
+        )
         assert count == n
         return time.perf_counter() - t0
 
@@ -53,8 +60,15 @@ def _direct(ckpt: Path, n: int):
 def _via_http(url: str, n: int):
     import httpx
 
-    body = {"messages": MESSAGES, "stream": True, "max_tokens": n, "ignore_eos": True, "seed": 1,
-            "temperature": 0.6, "stream_options": {"include_usage": True}}
+    body = {
+        "messages": MESSAGES,
+        "stream": True,
+        "max_tokens": n,
+        "ignore_eos": True,
+        "seed": 1,
+        "temperature": 0.6,
+        "stream_options": {"include_usage": True},
+    }
 
     def run() -> float:
         t0 = time.perf_counter()
@@ -73,8 +87,12 @@ def bench_serve(ckpt: Path, n: int) -> None:
     import httpx
 
     direct = _direct(ckpt, n)
-    proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", str(ckpt), "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine", "serve", str(ckpt), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         url = proc.stdout.readline().split()[-1]
         while httpx.get(url + "/health").status_code != 200:
@@ -89,14 +107,16 @@ def bench_serve(ckpt: Path, n: int) -> None:
         proc.terminate()
         proc.wait(timeout=15)
     bd, bh = min(d), min(h)
-    print(f"serve: {n} tokens  direct generate {bd:.3f} s ({n / bd:.1f} tok/s)  "
-          f"HTTP SSE {bh:.3f} s ({n / bh:.1f} tok/s)  ratio http/direct {bh / bd:.3f}  "
-          f"server cost {(bh - bd) * 1000 / n:.2f} ms/token")
+    print(
+        f"serve: {n} tokens  direct generate {bd:.3f} s ({n / bd:.1f} tok/s)  "
+        f"HTTP SSE {bh:.3f} s ({n / bh:.1f} tok/s)  ratio http/direct {bh / bd:.3f}  "
+        f"server cost {(bh - bd) * 1000 / n:.2f} ms/token"
+    )
 
 
 def bench_tokenizer(ckpt: Path) -> None:
-    from engine.text.tokenizer import SPLIT_PATTERN, Tokenizer, read_ranks
     from engine.text.bpe_train import TRAINING_TEXT
+    from engine.text.tokenizer import SPLIT_PATTERN, Tokenizer, read_ranks
 
     try:
         import tiktoken
@@ -104,8 +124,12 @@ def bench_tokenizer(ckpt: Path) -> None:
         print("tokenizer: tiktoken is not installed; skipped")
         return
     tok = Tokenizer.from_dir(ckpt)
-    oracle = tiktoken.Encoding("oracle", pat_str=SPLIT_PATTERN,
-                               mergeable_ranks=read_ranks(ckpt / "tiktoken.model"), special_tokens={})
+    oracle = tiktoken.Encoding(
+        "oracle",
+        pat_str=SPLIT_PATTERN,
+        mergeable_ranks=read_ranks(ckpt / "tiktoken.model"),
+        special_tokens={},
+    )
     text = TRAINING_TEXT * 20
 
     def best(fn) -> float:
@@ -118,13 +142,20 @@ def bench_tokenizer(ckpt: Path) -> None:
 
     ours, theirs = best(tok.encode), best(oracle.encode_ordinary)
     mb = len(text.encode()) / 1e6
-    print(f"tokenizer: {mb:.2f} MB  ours {mb / ours:.1f} MB/s  tiktoken {mb / theirs:.1f} MB/s  "
-          f"ratio ours/tiktoken time {ours / theirs:.2f}  same ids: {tok.encode(text) == oracle.encode_ordinary(text)}")
+    print(
+        f"tokenizer: {mb:.2f} MB  ours {mb / ours:.1f} MB/s  tiktoken {mb / theirs:.1f} MB/s  "
+        f"ratio ours/tiktoken time {ours / theirs:.2f}  "
+        f"same ids: {tok.encode(text) == oracle.encode_ordinary(text)}"
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", nargs="?", default=None,
-                        help="a checkpoint with tokenizer files (default: synthesise 'small')")
+    parser.add_argument(
+        "checkpoint",
+        nargs="?",
+        default=None,
+        help="a checkpoint with tokenizer files (default: synthesise 'small')",
+    )
     parser.add_argument("--tokens", type=int, default=200, help="tokens per run (default 200)")
 
 
@@ -142,6 +173,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(prog="python -m engine.bench.serve", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m engine.bench.serve", description=__doc__.split("\n")[0]
+    )
     add_arguments(p)
     raise SystemExit(main(p.parse_args()))

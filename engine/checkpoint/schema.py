@@ -68,7 +68,12 @@ def iter_expected(cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
     experts than the file holds costs one lookup, not a table of them."""
     E, V = cfg.hidden_size, cfg.vocab_size
     H, D, P, K = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_width, cfg.short_conv_kernel_size
-    Hm, nope, rope, vd = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    Hm, nope, rope, vd = (
+        cfg.num_attention_heads,
+        cfg.qk_nope_head_dim,
+        cfg.qk_rope_head_dim,
+        cfg.v_head_dim,
+    )
     lat, M, N = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size, cfg.num_experts
     yield from {
         "embed_tokens.weight": (V, E),
@@ -80,63 +85,85 @@ def iter_expected(cfg: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
     for L in range(cfg.num_hidden_layers):
         p = f"layers.{L}."
         out: dict[str, tuple[int, ...]] = {}  # this layer's trunk
-        for n in ("input_layernorm", "post_attention_layernorm", "self_attention_res_norm",
-                  "mlp_res_norm"):
+        for n in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "self_attention_res_norm",
+            "mlp_res_norm",
+        ):
             out[f"{p}{n}.weight"] = (E,)
         out[f"{p}self_attention_res_proj.weight"] = (1, E)
         out[f"{p}mlp_res_proj.weight"] = (1, E)
         a = p + "self_attn."
         if cfg.is_mla(L):
-            out.update({
-                f"{a}q_a_proj.weight": (cfg.q_lora_rank, E),
-                f"{a}q_a_layernorm.weight": (cfg.q_lora_rank,),
-                f"{a}q_b_proj.weight": (Hm * (nope + rope), cfg.q_lora_rank),
-                f"{a}kv_a_proj_with_mqa.weight": (cfg.kv_lora_rank + rope, E),
-                f"{a}kv_a_layernorm.weight": (cfg.kv_lora_rank,),
-                f"{a}kv_b_proj.weight": (Hm * (nope + vd), cfg.kv_lora_rank),
-                f"{a}g_proj.weight": (Hm * vd, E),
-                f"{a}o_proj.weight": (E, Hm * vd),
-            })
+            out.update(
+                {
+                    f"{a}q_a_proj.weight": (cfg.q_lora_rank, E),
+                    f"{a}q_a_layernorm.weight": (cfg.q_lora_rank,),
+                    f"{a}q_b_proj.weight": (Hm * (nope + rope), cfg.q_lora_rank),
+                    f"{a}kv_a_proj_with_mqa.weight": (cfg.kv_lora_rank + rope, E),
+                    f"{a}kv_a_layernorm.weight": (cfg.kv_lora_rank,),
+                    f"{a}kv_b_proj.weight": (Hm * (nope + vd), cfg.kv_lora_rank),
+                    f"{a}g_proj.weight": (Hm * vd, E),
+                    f"{a}o_proj.weight": (E, Hm * vd),
+                }
+            )
         else:
             for n in "qkv":
                 out[f"{a}{n}_proj.weight"] = (P, E)
                 out[f"{a}{n}_conv1d.weight"] = (P, 1, K)
-            out.update({
-                f"{a}f_a_proj.weight": (D, E),
-                f"{a}f_b_proj.weight": (P, D),
-                f"{a}b_proj.weight": (H, E),
-                f"{a}A_log": (H,),
-                f"{a}dt_bias": (P,),
-                f"{a}g_proj.weight": (P, E),
-                f"{a}o_norm.weight": (D,),
-                f"{a}o_proj.weight": (E, P),
-            })
+            out.update(
+                {
+                    f"{a}f_a_proj.weight": (D, E),
+                    f"{a}f_b_proj.weight": (P, D),
+                    f"{a}b_proj.weight": (H, E),
+                    f"{a}A_log": (H,),
+                    f"{a}dt_bias": (P,),
+                    f"{a}g_proj.weight": (P, E),
+                    f"{a}o_norm.weight": (D,),
+                    f"{a}o_proj.weight": (E, P),
+                }
+            )
         if not cfg.is_moe(L):
-            I = cfg.intermediate_size
-            out.update({f"{p}mlp.gate_proj.weight": (I, E), f"{p}mlp.up_proj.weight": (I, E),
-                        f"{p}mlp.down_proj.weight": (E, I)})
+            inter = cfg.intermediate_size
+            out.update(
+                {
+                    f"{p}mlp.gate_proj.weight": (inter, E),
+                    f"{p}mlp.up_proj.weight": (inter, E),
+                    f"{p}mlp.down_proj.weight": (E, inter),
+                }
+            )
             yield from out.items()
             continue
         m = p + "block_sparse_moe."
-        out.update({
-            f"{m}gate.weight": (N, E),
-            f"{m}gate.e_score_correction_bias": (N,),
-            f"{m}routed_expert_down_proj.weight": (lat, E),
-            f"{m}routed_expert_up_proj.weight": (E, lat),
-            f"{m}routed_expert_norm.weight": (lat,),
-        })
+        out.update(
+            {
+                f"{m}gate.weight": (N, E),
+                f"{m}gate.e_score_correction_bias": (N,),
+                f"{m}routed_expert_down_proj.weight": (lat, E),
+                f"{m}routed_expert_up_proj.weight": (E, lat),
+                f"{m}routed_expert_norm.weight": (lat,),
+            }
+        )
         if cfg.num_shared_experts:
             S = cfg.shared_width
-            out.update({f"{m}shared_experts.gate_proj.weight": (S, E),
-                        f"{m}shared_experts.up_proj.weight": (S, E),
-                        f"{m}shared_experts.down_proj.weight": (E, S)})
+            out.update(
+                {
+                    f"{m}shared_experts.gate_proj.weight": (S, E),
+                    f"{m}shared_experts.up_proj.weight": (S, E),
+                    f"{m}shared_experts.down_proj.weight": (E, S),
+                }
+            )
         yield from out.items()
         for e in range(N):
             x = f"{m}experts.{e}."
             yield from {
-                f"{x}w1.weight_packed": (M, lat // 2), f"{x}w1.weight_scale": (M, lat // 32),
-                f"{x}w2.weight_packed": (lat, M // 2), f"{x}w2.weight_scale": (lat, M // 32),
-                f"{x}w3.weight_packed": (M, lat // 2), f"{x}w3.weight_scale": (M, lat // 32),
+                f"{x}w1.weight_packed": (M, lat // 2),
+                f"{x}w1.weight_scale": (M, lat // 32),
+                f"{x}w2.weight_packed": (lat, M // 2),
+                f"{x}w2.weight_scale": (lat, M // 32),
+                f"{x}w3.weight_packed": (M, lat // 2),
+                f"{x}w3.weight_scale": (M, lat // 32),
             }.items()
 
 
@@ -168,8 +195,9 @@ def check_tensors(cfg: ModelConfig, index: SafetensorsIndex, names: TensorNames)
     index.checked_against = cfg
 
 
-def open_checked(checkpoint_dir: str | Path, index: SafetensorsIndex | None = None
-                 ) -> tuple[ModelConfig, SafetensorsIndex, TensorNames]:
+def open_checked(
+    checkpoint_dir: str | Path, index: SafetensorsIndex | None = None
+) -> tuple[ModelConfig, SafetensorsIndex, TensorNames]:
     """config.json (bounded), the safetensors headers, and every tensor the config implies
     checked against them: what each source does first, before anything sized by the
     config (expert tables, KDA state, KV cache, the memory plan) is allocated."""

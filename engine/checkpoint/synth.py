@@ -4,13 +4,14 @@
 nested config.json, one safetensors shard per decoder layer (its trunk tensors sorted by
 name, then its routed experts 0..N−1, six tensors each, MXFP4), a final shard with the
 embedding, head and model-level vectors, and model.safetensors.index.json. Every size but
-tiny also gets a test tokenizer (engine.tokenizer) so the checkpoint can be served.
+tiny also gets a test tokenizer (engine/text/bpe_train.py) so the checkpoint can be served.
 
 Initialisation follows the peer's tiny oracle recipe, so the tricky paths are exercised:
 matrices N(0, 0.02); shared and dense gate/up weights with std 1.2 and routed-expert
-gate/up codes scaled to RMS ~1.5, so both SiTU caps saturate; routing bias linspace(−0.15, 0.15) so the bias changes which experts are
-picked; A_log = linspace(−0.4, 1.2) per head, padded with zeros to head_dim values like
-the release; dt_bias N(0, 0.5); conv kernels N(0, 0.4); gains 1 + N(0, 0.1).
+gate/up codes scaled to RMS ~1.5, so both SiTU caps saturate; routing bias
+linspace(−0.15, 0.15) so the bias changes which experts are picked; A_log =
+linspace(−0.4, 1.2) per head, padded with zeros to head_dim values like the release;
+dt_bias N(0, 0.5); conv kernels N(0, 0.4); gains 1 + N(0, 0.1).
 Each tensor draws from its own generator seeded by (seed, name), so a tensor's values do
 not depend on the write order. Shards are written tensor by tensor: the 6 GB "bench"
 size never holds more than one expert in memory.
@@ -29,48 +30,127 @@ from typing import Any
 
 import numpy as np
 
+from engine.checkpoint.schema import EXPERT_PARTS, TensorNames, expected_tensors
 from engine.model.config import ModelConfig
-from engine.checkpoint.schema import expected_tensors
-from engine.checkpoint.schema import EXPERT_PARTS, TensorNames
 
 _BASE: dict[str, Any] = dict(
-    rms_norm_eps=1e-5, situ_beta=4.0, situ_linear_beta=25.0, short_conv_kernel_size=4,
-    gate_lower_bound=-5.0, routed_scaling_factor=1.0, first_k_dense_replace=1,
+    rms_norm_eps=1e-5,
+    situ_beta=4.0,
+    situ_linear_beta=25.0,
+    short_conv_kernel_size=4,
+    gate_lower_bound=-5.0,
+    routed_scaling_factor=1.0,
+    first_k_dense_replace=1,
 )
 SIZES: dict[str, dict[str, Any]] = {
     # 7 layers KKKMKKM, one shared expert, AttnRes block 2: unlike tiny-a on purpose
-    "tiny": dict(hidden_size=64, num_hidden_layers=7, vocab_size=256, kda_num_heads=4,
-                 kda_head_dim=16, full_attn_layers=[4, 7], num_attention_heads=4,
-                 q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                 v_head_dim=16, num_experts=8, num_experts_per_token=2, num_shared_experts=1,
-                 routed_expert_hidden_size=32, moe_intermediate_size=32, intermediate_size=96,
-                 attn_res_block_size=2),
-    "small": dict(hidden_size=128, num_hidden_layers=6, vocab_size=1024 + 256, kda_num_heads=2,
-                  kda_head_dim=32, full_attn_layers=[3, 6], num_attention_heads=2,
-                  q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16,
-                  v_head_dim=32, num_experts=16, num_experts_per_token=4, num_shared_experts=2,
-                  routed_expert_hidden_size=64, moe_intermediate_size=64, intermediate_size=256,
-                  attn_res_block_size=4),
-    "medium": dict(hidden_size=512, num_hidden_layers=12, vocab_size=4096 + 256, kda_num_heads=8,
-                   kda_head_dim=64, full_attn_layers=[4, 8, 11, 12], num_attention_heads=8,
-                   q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32,
-                   v_head_dim=64, num_experts=64, num_experts_per_token=8, num_shared_experts=2,
-                   routed_expert_hidden_size=256, moe_intermediate_size=512,
-                   intermediate_size=2048, attn_res_block_size=4),
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=7,
+        vocab_size=256,
+        kda_num_heads=4,
+        kda_head_dim=16,
+        full_attn_layers=[4, 7],
+        num_attention_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        num_experts=8,
+        num_experts_per_token=2,
+        num_shared_experts=1,
+        routed_expert_hidden_size=32,
+        moe_intermediate_size=32,
+        intermediate_size=96,
+        attn_res_block_size=2,
+    ),
+    "small": dict(
+        hidden_size=128,
+        num_hidden_layers=6,
+        vocab_size=1024 + 256,
+        kda_num_heads=2,
+        kda_head_dim=32,
+        full_attn_layers=[3, 6],
+        num_attention_heads=2,
+        q_lora_rank=64,
+        kv_lora_rank=32,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        num_experts=16,
+        num_experts_per_token=4,
+        num_shared_experts=2,
+        routed_expert_hidden_size=64,
+        moe_intermediate_size=64,
+        intermediate_size=256,
+        attn_res_block_size=4,
+    ),
+    "medium": dict(
+        hidden_size=512,
+        num_hidden_layers=12,
+        vocab_size=4096 + 256,
+        kda_num_heads=8,
+        kda_head_dim=64,
+        full_attn_layers=[4, 8, 11, 12],
+        num_attention_heads=8,
+        q_lora_rank=256,
+        kv_lora_rank=128,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        num_experts=64,
+        num_experts_per_token=8,
+        num_shared_experts=2,
+        routed_expert_hidden_size=256,
+        moe_intermediate_size=512,
+        intermediate_size=2048,
+        attn_res_block_size=4,
+    ),
     # the chat demo: fast fully resident, and mostly experts so it streams under ~1/3 budget
-    "demo": dict(hidden_size=256, num_hidden_layers=8, vocab_size=2304 + 256, kda_num_heads=4,
-                 kda_head_dim=64, full_attn_layers=[4, 7, 8], num_attention_heads=4,
-                 q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32,
-                 v_head_dim=64, num_experts=64, num_experts_per_token=6, num_shared_experts=1,
-                 routed_expert_hidden_size=128, moe_intermediate_size=512, intermediate_size=1024,
-                 attn_res_block_size=3),
+    "demo": dict(
+        hidden_size=256,
+        num_hidden_layers=8,
+        vocab_size=2304 + 256,
+        kda_num_heads=4,
+        kda_head_dim=64,
+        full_attn_layers=[4, 7, 8],
+        num_attention_heads=4,
+        q_lora_rank=128,
+        kv_lora_rank=128,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        num_experts=64,
+        num_experts_per_token=6,
+        num_shared_experts=1,
+        routed_expert_hidden_size=128,
+        moe_intermediate_size=512,
+        intermediate_size=1024,
+        attn_res_block_size=3,
+    ),
     # the peer's benchmark shape (issue 3): 13 layers KKKMKKKMKKKMM, ~6.2 GB
-    "bench": dict(hidden_size=2048, num_hidden_layers=13, vocab_size=32768, kda_num_heads=16,
-                  kda_head_dim=128, full_attn_layers=[4, 8, 12, 13], num_attention_heads=16,
-                  q_lora_rank=512, kv_lora_rank=256, qk_nope_head_dim=128, qk_rope_head_dim=64,
-                  v_head_dim=128, num_experts=256, num_experts_per_token=16,
-                  num_shared_experts=2, routed_expert_hidden_size=1024,
-                  moe_intermediate_size=1024, intermediate_size=5632, attn_res_block_size=4),
+    "bench": dict(
+        hidden_size=2048,
+        num_hidden_layers=13,
+        vocab_size=32768,
+        kda_num_heads=16,
+        kda_head_dim=128,
+        full_attn_layers=[4, 8, 12, 13],
+        num_attention_heads=16,
+        q_lora_rank=512,
+        kv_lora_rank=256,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        num_experts=256,
+        num_experts_per_token=16,
+        num_shared_experts=2,
+        routed_expert_hidden_size=1024,
+        moe_intermediate_size=1024,
+        intermediate_size=5632,
+        attn_res_block_size=4,
+    ),
 }
 N_SPECIAL = 256  # added tokens after the BPE ranks
 
@@ -92,45 +172,88 @@ def nested_config(flat: dict[str, Any]) -> dict[str, Any]:
     vocab = flat["vocab_size"]
     specials = vocab - N_SPECIAL if vocab > N_SPECIAL else None
     text = {
-        "model_type": "kimi_linear", "dtype": "bfloat16",
-        "hidden_size": flat["hidden_size"], "num_hidden_layers": n, "vocab_size": vocab,
-        "max_position_embeddings": 1048576, "rms_norm_eps": flat["rms_norm_eps"],
-        "hidden_act": "situ", "activation_situ_beta": flat["situ_beta"],
+        "model_type": "kimi_linear",
+        "dtype": "bfloat16",
+        "hidden_size": flat["hidden_size"],
+        "num_hidden_layers": n,
+        "vocab_size": vocab,
+        "max_position_embeddings": 1048576,
+        "rms_norm_eps": flat["rms_norm_eps"],
+        "hidden_act": "situ",
+        "activation_situ_beta": flat["situ_beta"],
         "activation_situ_linear_beta": flat["situ_linear_beta"],
         "num_attention_heads": flat["num_attention_heads"],
         "num_key_value_heads": flat["num_attention_heads"],
-        **{k: flat[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-                                "qk_rope_head_dim", "v_head_dim", "num_experts",
-                                "num_experts_per_token", "num_shared_experts",
-                                "routed_expert_hidden_size", "moe_intermediate_size",
-                                "routed_scaling_factor", "first_k_dense_replace",
-                                "intermediate_size", "attn_res_block_size")},
-        "mla_use_nope": True, "mla_use_output_gate": True,
-        "moe_router_activation_func": "sigmoid", "topk_method": "noaux_tc",
-        "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1,
-        "moe_renormalize": True, "latent_moe_use_norm": True, "moe_layer_freq": 1,
-        "num_nextn_predict_layers": 0, "tie_word_embeddings": False,
+        **{
+            k: flat[k]
+            for k in (
+                "q_lora_rank",
+                "kv_lora_rank",
+                "qk_nope_head_dim",
+                "qk_rope_head_dim",
+                "v_head_dim",
+                "num_experts",
+                "num_experts_per_token",
+                "num_shared_experts",
+                "routed_expert_hidden_size",
+                "moe_intermediate_size",
+                "routed_scaling_factor",
+                "first_k_dense_replace",
+                "intermediate_size",
+                "attn_res_block_size",
+            )
+        },
+        "mla_use_nope": True,
+        "mla_use_output_gate": True,
+        "moe_router_activation_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "use_grouped_topk": True,
+        "num_expert_group": 1,
+        "topk_group": 1,
+        "moe_renormalize": True,
+        "latent_moe_use_norm": True,
+        "moe_layer_freq": 1,
+        "num_nextn_predict_layers": 0,
+        "tie_word_embeddings": False,
         "linear_attn_config": {
-            "num_heads": flat["kda_num_heads"], "head_dim": flat["kda_head_dim"],
+            "num_heads": flat["kda_num_heads"],
+            "head_dim": flat["kda_head_dim"],
             "short_conv_kernel_size": flat["short_conv_kernel_size"],
-            "gate_lower_bound": flat["gate_lower_bound"], "use_full_rank_gate": True,
+            "gate_lower_bound": flat["gate_lower_bound"],
+            "use_full_rank_gate": True,
             "full_attn_layers": full,
             "kda_layers": [i for i in range(1, n + 1) if i not in full],
         },
         "quantization_config": {
-            "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+            "quant_method": "compressed-tensors",
+            "format": "mxfp4-pack-quantized",
             "quantization_status": "compressed",
-            "config_groups": {"group_0": {
-                "format": "mxfp4-pack-quantized",
-                "targets": ["re:.*block_sparse_moe\\.experts\\.\\d+\\.w[123]$"],
-                "weights": {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 32,
-                            "strategy": "group", "dynamic": False, "scale_dtype": "torch.uint8",
-                            "observer": "minmax"},
-                "input_activations": None, "output_activations": None}},
-            "ignore": ["lm_head", "re:.*shared_experts.*"], "kv_cache_scheme": None,
+            "config_groups": {
+                "group_0": {
+                    "format": "mxfp4-pack-quantized",
+                    "targets": ["re:.*block_sparse_moe\\.experts\\.\\d+\\.w[123]$"],
+                    "weights": {
+                        "num_bits": 4,
+                        "type": "float",
+                        "symmetric": True,
+                        "group_size": 32,
+                        "strategy": "group",
+                        "dynamic": False,
+                        "scale_dtype": "torch.uint8",
+                        "observer": "minmax",
+                    },
+                    "input_activations": None,
+                    "output_activations": None,
+                }
+            },
+            "ignore": ["lm_head", "re:.*shared_experts.*"],
+            "kv_cache_scheme": None,
         },
     }
-    top: dict[str, Any] = {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3"}
+    top: dict[str, Any] = {
+        "architectures": ["KimiK3ForConditionalGeneration"],
+        "model_type": "kimi_k3",
+    }
     if specials is not None:  # Kimi's order: [BOS], [EOS], <|end_of_msg|>, ..., pad last
         top.update(bos_token_id=specials, eos_token_id=specials + 2, pad_token_id=vocab - 1)
     top.update(tie_word_embeddings=False, text_config=text)
@@ -151,8 +274,9 @@ def to_bf16(x: np.ndarray) -> np.ndarray:
 _STD_CAPPED = ("gate_proj.weight", "up_proj.weight")  # dense + shared gate/up: caps saturate
 
 
-def trunk_value(short: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int
-                ) -> tuple[str, np.ndarray]:
+def trunk_value(
+    short: str, shape: tuple[int, ...], cfg: ModelConfig, seed: int
+) -> tuple[str, np.ndarray]:
     """(dtype, array) for one non-expert tensor."""
     rng = _rng(seed, short)
     n = int(np.prod(shape))
@@ -189,26 +313,36 @@ def expert_values(prefix: str, cfg: ModelConfig, seed: int) -> list[np.ndarray]:
         rng = _rng(seed, prefix + part)
         rows, cols = (lat, m) if part == "w2" else (m, lat)
         packed = rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8)
-        scale = (_EXPERT_SCALE_BYTE[part] + rng.integers(-1, 2, (rows, cols // 32))).astype(np.uint8)
+        scale = (_EXPERT_SCALE_BYTE[part] + rng.integers(-1, 2, (rows, cols // 32))).astype(
+            np.uint8
+        )
         out.extend((packed, scale))
     return out
 
 
 # ---- writing ---------------------------------------------------------------------------------
 class _Entry:
-    def __init__(self, name: str, dtype: str, shape: tuple[int, ...], make: Callable[[], np.ndarray]):
+    def __init__(
+        self, name: str, dtype: str, shape: tuple[int, ...], make: Callable[[], np.ndarray]
+    ):
         self.name, self.dtype, self.shape, self.make = name, dtype, shape, make
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * (1 if self.dtype == "U8" else 2 if self.dtype == "BF16" else 4)
+        return int(np.prod(self.shape)) * (
+            1 if self.dtype == "U8" else 2 if self.dtype == "BF16" else 4
+        )
 
 
 def _write_shard(path: Path, entries: list[_Entry]) -> int:
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     pos = 0
     for e in entries:
-        header[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [pos, pos + e.nbytes]}
+        header[e.name] = {
+            "dtype": e.dtype,
+            "shape": list(e.shape),
+            "data_offsets": [pos, pos + e.nbytes],
+        }
         pos += e.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -218,13 +352,16 @@ def _write_shard(path: Path, entries: list[_Entry]) -> int:
         for e in entries:
             arr = np.ascontiguousarray(e.make())
             if arr.nbytes != e.nbytes:
-                raise AssertionError(f"{e.name}: generated {arr.nbytes} bytes, header says {e.nbytes}")
+                raise AssertionError(
+                    f"{e.name}: generated {arr.nbytes} bytes, header says {e.nbytes}"
+                )
             f.write(arr.tobytes())
     return pos
 
 
-def _layer_entries(cfg: ModelConfig, layer: int, shapes: dict[str, tuple[int, ...]],
-                   names: TensorNames, seed: int) -> list[_Entry]:
+def _layer_entries(
+    cfg: ModelConfig, layer: int, shapes: dict[str, tuple[int, ...]], names: TensorNames, seed: int
+) -> list[_Entry]:
     p = f"layers.{layer}."
     entries = []
     trunk = sorted(s for s in shapes if s.startswith(p) and ".experts." not in s)
@@ -245,14 +382,18 @@ def _layer_entries(cfg: ModelConfig, layer: int, shapes: dict[str, tuple[int, ..
                 return arr
 
             for i, full in enumerate(names.expert(layer, e)):
-                short = full[len(names.prefix):]
+                short = full[len(names.prefix) :]
                 entries.append(_Entry(full, "U8", shapes[short], lambda i=i, part=part: part(i)))
     return entries
 
 
-def synthesize(out_dir: str | Path, size: str = "tiny", seed: int = 0,
-               overrides: dict[str, Any] | None = None,
-               progress: Callable[[str], None] | None = None) -> Path:
+def synthesize(
+    out_dir: str | Path,
+    size: str = "tiny",
+    seed: int = 0,
+    overrides: dict[str, Any] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Path:
     """Write a checkpoint of `size` (config keys in `overrides` replace the size's) to
     out_dir; returns out_dir."""
     flat = flat_config(size, overrides)
@@ -273,14 +414,20 @@ def synthesize(out_dir: str | Path, size: str = "tiny", seed: int = 0,
         if progress:
             progress(f"layer {layer + 1}/{cfg.num_hidden_layers} written ({total / 1e9:.2f} GB)")
     model_level = []
-    for short in ("embed_tokens.weight", "lm_head.weight", "norm.weight",
-                  "output_attn_res_norm.weight", "output_attn_res_proj.weight"):
+    for short in (
+        "embed_tokens.weight",
+        "lm_head.weight",
+        "norm.weight",
+        "output_attn_res_norm.weight",
+        "output_attn_res_proj.weight",
+    ):
         dtype, value = trunk_value(short, shapes[short], cfg, seed)
         model_level.append(_Entry(names.model(short), dtype, value.shape, lambda v=value: v))
     total += _write_shard(out / fname[-1], model_level)
     weight_map.update({e.name: fname[-1] for e in model_level})
     (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    )
     (out / "config.json").write_text(json.dumps(nested, indent=2))
     if size != "tiny" and cfg.vocab_size > N_SPECIAL:
         _write_tokenizer(out, cfg.vocab_size - N_SPECIAL)
@@ -296,8 +443,10 @@ def _write_tokenizer(out: Path, n_ranks: int) -> None:
     try:
         write_test_tokenizer(out, n_ranks=n_ranks)
     except ValueError as exc:  # e.g. more ranks than the embedded training text supports
-        print(f"note: no tokenizer written ({exc}); the checkpoint runs from token ids",
-              file=sys.stderr)
+        print(
+            f"note: no tokenizer written ({exc}); the checkpoint runs from token ids",
+            file=sys.stderr,
+        )
 
 
 def synth_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -311,16 +460,25 @@ def checkpoint_bytes(size: str, overrides: dict[str, Any] | None = None) -> int:
     total = 0
     for short, shape in synth_shapes(cfg).items():
         n = math.prod(shape)
-        total += n if ".experts." in short else 4 * n if short.endswith(
-            ("A_log", "dt_bias", "conv1d.weight", "e_score_correction_bias")) else 2 * n
+        total += (
+            n
+            if ".experts." in short
+            else 4 * n
+            if short.endswith(("A_log", "dt_bias", "conv1d.weight", "e_score_correction_bias"))
+            else 2 * n
+        )
     return total
 
 
 # ---- CLI -------------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", help="output folder")
-    parser.add_argument("--size", default="tiny", choices=list(SIZES),
-                        help="tiny/small/medium (tests), demo (chat demo), bench (~6.2 GB)")
+    parser.add_argument(
+        "--size",
+        default="tiny",
+        choices=list(SIZES),
+        help="tiny/small/medium (tests), demo (chat demo), bench (~6.2 GB)",
+    )
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -331,9 +489,9 @@ def main(args: argparse.Namespace) -> int:
         return 2
     need = checkpoint_bytes(args.size)
     print(f"writing the {args.size} checkpoint ({need / 1e9:.3f} GB) to {out}", file=sys.stderr)
-    synthesize(out, args.size, args.seed,
-               progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    synthesize(
+        out, args.size, args.seed, progress=lambda msg: print(msg, file=sys.stderr, flush=True)
+    )
     cfg = ModelConfig.from_dir(out)
     print(f"{out}: {cfg.describe()}")
     return 0
-

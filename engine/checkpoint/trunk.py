@@ -31,12 +31,12 @@ from typing import Any
 
 import numpy as np
 
-from engine.model.config import ModelConfig
-from engine.errors import CheckpointError, EngineError, ReadError
-from engine.weights.io import ALIGN, FileTable, TensorSpec, align_down, align_up, aligned_buffer
-from engine.jsonfile import load_json
 from engine.checkpoint.safetensors import DTYPES, SafetensorsIndex, TensorInfo, overlap
 from engine.checkpoint.schema import TensorNames
+from engine.errors import CheckpointError, EngineError, ReadError
+from engine.jsonfile import load_json
+from engine.model.config import ModelConfig
+from engine.weights.io import ALIGN, FileTable, TensorSpec, align_down, align_up, aligned_buffer
 
 TRUNK_BIN = "trunk.bin"
 TRUNK_JSON = "trunk.json"
@@ -303,6 +303,47 @@ def _load_json(path: Path) -> dict[str, Any]:
     return load_json(path, MAX_TRUNK_JSON, "delete it and re-pack.")
 
 
+class _Checker:
+    """Refusals for one trunk.json, each naming the file, the field and the way out."""
+
+    def __init__(self, meta_path: Path, repack: str):
+        self.meta_path, self.repack = meta_path, repack
+
+    def need(self, obj: Any, key: str, kind: type, where: str) -> Any:
+        """obj[key] if it is a `kind` (an int: non-negative, not a bool), else refuse."""
+        value = obj.get(key) if isinstance(obj, dict) else None
+        if isinstance(value, kind) and not (kind is int and (isinstance(value, bool) or value < 0)):
+            return value
+        got = f"{value!r}"[:40] if isinstance(obj, dict) and key in obj else "missing"
+        want = "a non-negative integer" if kind is int else f"a JSON {_KINDS[kind]}"
+        raise CheckpointError(
+            f"{self.meta_path}: {where}{key} is {got}, expected {want}; {self.repack}.")
+
+    def bad(self, what: str) -> CheckpointError:
+        return CheckpointError(f"{self.meta_path}: {what}; {self.repack}.")
+
+
+def _tensor_specs(chk: _Checker, where: str, got: dict, want: dict, binary: Path, base: int,
+                  span: int, layer: int) -> list[TensorSpec]:
+    """One layer's tensors in trunk.bin, each checked against the checkpoint's and inside
+    the layer's own span."""
+    specs = []
+    for name, t in got.items():
+        tw = f"{where}tensors[{name!r}]."
+        off, nb = chk.need(t, "off", int, tw), chk.need(t, "nbytes", int, tw)
+        dtype, shape = chk.need(t, "dtype", str, tw), chk.need(t, "shape", list, tw)
+        ref = want[name]
+        if nb != ref.nbytes or dtype != ref.dtype or tuple(shape) != ref.shape:
+            raise chk.bad(f"tensor {name} is {dtype} {shape} in {nb} bytes but the checkpoint's "
+                          f"is {ref.dtype} {list(ref.shape)} in {ref.nbytes}")
+        if off + nb > span:
+            raise chk.bad(f"tensor {name} spans bytes [{off}, {off + nb}) of layer {layer}, "
+                          f"which holds only {span}: it points outside its own layer")
+        specs.append(TensorSpec(name, binary, base + off, ref.nbytes, DTYPES[ref.dtype],
+                                ref.shape))
+    return specs
+
+
 def trunk_specs(trunk_dir: Path, index: SafetensorsIndex, names: TensorNames, n_layers: int,
                 checkpoint_dir: Path) -> dict[int, list[TensorSpec]]:
     """Per layer, where its tensors live in a packed trunk: trunk.json checked against its
@@ -324,17 +365,8 @@ def trunk_specs(trunk_dir: Path, index: SafetensorsIndex, names: TensorNames, n_
         )
     meta = _load_json(meta_path)
 
-    def need(obj: Any, key: str, kind: type, where: str) -> Any:
-        """obj[key] if it is a `kind` (an int: non-negative, not a bool), else refuse."""
-        value = obj.get(key) if isinstance(obj, dict) else None
-        if isinstance(value, kind) and not (kind is int and (isinstance(value, bool) or value < 0)):
-            return value
-        got = f"{value!r}"[:40] if isinstance(obj, dict) and key in obj else "missing"
-        want = "a non-negative integer" if kind is int else f"a JSON {_KINDS[kind]}"
-        raise CheckpointError(f"{meta_path}: {where}{key} is {got}, expected {want}; {repack}.")
-
-    def bad(what: str) -> CheckpointError:
-        return CheckpointError(f"{meta_path}: {what}; {repack}.")
+    chk = _Checker(meta_path, repack)
+    need, bad = chk.need, chk.bad
 
     runs = layer_runs(index, names, n_layers)
     fp = meta.get("fingerprint")
@@ -370,20 +402,7 @@ def trunk_specs(trunk_dir: Path, index: SafetensorsIndex, names: TensorNames, n_
                 f"pack is incomplete or corrupt; {repack}."
             )
         spans.append((base, base + span, L))
-        specs = []
-        for name, t in got.items():
-            tw = f"{where}tensors[{name!r}]."
-            off, nb = need(t, "off", int, tw), need(t, "nbytes", int, tw)
-            dtype, shape = need(t, "dtype", str, tw), need(t, "shape", list, tw)
-            ref = want[name]
-            if nb != ref.nbytes or dtype != ref.dtype or tuple(shape) != ref.shape:
-                raise bad(f"tensor {name} is {dtype} {shape} in {nb} bytes but the checkpoint's "
-                          f"is {ref.dtype} {list(ref.shape)} in {ref.nbytes}")
-            if off + nb > span:
-                raise bad(f"tensor {name} spans bytes [{off}, {off + nb}) of layer {L}, which "
-                          f"holds only {span}: it points outside its own layer")
-            specs.append(TensorSpec(name, binary, base + off, ref.nbytes,
-                                    DTYPES[ref.dtype], ref.shape))
+        specs = _tensor_specs(chk, where, got, want, binary, base, span, L)
         clash = overlap([(s.offset, s.offset + s.nbytes, s.name) for s in specs])
         if clash:
             raise bad(f"tensors {clash[0]} and {clash[1]} of layer {L} overlap")

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.model.transformer import Cancelled, Model
 from engine.decode.sampler import Sampler
 from engine.decode.stats import StatsMeter, TokenStats
+from engine.model.transformer import Cancelled, Model
 
 LogitsHook = Callable[[list[int], np.ndarray], np.ndarray]
 
@@ -58,7 +58,9 @@ def generate(model: Model, prompt_ids: Sequence[int], params: GenParams, *,
                 return
             t0 = time.perf_counter()
             if params.full_recompute:
-                logits = model.forward(ids, model.new_state(), all_positions=False, cancel=cancel)[-1]
+                logits = model.forward(ids, model.new_state(), all_positions=False, cancel=cancel)[
+                    -1
+                ]
             elif index == 0:
                 logits = model.prefill(ids, state, cancel=cancel)
             else:

@@ -29,15 +29,21 @@ from engine.weights.sysmem import peak_rss
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", help="checkpoint folder (config.json + safetensors shards)")
-    parser.add_argument("--ids", required=True, help="comma-separated prompt token ids, e.g. 3,7,11")
+    parser.add_argument(
+        "--ids", required=True, help="comma-separated prompt token ids, e.g. 3,7,11"
+    )
     parser.add_argument("--gen", type=int, default=16, metavar="N", help="tokens to generate")
     parser.add_argument("--full", action="store_true", help="recompute the whole prefix each step")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--stop", default="", metavar="IDS",
-                        help="comma-separated stop ids (default: the config's eos_token_id)")
+    parser.add_argument(
+        "--stop",
+        default="",
+        metavar="IDS",
+        help="comma-separated stop ids (default: the config's eos_token_id)",
+    )
     parser.add_argument("--dump-logits", metavar="FILE", help="write first-step logits (.npy)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     add_memory_arguments(parser)
@@ -47,7 +53,9 @@ def _parse_ids(text: str, what: str) -> list[int]:
     try:
         return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
     except ValueError:
-        raise EngineError(f"{what} must be comma-separated integers like 3,7,11, got {text!r}.") from None
+        raise EngineError(
+            f"{what} must be comma-separated integers like 3,7,11, got {text!r}."
+        ) from None
 
 
 def default_stop_ids(eos_token_id: int | None, checkpoint: Path) -> list[int]:
@@ -60,19 +68,23 @@ def default_stop_ids(eos_token_id: int | None, checkpoint: Path) -> list[int]:
     file = checkpoint / "tokenizer_config.json"
     if not file.is_file():
         return sorted(ids)
-    added = load_json(file, MAX_TOKENIZER_CONFIG, "restore the checkpoint's own copy or pass "
-                      "--stop IDS.").get("added_tokens_decoder")
+    added = load_json(
+        file, MAX_TOKENIZER_CONFIG, "restore the checkpoint's own copy or pass --stop IDS."
+    ).get("added_tokens_decoder")
     for i, tok in added.items() if isinstance(added, dict) else ():
-        if isinstance(tok, dict) and tok.get("content") in ("[EOS]", "<|end_of_msg|>") \
-                and i.isdigit():
+        if (
+            isinstance(tok, dict)
+            and tok.get("content") in ("[EOS]", "<|end_of_msg|>")
+            and i.isdigit()
+        ):
             ids.add(int(i))
     return sorted(ids)
 
 
 def main(args: argparse.Namespace) -> int:
     from engine.decode.generate import GenParams, generate
-    from engine.model.transformer import load_model
     from engine.decode.sampler import Sampler
+    from engine.model.transformer import load_model
 
     try:
         ids = _parse_ids(args.ids, "--ids")
@@ -89,11 +101,20 @@ def main(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         model = load_model(args.checkpoint, open_source(args.checkpoint, args))
         load_s = time.perf_counter() - t0
-        stops = _parse_ids(args.stop, "--stop") if args.stop else default_stop_ids(
-            model.config.eos_token_id, Path(args.checkpoint))
-        params = GenParams(max_tokens=args.gen, temperature=args.temperature, top_k=args.top_k,
-                           top_p=args.top_p, seed=args.seed, stop_ids=tuple(stops),
-                           full_recompute=args.full)
+        stops = (
+            _parse_ids(args.stop, "--stop")
+            if args.stop
+            else default_stop_ids(model.config.eos_token_id, Path(args.checkpoint))
+        )
+        params = GenParams(
+            max_tokens=args.gen,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            stop_ids=tuple(stops),
+            full_recompute=args.full,
+        )
         first: list[np.ndarray] = []
 
         def keep_first(generated: list[int], logits: np.ndarray) -> np.ndarray:
@@ -104,7 +125,9 @@ def main(args: argparse.Namespace) -> int:
         tokens = []
         if not args.json:
             print(STEP_HEADER, flush=True)
-        for tok in generate(model, ids, params, logits_hook=keep_first if args.dump_logits else None):
+        for tok in generate(
+            model, ids, params, logits_hook=keep_first if args.dump_logits else None
+        ):
             tokens.append(tok)
             if not args.json:
                 print(step_line(tok), flush=True)
@@ -116,8 +139,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
-        print(f"error: cannot read the checkpoint ({exc}); check the path and permissions.",
-              file=sys.stderr)
+        print(
+            f"error: cannot read the checkpoint ({exc}); check the path and permissions.",
+            file=sys.stderr,
+        )
         return 2
 
     totals = run_totals(tokens, peak_rss() / GB)
@@ -131,8 +156,10 @@ def main(args: argparse.Namespace) -> int:
         "decode_seconds_per_token_mean": totals["s_per_token"],
         "stopped": bool(tokens and tokens[-1].stop),
         "stats": tokens[-1].stats.as_dict() if tokens else {},
-        "per_token": [{"index": t.index, "id": t.id, "seconds": t.seconds, **t.stats.as_dict()}
-                      for t in tokens],
+        "per_token": [
+            {"index": t.index, "id": t.id, "seconds": t.seconds, **t.stats.as_dict()}
+            for t in tokens
+        ],
         "totals": totals,
     }
     if args.json:
@@ -151,9 +178,11 @@ def step_line(tok) -> str:
     hit = tok.stats.true_hit_rate
     gb = tok.stats.gb_read or 0.0
     rate = 1 / tok.seconds if tok.seconds > 0 else 0.0
-    return (f"{tok.index:>4} {tok.id:>7} {tok.seconds:>8.3f} "
-            f"{(f'{hit * 100:.1f}' if hit is not None else '-'):>6} {gb:>8.3f} {rate:>6.2f}"
-            + ("  (prompt)" if tok.index == 0 else ""))
+    return (
+        f"{tok.index:>4} {tok.id:>7} {tok.seconds:>8.3f} "
+        f"{(f'{hit * 100:.1f}' if hit is not None else '-'):>6} {gb:>8.3f} {rate:>6.2f}"
+        + ("  (prompt)" if tok.index == 0 else "")
+    )
 
 
 def run_totals(tokens: list, peak_rss_gb: float) -> dict[str, Any]:
@@ -203,20 +232,27 @@ def summary(result: dict[str, Any]) -> str:
         lines.append(
             f"decode {s:.3f} s/token ({1 / s:.2f} tokens/s): compute {t['compute_s_per_token']:.3f}"
             f" + waiting for trunk {t['wait_trunk_s_per_token']:.3f} + experts "
-            f"{t['wait_experts_s_per_token']:.3f} s")
+            f"{t['wait_experts_s_per_token']:.3f} s"
+        )
         if t["gb_read"] > 0:
             lines.append(
                 f"read {t['gb_read_per_token']:.3f} GB/token (trunk "
-                f"{t['gb_read_trunk_per_token']:.3f} + experts {t['gb_read_experts_per_token']:.3f})"
-                f" at {t['mb_per_s'] or 0:.0f} MB/s")
+                f"{t['gb_read_trunk_per_token']:.3f} + experts "
+                f"{t['gb_read_experts_per_token']:.3f})"
+                f" at {t['mb_per_s'] or 0:.0f} MB/s"
+            )
         if t["true_hit_rate"] is not None:
             asked = t["expert_hits"] + t["expert_misses"]
-            lines.append(f"experts: true resident hit rate {t['true_hit_rate'] * 100:.1f}% "
-                         f"({t['expert_hits']} of {asked}), {t['evictions']} evictions")
+            lines.append(
+                f"experts: true resident hit rate {t['true_hit_rate'] * 100:.1f}% "
+                f"({t['expert_hits']} of {asked}), {t['evictions']} evictions"
+            )
     if t["prefill_seconds"] is not None:
         read = f", {t['prefill_gb_read']:.3f} GB read" if t["gb_read"] > 0 else ""
-        lines.append(f"prefill {t['prefill_seconds']:.3f} s ({len(result['prompt_ids'])} ids"
-                     f"{read}), load {result['load_seconds']:.2f} s")
+        lines.append(
+            f"prefill {t['prefill_seconds']:.3f} s ({len(result['prompt_ids'])} ids"
+            f"{read}), load {result['load_seconds']:.2f} s"
+        )
     budget = f" (budget {t['budget_gb']:.3g} GB)" if t["budget_gb"] else ""
     lines.append(f"PEAK RSS for the whole run: {t['peak_rss_gb']:.2f} GB{budget}")
     return "\n".join(lines)

@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from engine.text.chat_template import CLOSE, EOS, OPEN, SEP, OutputParser
 from engine.text.bpe_train import TRAINING_TEXT
+from engine.text.chat_template import CLOSE, EOS, OPEN, SEP, OutputParser
 from engine.text.tokenizer import Tokenizer
 
 DEMO_NOTICE = "demo model — random weights, not Kimi-K3"
@@ -117,9 +117,14 @@ class DemoSteer:
         if self._sentence_words >= self._sentence_len:
             self._sentence_words, self._sentence_len = 0, self._new_length()
             if self.channel_tokens >= limit:  # close the channel after a whole sentence
-                self.forced.push(think_to_response(self.tok) if channel == "think" else end_of_answer(self.tok))
+                end = think_to_response if channel == "think" else end_of_answer
+                self.forced.push(end(self.tok))
             return only(self.period, logits)
-        if self._sentence_words == self._sentence_len // 2 and self.rng.random() < 0.25 and self._sentence_words:
+        if (
+            self._sentence_words == self._sentence_len // 2
+            and self.rng.random() < 0.25
+            and self._sentence_words
+        ):
             self._sentence_len += 1
             self._sentence_words += 1
             return only(self.comma, logits)

@@ -130,7 +130,8 @@ def _lane_sum(builder, v):
         width //= 2
         lanes = [ir.Constant(ir.VectorType(ir.IntType(32), width), list(range(k, k + width)))
                  for k in (0, width)]
-        v = builder.fadd(builder.shuffle_vector(v, v, lanes[0]), builder.shuffle_vector(v, v, lanes[1]))
+        lo, hi = builder.shuffle_vector(v, v, lanes[0]), builder.shuffle_vector(v, v, lanes[1])
+        v = builder.fadd(lo, hi)
     return builder.extract_element(v, ir.Constant(ir.IntType(32), 0))
 
 
@@ -154,33 +155,49 @@ def _make_row_dot(decode, block: int):
                 arr = context.make_array(ty)(context, builder, val)
                 return cgutils.get_item_pointer(context, builder, ty, arr, [i, j])
 
-            half = cgutils.unpack_tuple(builder, context.make_array(pkty)(context, builder, pk).shape, 2)[1]
+            half = cgutils.unpack_tuple(
+                builder, context.make_array(pkty)(context, builder, pk).shape, 2
+            )[1]
             n_groups = builder.udiv(half, ir.Constant(r.type, 16))
             prow, srow = ptr(pkty, pk, r, zero), ptr(scty, sc, r, zero)
             toks = [builder.add(t0, ir.Constant(r.type, i)) for i in range(block)]
             erows = [ptr(xety, xe, t, zero) for t in toks]
             orows = [ptr(xoty, xo, t, zero) for t in toks]
             table = context.make_array(tabty)(context, builder, tab).data
-            accs = [[cgutils.alloca_once_value(builder, ir.Constant(_VF, None)) for _ in range(2)]
-                    for _ in range(block)]
+            accs = [
+                [cgutils.alloca_once_value(builder, ir.Constant(_VF, None)) for _ in range(2)]
+                for _ in range(block)
+            ]
 
             def group(g, chain):
                 off = builder.mul(g, ir.Constant(g.type, 16))
-                b = builder.load(builder.bitcast(builder.gep(prow, [off]), _VI8.as_pointer()), align=1)
+                b = builder.load(
+                    builder.bitcast(builder.gep(prow, [off]), _VI8.as_pointer()), align=1
+                )
                 lo, hi = decode(builder, b)
-                s = builder.load(builder.gep(table, [builder.zext(builder.load(builder.gep(srow, [g])), g.type)]))
-                sv = builder.insert_element(ir.Constant(_VF, ir.Undefined), s, ir.Constant(ir.IntType(32), 0))
+                s = builder.load(
+                    builder.gep(table, [builder.zext(builder.load(builder.gep(srow, [g])), g.type)])
+                )
+                sv = builder.insert_element(
+                    ir.Constant(_VF, ir.Undefined), s, ir.Constant(ir.IntType(32), 0)
+                )
                 sv = builder.shuffle_vector(sv, sv, ir.Constant(_VI32, [0] * _LANES))
                 for erow, orow, acc in zip(erows, orows, accs):
-                    xev = builder.load(builder.bitcast(builder.gep(erow, [off]), _VF.as_pointer()), align=4)
-                    xov = builder.load(builder.bitcast(builder.gep(orow, [off]), _VF.as_pointer()), align=4)
+                    xev = builder.load(
+                        builder.bitcast(builder.gep(erow, [off]), _VF.as_pointer()), align=4
+                    )
+                    xov = builder.load(
+                        builder.bitcast(builder.gep(orow, [off]), _VF.as_pointer()), align=4
+                    )
                     part = _vfma(builder, hi, xov, builder.fmul(lo, xev))
                     builder.store(_vfma(builder, part, sv, builder.load(acc[chain])), acc[chain])
 
             prefetch = _prefetch_fn(builder)
             with cgutils.for_range(builder, builder.udiv(n_groups, two)) as loop:  # two chains
                 g0 = builder.mul(loop.index, two)
-                ahead = builder.add(builder.mul(g0, ir.Constant(r.type, 16)), ir.Constant(r.type, PREFETCH_BYTES))
+                ahead = builder.add(
+                    builder.mul(g0, ir.Constant(r.type, 16)), ir.Constant(r.type, PREFETCH_BYTES)
+                )
                 builder.call(prefetch, [builder.gep(prow, [ahead]), *_PREFETCH_READ_L1])
                 group(g0, 0)
                 group(builder.add(g0, one), 1)
@@ -188,7 +205,9 @@ def _make_row_dot(decode, block: int):
                 group(builder.sub(n_groups, one), 0)
             for t, acc in zip(toks, accs):
                 total = _lane_sum(builder, builder.fadd(builder.load(acc[0]), builder.load(acc[1])))
-                builder.store(builder.fmul(total, ir.Constant(_F32, 16384.0)), ptr(resty, res, t, r))
+                builder.store(
+                    builder.fmul(total, ir.Constant(_F32, 16384.0)), ptr(resty, res, t, r)
+                )
             return context.get_dummy_value()
 
         return sig, codegen
@@ -237,13 +256,18 @@ def _bf16_row_dot(typingctx, w, r, x, t):
         warr = context.make_array(wty)(context, builder, wv)
         cols = cgutils.unpack_tuple(builder, warr.shape, 2)[1]
         wrow = cgutils.get_item_pointer(context, builder, wty, warr, [r, zero])
-        xrow = cgutils.get_item_pointer(context, builder, xty, context.make_array(xty)(context, builder, xv),
-                                        [t, zero])
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(_VF, None)) for _ in range(_BF16_CHAINS)]
+        xrow = cgutils.get_item_pointer(
+            context, builder, xty, context.make_array(xty)(context, builder, xv), [t, zero]
+        )
+        accs = [
+            cgutils.alloca_once_value(builder, ir.Constant(_VF, None)) for _ in range(_BF16_CHAINS)
+        ]
         prefetch = _prefetch_fn(builder)
 
         def chunk(j, acc):  # 16 columns from column j
-            bits = builder.load(builder.bitcast(builder.gep(wrow, [j]), _VI16.as_pointer()), align=2)
+            bits = builder.load(
+                builder.bitcast(builder.gep(wrow, [j]), _VI16.as_pointer()), align=2
+            )
             wf = builder.bitcast(builder.shl(builder.zext(bits, _VI32), _splat(_VI32, 16)), _VF)
             xf = builder.load(builder.bitcast(builder.gep(xrow, [j]), _VF.as_pointer()), align=4)
             builder.store(_vfma(builder, wf, xf, builder.load(acc)), acc)
@@ -262,16 +286,28 @@ def _bf16_row_dot(typingctx, w, r, x, t):
         n_chunks = builder.udiv(builder.sub(cols, done), lanes16)
         with cgutils.for_range(builder, n_chunks) as loop:
             chunk(builder.add(done, builder.mul(loop.index, lanes16)), accs[0])
-        v = builder.fadd(builder.fadd(builder.load(accs[0]), builder.load(accs[1])),
-                         builder.fadd(builder.load(accs[2]), builder.load(accs[3])))
+        v = builder.fadd(
+            builder.fadd(builder.load(accs[0]), builder.load(accs[1])),
+            builder.fadd(builder.load(accs[2]), builder.load(accs[3])),
+        )
         total = cgutils.alloca_once_value(builder, _lane_sum(builder, v))
         rest = builder.add(done, builder.mul(n_chunks, lanes16))
-        fma1 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fma.f32")
+        fma1 = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fma.f32"
+        )
         with cgutils.for_range(builder, builder.sub(cols, rest)) as loop:
             j = builder.add(rest, loop.index)
-            wf = builder.bitcast(builder.shl(builder.zext(builder.load(builder.gep(wrow, [j])), ir.IntType(32)),
-                                             ir.Constant(ir.IntType(32), 16)), _F32)
-            builder.store(builder.call(fma1, [wf, builder.load(builder.gep(xrow, [j])), builder.load(total)]), total)
+            wf = builder.bitcast(
+                builder.shl(
+                    builder.zext(builder.load(builder.gep(wrow, [j])), ir.IntType(32)),
+                    ir.Constant(ir.IntType(32), 16),
+                ),
+                _F32,
+            )
+            builder.store(
+                builder.call(fma1, [wf, builder.load(builder.gep(xrow, [j])), builder.load(total)]),
+                total,
+            )
         return builder.load(total)
 
     return sig, codegen
@@ -317,8 +353,9 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return out
 
 
-def mxfp4_linear(x: np.ndarray, packed: np.ndarray, scale: np.ndarray,
-                 parallel: bool | None = None) -> np.ndarray:
+def mxfp4_linear(
+    x: np.ndarray, packed: np.ndarray, scale: np.ndarray, parallel: bool | None = None
+) -> np.ndarray:
     """`parallel=None` decides by size; the MoE passes False and spreads experts over
     threads itself."""
     if packed.shape[1] * 2 % MX_GROUP or scale.shape[1] * MX_GROUP != packed.shape[1] * 2:
@@ -337,8 +374,14 @@ def warm_up() -> None:
     for parallel in (False, True):
         _KERNELS[("_bf16_matmul", parallel)](np.zeros((2, 64), np.uint16), x, out)
         _KERNELS[("_f32_matmul", parallel)](np.zeros((2, 64), np.float32), x, out)
-        _KERNELS[("_mxfp4_matmul", parallel)](np.zeros((2, 16), np.uint8), np.zeros((2, 1), np.uint8),
-                                              x[:, :16], x[:, :16], out, MX_SCALE)
+        _KERNELS[("_mxfp4_matmul", parallel)](
+            np.zeros((2, 16), np.uint8),
+            np.zeros((2, 1), np.uint8),
+            x[:, :16],
+            x[:, :16],
+            out,
+            MX_SCALE,
+        )
 
 
 def set_threads(n: int) -> None:

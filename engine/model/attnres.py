@@ -11,14 +11,15 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from engine.model.ops import softmax
 from engine.kernels.reference import to_f32
+from engine.model.ops import softmax
 
 
 def fold(w: Mapping[str, np.ndarray], name: str) -> np.ndarray:
     """`name` = "self_attention_res" | "mlp_res" | "output_attn_res" → norm ⊙ proj."""
-    return (to_f32(w[f"{name}_norm.weight"]).reshape(-1) * to_f32(w[f"{name}_proj.weight"]).reshape(-1)
-            ).astype(np.float32)
+    return (
+        to_f32(w[f"{name}_norm.weight"]).reshape(-1) * to_f32(w[f"{name}_proj.weight"]).reshape(-1)
+    ).astype(np.float32)
 
 
 def attn_res(sources: Sequence[np.ndarray], w: np.ndarray, eps: float) -> np.ndarray:

@@ -91,7 +91,9 @@ class ModelConfig:
         return self.num_shared_experts * self.moe_intermediate_size
 
     def layer_kind(self, layer: int) -> str:
-        return ("MLA" if self.is_mla(layer) else "KDA") + ("-MoE" if self.is_moe(layer) else "-dense")
+        return ("MLA" if self.is_mla(layer) else "KDA") + (
+            "-MoE" if self.is_moe(layer) else "-dense"
+        )
 
     def describe(self) -> str:
         kinds = "".join("M" if self.is_mla(i) else "K" for i in range(self.num_hidden_layers))
@@ -168,13 +170,26 @@ class ModelConfig:
 # experts, ...): a value past one is a broken or hostile file, refused before anything
 # sized by it (expert tables, KDA state, KV cache, the memory plan) is allocated.
 _MAX: dict[str, int] = {
-    "hidden_size": 1 << 16, "num_hidden_layers": 1024, "vocab_size": 1 << 21,
-    "num_heads": 1024, "head_dim": 1024, "short_conv_kernel_size": 64,
-    "num_attention_heads": 1024, "q_lora_rank": 1 << 16, "kv_lora_rank": 1 << 16,
-    "qk_nope_head_dim": 1024, "qk_rope_head_dim": 1024, "v_head_dim": 1024,
-    "num_experts": 4096, "num_experts_per_token": 4096, "num_shared_experts": 64,
-    "routed_expert_hidden_size": 1 << 16, "moe_intermediate_size": 1 << 16,
-    "first_k_dense_replace": 1024, "intermediate_size": 1 << 20, "attn_res_block_size": 1024,
+    "hidden_size": 1 << 16,
+    "num_hidden_layers": 1024,
+    "vocab_size": 1 << 21,
+    "num_heads": 1024,
+    "head_dim": 1024,
+    "short_conv_kernel_size": 64,
+    "num_attention_heads": 1024,
+    "q_lora_rank": 1 << 16,
+    "kv_lora_rank": 1 << 16,
+    "qk_nope_head_dim": 1024,
+    "qk_rope_head_dim": 1024,
+    "v_head_dim": 1024,
+    "num_experts": 4096,
+    "num_experts_per_token": 4096,
+    "num_shared_experts": 64,
+    "routed_expert_hidden_size": 1 << 16,
+    "moe_intermediate_size": 1 << 16,
+    "first_k_dense_replace": 1024,
+    "intermediate_size": 1 << 20,
+    "attn_res_block_size": 1024,
 }
 MAX_TOKEN_ID = 1 << 21
 
@@ -239,8 +254,9 @@ class _Reader:
         shown = shown if len(shown) <= 60 else shown[:57] + "..."
         return ConfigError(f"{self.source}: {path} is {shown}, expected {want}; fix config.json.")
 
-    def int(self, key: str, *, linear: bool = False, alias: str | None = None,
-            minimum: int = 0) -> int:
+    def int(
+        self, key: str, *, linear: bool = False, alias: str | None = None, minimum: int = 0
+    ) -> int:
         found, value, path = self._lookup(key, linear, alias)
         if not found or value is None:
             raise self._missing(path)
@@ -261,8 +277,11 @@ class _Reader:
         found, value, path = self._lookup(key, linear, alias)
         if not found or value is None:
             raise self._missing(path)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or not math.isfinite(value):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+        ):
             raise self._bad(path, value, "a finite number")
         return float(value)
 
@@ -322,5 +341,6 @@ class _Reader:
                 if w.get("num_bits", 4) != 4 or w.get("group_size", 32) != 32:
                     raise ConfigError(
                         f"{self.source}: quantization_config has num_bits "
-                        f"{w.get('num_bits')} / group_size {w.get('group_size')}; MXFP4 needs 4 / 32."
+                        f"{w.get('num_bits')} / group_size {w.get('group_size')}; "
+                        "MXFP4 needs 4 / 32."
                     )

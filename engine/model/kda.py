@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.model.config import ModelConfig
 from engine.kernels import linear
-from engine.model.ops import rmsnorm, sigmoid, silu
 from engine.kernels.reference import to_f32
+from engine.model.config import ModelConfig
+from engine.model.ops import rmsnorm, sigmoid, silu
 
 L2_EPS = 1e-6
 
@@ -34,7 +34,9 @@ class KDAState:
         )
 
 
-def short_conv(x: np.ndarray, weight: np.ndarray, history: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def short_conv(
+    x: np.ndarray, weight: np.ndarray, history: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Depthwise causal conv + SiLU. x [T, P], weight [P, 1, K] (oldest→newest tap),
     history [K−1, P]. Returns (y [T, P], new history [K−1, P])."""
     w = to_f32(weight).reshape(weight.shape[0], -1)  # [P, K]
@@ -54,8 +56,9 @@ def l2norm_heads(x: np.ndarray, heads: int) -> np.ndarray:
     return (xh / np.sqrt(ss + L2_EPS)).astype(np.float32)
 
 
-def decay(z: np.ndarray, A_log: np.ndarray, dt_bias: np.ndarray, heads: int,
-          lower_bound: float) -> np.ndarray:
+def decay(
+    z: np.ndarray, A_log: np.ndarray, dt_bias: np.ndarray, heads: int, lower_bound: float
+) -> np.ndarray:
     """g = lower_bound·σ(exp(A_log[h])·(z + dt_bias)); returns α = exp(g) as [T, H, d_k].
     A_log is per head: only its first H values are meaningful."""
     a = np.exp(to_f32(A_log).reshape(-1)[:heads]).astype(np.float32)
@@ -64,8 +67,15 @@ def decay(z: np.ndarray, A_log: np.ndarray, dt_bias: np.ndarray, heads: int,
     return np.exp(g).astype(np.float32)
 
 
-def recurrence(q: np.ndarray, k: np.ndarray, v: np.ndarray, alpha: np.ndarray,
-               beta: np.ndarray, S: np.ndarray, q_scale: float) -> np.ndarray:
+def recurrence(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    alpha: np.ndarray,
+    beta: np.ndarray,
+    S: np.ndarray,
+    q_scale: float,
+) -> np.ndarray:
     """The delta rule per token, strict order: decay rows, read, write, read the updated S.
     q, k, alpha [T, H, d_k]; v [T, H, d_v]; beta [T, H]; S [H, d_k, d_v] updated in place."""
     T = q.shape[0]
@@ -87,9 +97,16 @@ def chunk_size(lower_bound: float) -> int:
     return int(max(1, min(64, 80 // max(abs(lower_bound), 1e-3))))
 
 
-def recurrence_chunked(q: np.ndarray, k: np.ndarray, v: np.ndarray, alpha: np.ndarray,
-                       beta: np.ndarray, S: np.ndarray, q_scale: float,
-                       chunk: int = 16) -> np.ndarray:
+def recurrence_chunked(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    alpha: np.ndarray,
+    beta: np.ndarray,
+    S: np.ndarray,
+    q_scale: float,
+    chunk: int = 16,
+) -> np.ndarray:
     """The same delta rule a chunk of C tokens at a time, as batched matmuls (long prefills).
 
     Within a chunk starting from state S₀, let G_t = Σ_{s≤t} log α_s (per key channel),
@@ -119,8 +136,13 @@ def recurrence_chunked(q: np.ndarray, k: np.ndarray, v: np.ndarray, alpha: np.nd
     return out
 
 
-def kda_mixer(x: np.ndarray, w: Mapping[str, np.ndarray], cfg: ModelConfig,
-              state: KDAState, prefix: str = "self_attn.") -> np.ndarray:
+def kda_mixer(
+    x: np.ndarray,
+    w: Mapping[str, np.ndarray],
+    cfg: ModelConfig,
+    state: KDAState,
+    prefix: str = "self_attn.",
+) -> np.ndarray:
     """x [T, hidden] (already normalised) → [T, hidden]; advances `state`."""
     H, D = cfg.kda_num_heads, cfg.kda_head_dim
     T = x.shape[0]
@@ -135,8 +157,9 @@ def kda_mixer(x: np.ndarray, w: Mapping[str, np.ndarray], cfg: ModelConfig,
     z = linear(linear(x, w[f"{prefix}f_a_proj.weight"]), w[f"{prefix}f_b_proj.weight"])
     alpha = decay(z, w[f"{prefix}A_log"], w[f"{prefix}dt_bias"], H, cfg.gate_lower_bound)
     if T >= CHUNKED_MIN_TOKENS:
-        o = recurrence_chunked(q, k, v, alpha, beta, state.S, D**-0.5,
-                               chunk_size(cfg.gate_lower_bound))
+        o = recurrence_chunked(
+            q, k, v, alpha, beta, state.S, D**-0.5, chunk_size(cfg.gate_lower_bound)
+        )
     else:
         o = recurrence(q, k, v, alpha, beta, state.S, D**-0.5)
     o = rmsnorm(o, w[f"{prefix}o_norm.weight"], cfg.rms_norm_eps)  # per head, shared gain

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.model.config import ModelConfig
 from engine.kernels import linear
-from engine.model.ops import rmsnorm, sigmoid, softmax
 from engine.kernels.reference import to_f32
+from engine.model.config import ModelConfig
+from engine.model.ops import rmsnorm, sigmoid, softmax
 
 
 @dataclass
@@ -33,15 +33,18 @@ class MLAState:
     def append(self, rows: np.ndarray) -> None:
         need = self.length + rows.shape[0]
         if need > self.latent.shape[0]:
-            grown = np.zeros((max(need, 2 * self.latent.shape[0]), self.latent.shape[1]), np.float32)
+            grown = np.zeros(
+                (max(need, 2 * self.latent.shape[0]), self.latent.shape[1]), np.float32
+            )
             grown[: self.length] = self.latent[: self.length]
             self.latent = grown
         self.latent[self.length : need] = rows
         self.length = need
 
 
-def latent_kv(x: np.ndarray, w: Mapping[str, np.ndarray], cfg: ModelConfig,
-              prefix: str = "self_attn.") -> np.ndarray:
+def latent_kv(
+    x: np.ndarray, w: Mapping[str, np.ndarray], cfg: ModelConfig, prefix: str = "self_attn."
+) -> np.ndarray:
     """x [T, hidden] → cache rows [T, kv_lora + rope]: RMSNorm'd c_kv, then raw k_rope."""
     c = linear(x, w[f"{prefix}kv_a_proj_with_mqa.weight"])
     r = cfg.kv_lora_rank
@@ -49,17 +52,23 @@ def latent_kv(x: np.ndarray, w: Mapping[str, np.ndarray], cfg: ModelConfig,
     return np.concatenate([c_kv, c[:, r:]], axis=1)
 
 
-def queries(x: np.ndarray, w: Mapping[str, np.ndarray], cfg: ModelConfig,
-            prefix: str = "self_attn.") -> np.ndarray:
+def queries(
+    x: np.ndarray, w: Mapping[str, np.ndarray], cfg: ModelConfig, prefix: str = "self_attn."
+) -> np.ndarray:
     """x [T, hidden] → q [T, H, nope + rope]."""
-    c_q = rmsnorm(linear(x, w[f"{prefix}q_a_proj.weight"]), w[f"{prefix}q_a_layernorm.weight"],
-                  cfg.rms_norm_eps)
-    return linear(c_q, w[f"{prefix}q_b_proj.weight"]).reshape(x.shape[0], cfg.num_attention_heads,
-                                                              cfg.qk_head_dim)
+    c_q = rmsnorm(
+        linear(x, w[f"{prefix}q_a_proj.weight"]),
+        w[f"{prefix}q_a_layernorm.weight"],
+        cfg.rms_norm_eps,
+    )
+    return linear(c_q, w[f"{prefix}q_b_proj.weight"]).reshape(
+        x.shape[0], cfg.num_attention_heads, cfg.qk_head_dim
+    )
 
 
-def attend(q: np.ndarray, cache: np.ndarray, w_uk: np.ndarray, w_uv: np.ndarray,
-           cfg: ModelConfig) -> np.ndarray:
+def attend(
+    q: np.ndarray, cache: np.ndarray, w_uk: np.ndarray, w_uv: np.ndarray, cfg: ModelConfig
+) -> np.ndarray:
     """One query position q [H, nope+rope] over cache rows [S, kv_lora+rope] → o [H, v]."""
     r, nope = cfg.kv_lora_rank, cfg.qk_nope_head_dim
     q_abs = (q[:, None, :nope] @ w_uk)[:, 0]  # absorb W_uk into the query: [H, kv_lora]
@@ -69,15 +78,21 @@ def attend(q: np.ndarray, cache: np.ndarray, w_uk: np.ndarray, w_uv: np.ndarray,
     return (w_uv @ ctx[:, :, None])[:, :, 0]  # then W_uv: [H, v]
 
 
-def mla_mixer(x: np.ndarray, w: Mapping[str, np.ndarray], cfg: ModelConfig,
-              state: MLAState, prefix: str = "self_attn.") -> np.ndarray:
+def mla_mixer(
+    x: np.ndarray,
+    w: Mapping[str, np.ndarray],
+    cfg: ModelConfig,
+    state: MLAState,
+    prefix: str = "self_attn.",
+) -> np.ndarray:
     """x [T, hidden] (already normalised) → [T, hidden]; appends T latents to `state`."""
     T, H = x.shape[0], cfg.num_attention_heads
     q = queries(x, w, cfg, prefix)
     start = state.length
     state.append(latent_kv(x, w, cfg, prefix))
-    kv_b = to_f32(w[f"{prefix}kv_b_proj.weight"]).reshape(H, cfg.qk_nope_head_dim + cfg.v_head_dim,
-                                                           cfg.kv_lora_rank)
+    kv_b = to_f32(w[f"{prefix}kv_b_proj.weight"]).reshape(
+        H, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank
+    )
     w_uk = np.ascontiguousarray(kv_b[:, : cfg.qk_nope_head_dim])  # [H, nope, kv_lora]
     w_uv = np.ascontiguousarray(kv_b[:, cfg.qk_nope_head_dim :])  # [H, v, kv_lora]
     o = np.empty((T, H * cfg.v_head_dim), np.float32)

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.model.config import ModelConfig
 from engine.kernels import compute_threads, linear, mxfp4_linear
-from engine.model.ops import rmsnorm, sigmoid, situ_glu
 from engine.kernels.reference import to_f32
+from engine.model.config import ModelConfig
+from engine.model.ops import rmsnorm, sigmoid, situ_glu
 from engine.weights.source import ExpertSet, ExpertWeights
 
 
@@ -30,7 +30,9 @@ Expert = ExpertWeights | DenseExpert
 def situ_mlp(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
              cfg: ModelConfig) -> np.ndarray:
     """down · SiTU(gate x, up x) — the dense FFN and the shared experts."""
-    return linear(situ_glu(linear(x, gate), linear(x, up), cfg.situ_beta, cfg.situ_linear_beta), down)
+    return linear(
+        situ_glu(linear(x, gate), linear(x, up), cfg.situ_beta, cfg.situ_linear_beta), down
+    )
 
 
 def expert_mlp(z: np.ndarray, ex: Expert, cfg: ModelConfig) -> np.ndarray:
@@ -40,15 +42,20 @@ def expert_mlp(z: np.ndarray, ex: Expert, cfg: ModelConfig) -> np.ndarray:
         return situ_mlp(z, ex.w1, ex.w3, ex.w2, cfg)
     g = mxfp4_linear(z, ex.w1_packed, ex.w1_scale, parallel=False)
     u = mxfp4_linear(z, ex.w3_packed, ex.w3_scale, parallel=False)
-    return mxfp4_linear(situ_glu(g, u, cfg.situ_beta, cfg.situ_linear_beta), ex.w2_packed,
-                        ex.w2_scale, parallel=False)
+    return mxfp4_linear(
+        situ_glu(g, u, cfg.situ_beta, cfg.situ_linear_beta),
+        ex.w2_packed,
+        ex.w2_scale,
+        parallel=False,
+    )
 
 
 _POOL: tuple[int, ThreadPoolExecutor] | None = None  # (workers, pool)
 
 
-def run_experts(z: np.ndarray, tokens: list[np.ndarray], ids: list[int],
-                experts: ExpertSet, cfg: ModelConfig) -> list[np.ndarray]:
+def run_experts(
+    z: np.ndarray, tokens: list[np.ndarray], ids: list[int], experts: ExpertSet, cfg: ModelConfig
+) -> list[np.ndarray]:
     """expert_mlp of expert ids[i] over rows z[tokens[i]], for each i.
 
     A source may hand experts out in groups that stay valid only until a later one is
@@ -63,12 +70,14 @@ def run_experts(z: np.ndarray, tokens: list[np.ndarray], ids: list[int],
         return [expert_mlp(z[tok], experts[e], cfg) for tok, e in zip(tokens, ids)]
     if _POOL is None or _POOL[0] != threads:
         _POOL = (threads, ThreadPoolExecutor(max_workers=threads, thread_name_prefix="k3-expert"))
-    return list(_POOL[1].map(lambda i: expert_mlp(z[tokens[i]], experts[ids[i]], cfg),
-                             range(len(ids))))
+    return list(
+        _POOL[1].map(lambda i: expert_mlp(z[tokens[i]], experts[ids[i]], cfg), range(len(ids)))
+    )
 
 
-def route(x: np.ndarray, gate: np.ndarray, bias: np.ndarray, top_k: int,
-          scaling: float) -> tuple[np.ndarray, np.ndarray]:
+def route(
+    x: np.ndarray, gate: np.ndarray, bias: np.ndarray, top_k: int, scaling: float
+) -> tuple[np.ndarray, np.ndarray]:
     """Sigmoid scores; top-k of score + bias (ties → lowest index); weights are the
     *unbiased* scores of the chosen experts, renormalised. Returns (ids, weights) [T, k]."""
     s = sigmoid(linear(x, gate))
@@ -84,9 +93,15 @@ def distinct(ids: np.ndarray) -> list[int]:
     return [int(e) for e in np.unique(ids)]
 
 
-def latent_moe(x: np.ndarray, w: Mapping[str, np.ndarray], experts: ExpertSet,
-               ids: np.ndarray, weights: np.ndarray, cfg: ModelConfig,
-               prefix: str = "block_sparse_moe.") -> np.ndarray:
+def latent_moe(
+    x: np.ndarray,
+    w: Mapping[str, np.ndarray],
+    experts: ExpertSet,
+    ids: np.ndarray,
+    weights: np.ndarray,
+    cfg: ModelConfig,
+    prefix: str = "block_sparse_moe.",
+) -> np.ndarray:
     """x [T, hidden] (normalised), routing (ids, weights) [T, k], the chosen experts.
 
     The routed experts are touched last: a streaming source has their reads in flight
@@ -95,9 +110,13 @@ def latent_moe(x: np.ndarray, w: Mapping[str, np.ndarray], experts: ExpertSet,
     T, k = ids.shape
     shared = None
     if cfg.num_shared_experts:
-        shared = situ_mlp(x, w[f"{prefix}shared_experts.gate_proj.weight"],
-                          w[f"{prefix}shared_experts.up_proj.weight"],
-                          w[f"{prefix}shared_experts.down_proj.weight"], cfg)  # original x, unweighted
+        shared = situ_mlp(
+            x,
+            w[f"{prefix}shared_experts.gate_proj.weight"],
+            w[f"{prefix}shared_experts.up_proj.weight"],
+            w[f"{prefix}shared_experts.down_proj.weight"],
+            cfg,
+        )  # original x, unweighted
     z = linear(x, w[f"{prefix}routed_expert_down_proj.weight"])  # to the latent width
     y = np.zeros((T, k, z.shape[1]), np.float32)
     unique = distinct(ids)  # each expert once, over the tokens that chose it
@@ -113,7 +132,13 @@ def latent_moe(x: np.ndarray, w: Mapping[str, np.ndarray], experts: ExpertSet,
     return routed if shared is None else routed + shared
 
 
-def dense_ffn(x: np.ndarray, w: Mapping[str, np.ndarray], cfg: ModelConfig,
-              prefix: str = "mlp.") -> np.ndarray:
-    return situ_mlp(x, w[f"{prefix}gate_proj.weight"], w[f"{prefix}up_proj.weight"],
-                    w[f"{prefix}down_proj.weight"], cfg)
+def dense_ffn(
+    x: np.ndarray, w: Mapping[str, np.ndarray], cfg: ModelConfig, prefix: str = "mlp."
+) -> np.ndarray:
+    return situ_mlp(
+        x,
+        w[f"{prefix}gate_proj.weight"],
+        w[f"{prefix}up_proj.weight"],
+        w[f"{prefix}down_proj.weight"],
+        cfg,
+    )

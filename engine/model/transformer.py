@@ -15,18 +15,18 @@ from pathlib import Path
 import numpy as np
 
 from engine import kernels
-from engine.model.attnres import attn_res, fold
-from engine.model.config import ModelConfig
-from engine.errors import EngineError
-from engine.model.kda import KDAState, kda_mixer
-from engine.kernels import linear
-from engine.model.ops import rmsnorm
-from engine.kernels.reference import to_f32
-from engine.model.mla import MLAState, mla_mixer
-from engine.model.moe import dense_ffn, distinct, latent_moe, route
-from engine.model.state import ModelState
 from engine.checkpoint.safetensors import SafetensorsIndex
 from engine.checkpoint.schema import open_checked
+from engine.errors import EngineError
+from engine.kernels import linear
+from engine.kernels.reference import to_f32
+from engine.model.attnres import attn_res, fold
+from engine.model.config import ModelConfig
+from engine.model.kda import KDAState, kda_mixer
+from engine.model.mla import MLAState, mla_mixer
+from engine.model.moe import dense_ffn, distinct, latent_moe, route
+from engine.model.ops import rmsnorm
+from engine.model.state import ModelState
 from engine.weights.resident import ResidentSource
 from engine.weights.source import WeightSource
 
@@ -74,16 +74,26 @@ class Model:
                 raise Cancelled()
             with src.layer(layer) as w:
                 h = self.decoder_layer(layer, w, h, blocks, state.layers[layer])
-        h_f = attn_res(blocks + [h], fold(self._model_vectors(), "output_attn_res"), cfg.rms_norm_eps)
+        h_f = attn_res(
+            blocks + [h], fold(self._model_vectors(), "output_attn_res"), cfg.rms_norm_eps
+        )
         rows = h_f if all_positions else h_f[-1:]
-        logits = linear(rmsnorm(rows, src.model_tensor("norm.weight"), cfg.rms_norm_eps),
-                        src.model_tensor("lm_head.weight"))
+        logits = linear(
+            rmsnorm(rows, src.model_tensor("norm.weight"), cfg.rms_norm_eps),
+            src.model_tensor("lm_head.weight"),
+        )
         state.position += len(ids)
         state.ids.extend(int(i) for i in ids)
         return logits
 
-    def decoder_layer(self, layer: int, w: Mapping[str, np.ndarray], h: np.ndarray,
-                      blocks: list[np.ndarray], layer_state: KDAState | MLAState) -> np.ndarray:
+    def decoder_layer(
+        self,
+        layer: int,
+        w: Mapping[str, np.ndarray],
+        h: np.ndarray,
+        blocks: list[np.ndarray],
+        layer_state: KDAState | MLAState,
+    ) -> np.ndarray:
         cfg = self.config
         eps = cfg.rms_norm_eps
         prefix: np.ndarray | None = h
@@ -116,9 +126,13 @@ class Model:
     def router(self, w: Mapping[str, np.ndarray], x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The layer's router on x (normalised): expert ids and weights [T, top-k]."""
         cfg = self.config
-        return route(x, w["block_sparse_moe.gate.weight"],
-                     w["block_sparse_moe.gate.e_score_correction_bias"],
-                     cfg.num_experts_per_token, cfg.routed_scaling_factor)
+        return route(
+            x,
+            w["block_sparse_moe.gate.weight"],
+            w["block_sparse_moe.gate.e_score_correction_bias"],
+            cfg.num_experts_per_token,
+            cfg.routed_scaling_factor,
+        )
 
     def likely_experts(self, w: Mapping[str, np.ndarray], x: np.ndarray) -> list[int]:
         """The router applied to the attention's input instead of its output: one mixer
@@ -133,8 +147,10 @@ class Model:
 
     def _model_vectors(self) -> dict[str, np.ndarray]:
         src = self.source
-        return {n: src.model_tensor(n) for n in ("output_attn_res_norm.weight",
-                                                 "output_attn_res_proj.weight")}
+        return {
+            n: src.model_tensor(n)
+            for n in ("output_attn_res_norm.weight", "output_attn_res_proj.weight")
+        }
 
     def _check_ids(self, ids: Sequence[int]) -> np.ndarray:
         arr = np.asarray(list(ids), dtype=np.int64)
@@ -143,7 +159,8 @@ class Model:
         bad = arr[(arr < 0) | (arr >= self.config.vocab_size)]
         if bad.size:
             raise EngineError(
-                f"token id {int(bad[0])} is outside the vocabulary (0..{self.config.vocab_size - 1}); "
+                f"token id {int(bad[0])} is outside the vocabulary "
+                f"(0..{self.config.vocab_size - 1}); "
                 "check the ids or the tokenizer."
             )
         return arr
@@ -153,8 +170,9 @@ def load_model(checkpoint_dir: str | Path, source: WeightSource | None = None) -
     """Read config.json strictly, check the checkpoint's tensors, wrap `source`
     (default: everything resident)."""
     index = getattr(source, "index", None)
-    cfg, index, _ = open_checked(checkpoint_dir,
-                                 index if isinstance(index, SafetensorsIndex) else None)
+    cfg, index, _ = open_checked(
+        checkpoint_dir, index if isinstance(index, SafetensorsIndex) else None
+    )
     if kernels.FUSED:
         from engine.kernels import fused
 

@@ -160,7 +160,8 @@ class Service:
                 except BadRequest as exc:
                     refusal = exc
             if refusal is not None:
-                return await error_response(refusal.code, str(refusal), close=True)(scope, receive, send)
+                refuse = error_response(refusal.code, str(refusal), close=True)
+                return await refuse(scope, receive, send)
             if body is None:
                 return None  # the client went away while sending
 
@@ -183,7 +184,9 @@ class Service:
         limit = int(self.max_body_mb * 2**20)
         too_large = BadRequest(
             f"the request body is larger than the server's limit of {self.max_body_mb:g} MiB; "
-            "send a shorter conversation (or start the server with a larger --max-body-mb)", 413)
+            "send a shorter conversation (or start the server with a larger --max-body-mb)",
+            413,
+        )
         length = dict(scope.get("headers", [])).get(b"content-length")
         if length is not None and int(length) > limit:  # h11 has checked it is a number
             raise too_large
@@ -192,8 +195,9 @@ class Service:
             with anyio.move_on_after(self.read_timeout) as waited:
                 message = await receive()
             if waited.cancelled_caught:
-                raise BadRequest(f"the request body stalled for {self.read_timeout:g} s; "
-                                 "send it in one go", 408)
+                raise BadRequest(
+                    f"the request body stalled for {self.read_timeout:g} s; send it in one go", 408
+                )
             if message["type"] == "http.disconnect":
                 return None
             size += len(message.get("body", b""))
@@ -204,7 +208,9 @@ class Service:
         return b"".join(chunks)
 
     def _authorised(self, scope: dict) -> bool:
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        headers = {
+            k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])
+        }
         given = headers.get("x-api-key") or ""
         auth = headers.get("authorization", "")
         if auth.lower().startswith("bearer "):
@@ -235,7 +241,11 @@ class Service:
             "object": "model",
             "created": self.created,
             "owned_by": self._owned_by(),
-            "meta": {"n_vocab": loaded.tok.vocab_size, "n_ctx": loaded.n_ctx, **loaded.info.get("meta", {})},
+            "meta": {
+                "n_vocab": loaded.tok.vocab_size,
+                "n_ctx": loaded.n_ctx,
+                **loaded.info.get("meta", {}),
+            },
         }
         if self.steer_demo:
             entry["description"] = DEMO_NOTICE
@@ -248,12 +258,18 @@ class Service:
             "model_path": loaded.info.get("checkpoint"),
             "owned_by": self._owned_by(),
             "demo": self.steer_demo,
-            "description": DEMO_NOTICE if self.steer_demo else "Kimi-K3 on the bundled numpy engine",
+            "description": DEMO_NOTICE
+            if self.steer_demo
+            else "Kimi-K3 on the bundled numpy engine",
             "total_slots": 1,
             "default_generation_settings": {
                 "n_ctx": loaded.n_ctx,
-                "params": {"temperature": 0.6, "top_p": 0.95, "top_k": 0,
-                           "reasoning_budget_tokens": self.reasoning_budget},
+                "params": {
+                    "temperature": 0.6,
+                    "top_p": 0.95,
+                    "top_k": 0,
+                    "reasoning_budget_tokens": self.reasoning_budget,
+                },
             },
             "chat_template": "Kimi-K3 XTML (engine/text/chat_template.py)",
             "chat_template_caps": {"supports_thinking": True, "thinking_efforts": list(EFFORTS)},
@@ -299,7 +315,9 @@ class Service:
     async def detokenize(self, request: Request) -> Response:
         def decode(body: Any) -> str:
             tokens = body.get("tokens") if isinstance(body, dict) else None
-            if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            if not isinstance(tokens, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in tokens
+            ):
                 raise BadRequest("'tokens' must be an array of integers")
             return self.loaded.tok.decode(tokens)
 
@@ -328,7 +346,9 @@ class Service:
                 raise BadRequest(
                     f"request ({len(prompt)} tokens) exceeds the available context size "
                     f"({loaded.n_ctx} tokens), try increasing it",
-                    kind="exceed_context_size_error", n_prompt_tokens=len(prompt), n_ctx=loaded.n_ctx,
+                    kind="exceed_context_size_error",
+                    n_prompt_tokens=len(prompt),
+                    n_ctx=loaded.n_ctx,
                 )
         except BadRequest as exc:
             return error_response(exc.code, str(exc), exc.kind, **exc.extra)
@@ -336,8 +356,10 @@ class Service:
         job = Job(req, prompt, max_new=min(req.max_tokens or room, room))
 
         if self.waiting >= MAX_WAITING:
-            return error_response(503, f"the engine is busy and {self.waiting} requests are "
-                                  "already waiting; retry later")
+            return error_response(
+                503,
+                f"the engine is busy and {self.waiting} requests are already waiting; retry later",
+            )
         self.waiting += 1
         try:
             got = await self._acquire(request)
@@ -367,8 +389,13 @@ class Service:
 
         self._running = job
         threading.Thread(target=work, name="k3-generate", daemon=True).start()
-        answer = Answer(ChunkIds(self.model_name), req, job.timings, job.usage,
-                        lambda last: self._final_k3(job, last))
+        answer = Answer(
+            ChunkIds(self.model_name),
+            req,
+            job.timings,
+            job.usage,
+            lambda last: self._final_k3(job, last),
+        )
         if req.stream:
             return EventStream(self._sse(answer, queue), job.cancel)
         return await self._collect(job, answer, queue, request)
@@ -391,9 +418,12 @@ class Service:
 
     # -- responses ----------------------------------------------------------------------
     def _final_k3(self, job: Job, last: TokenStats | None) -> dict[str, Any]:
-        return replace(last or k3_record(None, self.loaded.budget_gb),
-                       reasoning_tokens=job.reasoning_tokens, note=job.empty_answer_note(),
-                       demo=DEMO_NOTICE if self.steer_demo else None).k3()
+        return replace(
+            last or k3_record(None, self.loaded.budget_gb),
+            reasoning_tokens=job.reasoning_tokens,
+            note=job.empty_answer_note(),
+            demo=DEMO_NOTICE if self.steer_demo else None,
+        ).k3()
 
     async def _sse(self, answer: Answer, queue: asyncio.Queue) -> AsyncIterator[str]:
         first = k3_record(None, self.loaded.budget_gb).k3()
@@ -415,8 +445,9 @@ class Service:
             if event.ends:
                 return
 
-    async def _collect(self, job: Job, answer: Answer, queue: asyncio.Queue,
-                       request: Request) -> Response:
+    async def _collect(
+        self, job: Job, answer: Answer, queue: asyncio.Queue, request: Request
+    ) -> Response:
         checked = time.monotonic()
         while True:
             try:
@@ -442,8 +473,12 @@ class EventStream(StreamingResponse):
     the generation's cancel event at once (not only at the next write)."""
 
     def __init__(self, chunks: AsyncIterator[str], cancel: threading.Event) -> None:
-        super().__init__(chunks, status_code=200, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            chunks,
+            status_code=200,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
         self.chunks, self.cancel = chunks, cancel
 
     async def __call__(self, scope, receive, send) -> None:
@@ -458,10 +493,17 @@ class EventStream(StreamingResponse):
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(watch, tg.cancel_scope)
-                await send({"type": "http.response.start", "status": self.status_code,
-                            "headers": self.raw_headers})
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": self.status_code,
+                        "headers": self.raw_headers,
+                    }
+                )
                 async for chunk in self.chunks:
-                    await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+                    await send(
+                        {"type": "http.response.body", "body": chunk.encode(), "more_body": True}
+                    )
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 tg.cancel_scope.cancel()
         except OSError:
@@ -478,25 +520,58 @@ class EventStream(StreamingResponse):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", help="checkpoint folder (config.json + safetensors shards)")
-    parser.add_argument("--tokenizer", default=None, metavar="DIR",
-                        help="folder with tiktoken.model + tokenizer_config.json (default: the checkpoint)")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="folder with tiktoken.model + tokenizer_config.json (default: the checkpoint)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8080, help="port (0 = any free port; default 8080)")
-    parser.add_argument("--api-key", default=os.environ.get("K3_API_KEY"), metavar="KEY",
-                        help="require this key (comma-separated for several; default $K3_API_KEY, "
-                        "which keeps it out of `ps`); needed off loopback")
+    parser.add_argument(
+        "--port", type=int, default=8080, help="port (0 = any free port; default 8080)"
+    )
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("K3_API_KEY"),
+        metavar="KEY",
+        help="require this key (comma-separated for several; default $K3_API_KEY, "
+        "which keeps it out of `ps`); needed off loopback",
+    )
     parser.add_argument("--model-name", default=None, metavar="NAME", help="model id in responses")
-    parser.add_argument("--ctx-size", type=int, default=DEFAULT_CTX, metavar="N",
-                        help=f"context tokens per conversation (default {DEFAULT_CTX})")
-    parser.add_argument("--reasoning-budget", type=int, default=-1, metavar="N",
-                        help="default max tokens of thinking before the answer is forced (-1 = no limit)")
-    parser.add_argument("--max-body-mb", type=float, default=MAX_BODY_MB, metavar="MB",
-                        help=f"largest request body in MiB; bigger ones get 413 (default {MAX_BODY_MB:g})")
-    parser.add_argument("--read-timeout", type=float, default=READ_TIMEOUT, metavar="S",
-                        help="seconds a client may take to send a request's headers, or stall in "
-                        f"its body, before the connection is closed (default {READ_TIMEOUT:g})")
-    parser.add_argument("--steer-demo", action="store_true",
-                        help="demo for random-weight models: readable words in a scripted think/answer shape")
+    parser.add_argument(
+        "--ctx-size",
+        type=int,
+        default=DEFAULT_CTX,
+        metavar="N",
+        help=f"context tokens per conversation (default {DEFAULT_CTX})",
+    )
+    parser.add_argument(
+        "--reasoning-budget",
+        type=int,
+        default=-1,
+        metavar="N",
+        help="default max tokens of thinking before the answer is forced (-1 = no limit)",
+    )
+    parser.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=MAX_BODY_MB,
+        metavar="MB",
+        help=f"largest request body in MiB; bigger ones get 413 (default {MAX_BODY_MB:g})",
+    )
+    parser.add_argument(
+        "--read-timeout",
+        type=float,
+        default=READ_TIMEOUT,
+        metavar="S",
+        help="seconds a client may take to send a request's headers, or stall in "
+        f"its body, before the connection is closed (default {READ_TIMEOUT:g})",
+    )
+    parser.add_argument(
+        "--steer-demo",
+        action="store_true",
+        help="demo for random-weight models: readable words in a scripted think/answer shape",
+    )
     parser.add_argument("--debug-load-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--debug-token-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     from engine.weights.planner import add_memory_arguments
@@ -561,32 +636,47 @@ def main(args: argparse.Namespace) -> int:
     if not is_loopback(args.host) and not api_keys:
         return _fail(
             f"refusing to bind {args.host} without --api-key: anyone who can reach it could use "
-            "the model; pass --api-key KEY, or bind 127.0.0.1 and tunnel (ssh -L)", 2)
+            "the model; pass --api-key KEY, or bind 127.0.0.1 and tunnel (ssh -L)",
+            2,
+        )
     checkpoint = Path(args.checkpoint).expanduser()
     if not (checkpoint / "config.json").is_file():
-        return _fail(f"{checkpoint} has no config.json; pass the checkpoint folder (with the safetensors shards)")
+        return _fail(
+            f"{checkpoint} has no config.json; pass the checkpoint folder "
+            "(with the safetensors shards)"
+        )
     tok_dir = Path(args.tokenizer).expanduser() if args.tokenizer else checkpoint
     if not (tok_dir / "tiktoken.model").is_file():
         return _fail(
             f"{tok_dir} has no tiktoken.model; pass --tokenizer DIR with tiktoken.model and "
-            "tokenizer_config.json (for a synthesised model: python -m engine synth writes them)")
+            "tokenizer_config.json (for a synthesised model: python -m engine synth writes them)"
+        )
     if args.ctx_size < 16:
         return _fail("--ctx-size must be at least 16 tokens", 2)
     if not (0 < args.max_body_mb < 2**20 and 0 < args.read_timeout < 86400):
         return _fail("--max-body-mb and --read-timeout must be positive numbers", 2)
     try:
-        sock = socket.create_server((args.host.strip("[]"), args.port),
-                                    family=socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+        sock = socket.create_server(
+            (args.host.strip("[]"), args.port),
+            family=socket.AF_INET6 if ":" in args.host else socket.AF_INET,
+        )
     except OSError as exc:
-        return _fail(f"cannot listen on {args.host}:{args.port} ({exc.strerror or exc}); "
-                     "pick another --port or stop the program using it")
+        return _fail(
+            f"cannot listen on {args.host}:{args.port} ({exc.strerror or exc}); "
+            "pick another --port or stop the program using it"
+        )
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
 
     name = args.model_name or (DEMO_NOTICE if args.steer_demo else checkpoint.resolve().name)
-    service = Service(model_name=name, steer_demo=args.steer_demo,
-                      reasoning_budget=args.reasoning_budget, api_keys=api_keys,
-                      max_body_mb=args.max_body_mb, read_timeout=args.read_timeout)
+    service = Service(
+        model_name=name,
+        steer_demo=args.steer_demo,
+        reasoning_budget=args.reasoning_budget,
+        api_keys=api_keys,
+        max_body_mb=args.max_body_mb,
+        read_timeout=args.read_timeout,
+    )
 
     import uvicorn
 
@@ -599,9 +689,15 @@ def main(args: argparse.Namespace) -> int:
             service.cancel_running()  # end a running stream now, not after the grace period
             await super().shutdown(sockets=sockets)
 
-    config = uvicorn.Config(service.app(), log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=3, timeout_keep_alive=5,
-                            http=h11_with_head_deadline(args.read_timeout))
+    config = uvicorn.Config(
+        service.app(),
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=3,
+        timeout_keep_alive=5,
+        http=h11_with_head_deadline(args.read_timeout),
+    )
     server = Server(config)
     failed: list[str] = []
 
@@ -612,11 +708,17 @@ def main(args: argparse.Namespace) -> int:
                 time.sleep(args.debug_load_delay)
             loaded = load_engine(checkpoint, tok_dir, args, service.progress, args.ctx_size)
             service.set_loaded(loaded)
-            print(f"model ready in {service.metrics.values['load_seconds']:.1f} s", file=sys.stderr, flush=True)
+            print(
+                f"model ready in {service.metrics.values['load_seconds']:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
         except Exception as exc:  # noqa: BLE001 - any load failure ends the server with one sentence
             if not isinstance(exc, EngineError):
                 traceback.print_exc(file=sys.stderr)
-            failed.append(str(exc) if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}")
+            failed.append(
+                str(exc) if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}"
+            )
             service.progress.error = failed[-1]
             server.should_exit = True
 

@@ -42,7 +42,15 @@ ERROR_TYPES = {
 
 
 def error_body(code: int, message: str, kind: str | None = None, **extra: Any) -> dict:
-    return {"error": {"code": code, "message": message, "type": kind or ERROR_TYPES.get(code, "server_error"), **extra}}
+    return {
+        "error": {
+            "code": code,
+            "message": message,
+            "type": kind or ERROR_TYPES.get(code, "server_error"),
+            **extra,
+        }
+    }
+
 
 class BadRequest(Exception):
     def __init__(self, message: str, code: int = 400, kind: str | None = None, **extra: Any):
@@ -54,13 +62,17 @@ class BadRequest(Exception):
 
 
 def _refuse_constant(name: str) -> Any:
-    raise BadRequest(f"the request body has {name}, which is not a JSON number; send a finite number")
+    raise BadRequest(
+        f"the request body has {name}, which is not a JSON number; send a finite number"
+    )
+
 
 def _finite_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
         raise BadRequest(f"the number {text[:40]} is out of range; send a finite number")
     return value
+
 
 def parse_json(raw: bytes) -> Any:
     """Strict JSON: no NaN / Infinity (nor 1e400, which would read as infinity), at most
@@ -84,6 +96,7 @@ def parse_json(raw: bytes) -> Any:
         stack += [(child, depth + 1) for child in item]
     return value
 
+
 @dataclass
 class ChatRequest:
     messages: list
@@ -101,6 +114,7 @@ class ChatRequest:
     reasoning_budget: int  # -1 = unlimited
     ignore_eos: bool = False
 
+
 def _number(body: dict, key: str, kind: type, default: Any, lo: float, hi: float) -> Any:
     """body[key] as `kind` within [lo, hi] (bounds checked before any conversion, so a
     huge integer cannot overflow float()), or `default` when absent or null."""
@@ -108,8 +122,11 @@ def _number(body: dict, key: str, kind: type, default: Any, lo: float, hi: float
     if value is None:
         return default
     what = "an integer" if kind is int else "a number"
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-            kind is int and isinstance(value, float) and not value.is_integer()):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or (kind is int and isinstance(value, float) and not value.is_integer())
+    ):
         raise BadRequest(f"'{key}' must be {what}, not {json.dumps(value)[:40]}")
     if not lo <= value <= hi:
         raise BadRequest(f"'{key}' must be {what} from {lo:g} to {hi:g}")
@@ -132,8 +149,11 @@ def parse_chat_request(body: Any, default_budget: int) -> ChatRequest:
     thinking, effort = _thinking(body)
     budget = _reasoning_budget(body, default_budget)
     seed = body.get("seed")
-    seed = secrets.randbits(31) if seed is None or seed == -1 else _number(
-        body, "seed", int, 0, lo=0, hi=2**63 - 1)
+    seed = (
+        secrets.randbits(31)
+        if seed is None or seed == -1
+        else _number(body, "seed", int, 0, lo=0, hi=2**63 - 1)
+    )
     temperature, top_p = _temperature_top_p(body)
     return ChatRequest(
         messages=messages,
@@ -231,12 +251,19 @@ class ChunkIds:
         self.model = model
 
     def base(self, obj: str) -> dict[str, Any]:
-        return {"created": self.created, "id": self.id, "model": self.model,
-                "system_fingerprint": FINGERPRINT, "object": obj}
+        return {
+            "created": self.created,
+            "id": self.id,
+            "model": self.model,
+            "system_fingerprint": FINGERPRINT,
+            "object": obj,
+        }
 
     def sse(self, delta: dict | None, finish_reason: str | None = None, **extra: Any) -> str:
         chunk: dict[str, Any] = {}
-        chunk["choices"] = [] if delta is None else [{"finish_reason": finish_reason, "index": 0, "delta": delta}]
+        chunk["choices"] = (
+            [] if delta is None else [{"finish_reason": finish_reason, "index": 0, "delta": delta}]
+        )
         chunk.update(self.base("chat.completion.chunk"))
         chunk.update(extra)
         return f"data: {json.dumps(chunk, ensure_ascii=False, separators=(',', ':'))}\n\n"
@@ -307,8 +334,12 @@ class End:
         if "".join(a.reasoning):
             message["reasoning_content"] = "".join(a.reasoning)
         body = a.ids.base("chat.completion")
-        body.update(choices=[{"finish_reason": self.finish, "index": 0, "message": message}],
-                    usage=a.usage(), timings=a.timings(), k3=a.final_k3(a.last))
+        body.update(
+            choices=[{"finish_reason": self.finish, "index": 0, "message": message}],
+            usage=a.usage(),
+            timings=a.timings(),
+            k3=a.final_k3(a.last),
+        )
         return 200, body
 
 

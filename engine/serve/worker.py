@@ -28,6 +28,7 @@ from engine.serve.protocol import ChatRequest, End, Event, Failed, Stopped, Toke
 from engine.text.chat_template import ChatTemplate, OutputParser
 from engine.text.tokenizer import Tokenizer
 
+
 @dataclass
 class Loaded:
     """The model side: `generate(prompt_ids, params, cancel, logits_hook)` yields
@@ -68,7 +69,9 @@ class LoadProgress:
         return {
             "phase": self.phase,
             "elapsed_s": round(time.monotonic() - self.started, 3),
-            "bytes_read": read - self._read0 if read is not None and self._read0 is not None else None,
+            "bytes_read": read - self._read0
+            if read is not None and self._read0 is not None
+            else None,
             "checkpoint_bytes": self.checkpoint_bytes,
             "layers_bound": self.layers_bound,
             "n_layers": self.n_layers,
@@ -116,8 +119,11 @@ class Metrics:
         with self._lock:
             for kind, table in (("counter", self.COUNTERS), ("gauge", self.GAUGES)):
                 for name, help_text in table.items():
-                    lines += [f"# HELP k3_{name} {help_text}", f"# TYPE k3_{name} {kind}",
-                              f"k3_{name} {self.values[name]:.10g}"]
+                    lines += [
+                        f"# HELP k3_{name} {help_text}",
+                        f"# TYPE k3_{name} {kind}",
+                        f"k3_{name} {self.values[name]:.10g}",
+                    ]
         return "\n".join(lines) + "\n"
 
 
@@ -227,12 +233,15 @@ class _Text:
 
     def flush(self) -> tuple[str, str]:
         tail = self.parser.finish()
-        return (self.reasoning.push(tail.reasoning)[0] + self.reasoning.flush(),
-                self.content.push(tail.content)[0] + self.content.flush())
+        return (
+            self.reasoning.push(tail.reasoning)[0] + self.reasoning.flush(),
+            self.content.push(tail.content)[0] + self.content.flush(),
+        )
 
 
-def _logits_hook(job: Job, tok: Tokenizer, parser: OutputParser, end_ids: list[int],
-                 steer_demo: bool) -> Callable:
+def _logits_hook(
+    job: Job, tok: Tokenizer, parser: OutputParser, end_ids: list[int], steer_demo: bool
+) -> Callable:
     """What the worker does to each step's logits: forced tokens first (the reasoning
     budget's close-think), `ignore_eos`, then the demo steering."""
     req = job.req
@@ -247,8 +256,12 @@ def _logits_hook(job: Job, tok: Tokenizer, parser: OutputParser, end_ids: list[i
         if req.ignore_eos:  # llama-server's knob: keep generating to max_tokens
             logits = logits.copy()
             logits[end_ids] = NEG
-        if (budget >= 0 and parser.in_reasoning and not parser.in_tag
-                and parser.reasoning_tokens >= budget):
+        if (
+            budget >= 0
+            and parser.in_reasoning
+            and not parser.in_tag
+            and parser.reasoning_tokens >= budget
+        ):
             forced.push(think_to_response(tok))
             return forced.take(logits)
         return steer(generated, logits) if steer else logits
@@ -277,8 +290,14 @@ def _count(job: Job, t: Any, loaded: Loaded, metrics: Metrics) -> TokenStats:
     return k3
 
 
-def _decode(job: Job, gen: Iterator[Any], text: _Text, loaded: Loaded, metrics: Metrics,
-            emit: Callable[[Event], None]) -> str:
+def _decode(
+    job: Job,
+    gen: Iterator[Any],
+    text: _Text,
+    loaded: Loaded,
+    metrics: Metrics,
+    emit: Callable[[Event], None],
+) -> str:
     """Emit the tokens of `gen` as text until the end, a stop or the limit: the finish
     reason ("stop", "length" or "cancelled")."""
     finish = "length"
@@ -306,8 +325,14 @@ def _decode(job: Job, gen: Iterator[Any], text: _Text, loaded: Loaded, metrics: 
     return finish
 
 
-def run_job(job: Job, loaded: Loaded, template: ChatTemplate, metrics: Metrics, steer_demo: bool,
-            emit: Callable[[Event], None]) -> None:
+def run_job(
+    job: Job,
+    loaded: Loaded,
+    template: ChatTemplate,
+    metrics: Metrics,
+    steer_demo: bool,
+    emit: Callable[[Event], None],
+) -> None:
     """Generate for `job`, emitting `Token` events, then `End`, `Failed` or `Stopped`.
     Runs in a worker thread."""
     text = _Text(template, job.req)
@@ -318,8 +343,12 @@ def run_job(job: Job, loaded: Loaded, template: ChatTemplate, metrics: Metrics, 
     try:
         req = job.req
         params = loaded.make_params(
-            max_tokens=job.max_new, temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
-            seed=req.seed, stop_ids=tuple(end_ids),
+            max_tokens=job.max_new,
+            temperature=req.temperature,
+            top_k=req.top_k,
+            top_p=req.top_p,
+            seed=req.seed,
+            stop_ids=tuple(end_ids),
         )
         gen = loaded.generate(job.prompt_ids, params, cancel=job.cancel, logits_hook=hook)
         job.finish = _decode(job, gen, text, loaded, metrics, emit)
@@ -350,8 +379,13 @@ def run_job(job: Job, loaded: Loaded, template: ChatTemplate, metrics: Metrics, 
         metrics.set("requests_processing", 0)
 
 
-def load_engine(checkpoint: Path, tokenizer_dir: Path, args: argparse.Namespace,
-                progress: LoadProgress, n_ctx: int) -> Loaded:
+def load_engine(
+    checkpoint: Path,
+    tokenizer_dir: Path,
+    args: argparse.Namespace,
+    progress: LoadProgress,
+    n_ctx: int,
+) -> Loaded:
     """Tokenizer, weight source under the memory plan, model; generation via ENG's API."""
     from engine.decode.generate import GenParams, generate
     from engine.model.transformer import load_model

@@ -10,7 +10,7 @@ import heapq
 import json
 from pathlib import Path
 
-from engine.text.tokenizer import split_pieces, special_token_names
+from engine.text.tokenizer import special_token_names, split_pieces
 
 
 def _training_counts(extended: bool) -> dict[bytes, int]:
@@ -143,7 +143,8 @@ def write_test_tokenizer(out_dir: str | Path, n_ranks: int) -> None:
         "tokenizer_class": "TikTokenTokenizer",
         "k3_test_vocabulary": "learned from engine/text/bpe_train.py's embedded text; not Kimi's",
     }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    text = json.dumps(config, indent=2) + "\n"
+    (out / "tokenizer_config.json").write_text(text, encoding="utf-8")
 
 
 TRAINING_TEXT = """\

@@ -53,8 +53,15 @@ def _close(tag: str) -> list[Segment]:
     return [Control(CLOSE), tag, Control(SEP)]
 
 
-def _message(role: str, body: list[Segment], attrs: Sequence[tuple[str, str]] = ()) -> list[Segment]:
-    return _open("message", [("role", role), *attrs]) + body + _close("message") + [Control(END_OF_MSG)]
+def _message(
+    role: str, body: list[Segment], attrs: Sequence[tuple[str, str]] = ()
+) -> list[Segment]:
+    return (
+        _open("message", [("role", role), *attrs])
+        + body
+        + _close("message")
+        + [Control(END_OF_MSG)]
+    )
 
 
 def _text(value: Any, what: str) -> str:
@@ -66,10 +73,16 @@ def _text(value: Any, what: str) -> str:
     if isinstance(value, list):
         out = []
         for part in value:
-            if isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            if (
+                isinstance(part, Mapping)
+                and part.get("type") == "text"
+                and isinstance(part.get("text"), str)
+            ):
                 out.append(part["text"])
             else:
-                raise TemplateError(f"{what} has a content part that is not text; only text is supported")
+                raise TemplateError(
+                    f"{what} has a content part that is not text; only text is supported"
+                )
         return "".join(out)
     raise TemplateError(f"{what} content must be a string or a list of text parts")
 
@@ -84,11 +97,14 @@ def render_segments(
     """The conversation as text segments and control tokens, in order."""
     if thinking and effort not in EFFORTS:
         raise TemplateError(
-            f"thinking effort {effort!r} is not supported by Kimi-K3; use one of {', '.join(EFFORTS)}"
+            f"thinking effort {effort!r} is not supported by Kimi-K3; "
+            f"use one of {', '.join(EFFORTS)}"
         )
     out: list[Segment] = []
     if thinking:
-        out += _message("system", [EFFORT_SENTENCE.format(effort=effort)], [("type", "thinking-effort")])
+        out += _message(
+            "system", [EFFORT_SENTENCE.format(effort=effort)], [("type", "thinking-effort")]
+        )
     tool_index = 0
     for n, msg in enumerate(messages):
         if not isinstance(msg, Mapping):
@@ -106,7 +122,9 @@ def render_segments(
             inner: list[Segment] = []
             if thinking:
                 reasoning = _text(msg.get("reasoning_content"), what)
-                inner += _open("think") + ([reasoning] if reasoning.strip() else []) + _close("think")
+                inner += (
+                    _open("think") + ([reasoning] if reasoning.strip() else []) + _close("think")
+                )
             inner += _open("response") + body + _close("response")
             out += _message("assistant", inner, attrs)
         elif role == "tool":
@@ -118,7 +136,9 @@ def render_segments(
         else:
             raise TemplateError(f"{what}: role must be system, user, assistant or tool")
     if add_generation_prompt:
-        out += _open("message", [("role", "assistant")]) + _open("think" if thinking else "response")
+        out += _open("message", [("role", "assistant")]) + _open(
+            "think" if thinking else "response"
+        )
     return out
 
 

@@ -23,9 +23,9 @@ from pathlib import Path
 from tokenizers import Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine.model.config import MAX_TOKEN_ID
 from engine.errors import CheckpointError
 from engine.jsonfile import load_json
+from engine.model.config import MAX_TOKEN_ID
 
 MAX_TOKENIZER_CONFIG = 64 << 20  # the release's (256 added tokens + chat template) is ~100 KB
 
@@ -73,7 +73,11 @@ def special_token_names(n_ranks: int) -> dict[int, str]:
 
 
 def _bytes_to_unicode() -> dict[int, str]:
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    keep = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(0xA1, 0xAC + 1))
+        + list(range(0xAE, 0xFF + 1))
+    )
     table = {b: chr(b) for b in keep}
     extra = 0
     for b in range(256):
@@ -222,20 +226,23 @@ class Tokenizer:
                     "tiktoken.model and tokenizer_config.json"
                 )
         ranks = read_ranks(model_path)
-        config = load_json(config_path, MAX_TOKENIZER_CONFIG,
-                           "restore the checkpoint's own tokenizer_config.json")
+        config = load_json(
+            config_path, MAX_TOKENIZER_CONFIG, "restore the checkpoint's own tokenizer_config.json"
+        )
         try:
             added = {int(k): v["content"] for k, v in config["added_tokens_decoder"].items()}
         except (ValueError, KeyError, TypeError, AttributeError):
             raise CheckpointError(
                 f"{config_path} has no readable added_tokens_decoder; restore the checkpoint's "
-                "own tokenizer_config.json") from None
+                "own tokenizer_config.json"
+            ) from None
         n = len(ranks)
         bad = [i for i, c in added.items() if not isinstance(c, str) or not 0 <= i < MAX_TOKEN_ID]
         if bad:
             raise CheckpointError(
                 f"{config_path}: added token {bad[0]} is not a string with an id in "
-                f"0..{MAX_TOKEN_ID - 1}; restore the checkpoint's own tokenizer_config.json")
+                f"0..{MAX_TOKEN_ID - 1}; restore the checkpoint's own tokenizer_config.json"
+            )
         if any(i < n for i in added):
             raise CheckpointError(f"{config_path}: added token ids overlap the {n} BPE ranks")
         token_bytes = [b""] * (n + (max(added) + 1 - n if added else 0))

@@ -141,7 +141,8 @@ class Plan:
             f"{f(self.overhead_bytes)} = peak RSS forecast "
             f"{f(self.budget_bytes + self.overhead_bytes)}",
             f"  trunk: {len(self.pinned)} of {g.n_layers} layers pinned "
-            f"({f(self.pinned_bytes)}{_layer_list(self.pinned, g.n_layers)}){ring}; streams {f(self.streamed_trunk_bytes)} of trunk "
+            f"({f(self.pinned_bytes)}{_layer_list(self.pinned, g.n_layers)}){ring}; "
+            f"streams {f(self.streamed_trunk_bytes)} of trunk "
             "per token",
             f"  experts: {self.expert_slots} slots x {f(g.expert_slot_bytes)} = "
             f"{f(self.cache_bytes)} (top-{g.top_k} needs {g.min_expert_slots}; all "
@@ -150,8 +151,12 @@ class Plan:
             f"{f(g.state_bytes + g.kv_bytes_per_token * self.context)}, scratch+runtime "
             f"{f(g.scratch_bytes + RUNTIME_BYTES)}",
             f"  reader threads: {self.threads}",
-            "  expert read-ahead: " + ("on (each layer's likely experts are read while its "
-                                       "attention computes)" if self.guess_experts else "off"),
+            "  expert read-ahead: "
+            + (
+                "on (each layer's likely experts are read while its attention computes)"
+                if self.guess_experts
+                else "off"
+            ),
         ]
         if self.facts is not None:
             lines.append(f"  available memory: {f(self.facts.available)}")
@@ -220,22 +225,11 @@ def _split_trunk(g: Geometry, trunk_budget: int) -> tuple[tuple[int, ...], int, 
     return (), 1, max(sizes), trunk_budget - max(sizes)  # refused by the caller
 
 
-def make_plan(
-    geometry: Geometry,
-    *,
-    budget_gb: float | None = None,
-    preset: str | None = None,
-    trunk_gb: float | None = None,
-    cache_gb: float | None = None,
-    threads: int = 0,
-    context: int = DEFAULT_CONTEXT,
-    facts: MemoryFacts | None = None,
-    check_memory: bool = True,
-    guess_experts: str = "auto",
-) -> Plan:
-    """Split a budget (or preset, or trunk/cache pair) into pinned layers, ring and slots."""
-    g = geometry
-    facts = facts if facts is not None else read_memory_facts()
+def _budgets(g: Geometry, facts: MemoryFacts, context: int, budget_gb: float | None,
+             preset: str | None, trunk_gb: float | None, cache_gb: float | None
+             ) -> tuple[int, int, str]:
+    """(trunk bytes, expert cache bytes, what they came from) from the memory flags: a
+    preset, then explicit trunk/cache sizes, then a total budget filling what is left."""
     slot_e = g.expert_slot_bytes
     min_cache = g.min_expert_slots * slot_e
     min_total = max(g.layer_bytes) + min_cache
@@ -279,6 +273,28 @@ def make_plan(
             "no memory budget given; pass --budget-gb X, --preset NAME|auto, or both "
             "--trunk-gb and --cache-gb."
         )
+    return trunk, cache, source
+
+
+def make_plan(
+    geometry: Geometry,
+    *,
+    budget_gb: float | None = None,
+    preset: str | None = None,
+    trunk_gb: float | None = None,
+    cache_gb: float | None = None,
+    threads: int = 0,
+    context: int = DEFAULT_CONTEXT,
+    facts: MemoryFacts | None = None,
+    check_memory: bool = True,
+    guess_experts: str = "auto",
+) -> Plan:
+    """Split a budget (or preset, or trunk/cache pair) into pinned layers, ring and slots."""
+    g = geometry
+    facts = facts if facts is not None else read_memory_facts()
+    slot_e = g.expert_slot_bytes
+    min_cache = g.min_expert_slots * slot_e
+    trunk, cache, source = _budgets(g, facts, context, budget_gb, preset, trunk_gb, cache_gb)
     pinned, ring, slot, leftover = _split_trunk(g, max(trunk, 0))
     if not pinned and ring and slot > trunk:
         raise PlanError(
@@ -366,8 +382,13 @@ def check_fits(plan: Plan) -> None:
 def _auto(g: Geometry, facts: MemoryFacts, context: int) -> tuple[int, int]:
     """Budget from what the machine has now, leaving headroom for the OS and the rest."""
     avail = facts.available
-    fixed = (g.model_bytes + g.state_bytes + g.kv_bytes_per_token * context + g.scratch_bytes
-             + RUNTIME_BYTES)
+    fixed = (
+        g.model_bytes
+        + g.state_bytes
+        + g.kv_bytes_per_token * context
+        + g.scratch_bytes
+        + RUNTIME_BYTES
+    )
     # Leave 2 GB + 2 % for the OS and page tables, and stay under the 95 % refusal line.
     usable = int(min(avail - 2 * GB - 0.02 * avail, 0.94 * avail)) - fixed
     reserve = avail - usable
@@ -390,22 +411,49 @@ def _auto(g: Geometry, facts: MemoryFacts, context: int) -> tuple[int, int]:
 def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
     """The memory flags every engine entry point honours."""
     grp = parser.add_argument_group("memory (stream the model under a budget)")
-    grp.add_argument("--budget-gb", type=float, default=None, metavar="X",
-                     help="total GB for trunk + expert cache (trunk gets memory first)")
-    grp.add_argument("--preset", default=None,
-                     choices=[*PRESETS, "auto"],
-                     help="a named budget, or auto from available memory and the cgroup limit")
-    grp.add_argument("--trunk-gb", type=float, default=None, metavar="X",
-                     help="GB for the trunk: pinned layers + read-ahead ring")
-    grp.add_argument("--cache-gb", type=float, default=None, metavar="Y",
-                     help="GB for the routed-expert cache")
-    grp.add_argument("--trunk", default=None, metavar="DIR",
-                     help="a packed trunk (trunk.bin + trunk.json from `pack`) to stream from")
-    grp.add_argument("--threads", type=int, default=0, metavar="N",
-                     help="reader threads = disk queue depth (0 = automatic)")
-    grp.add_argument("--guess-experts", choices=("auto", "on", "off"), default="auto",
-                     help="read each layer's likely experts while its attention computes "
-                     "(auto: when the trunk is resident and the disk has idle time)")
+    grp.add_argument(
+        "--budget-gb",
+        type=float,
+        default=None,
+        metavar="X",
+        help="total GB for trunk + expert cache (trunk gets memory first)",
+    )
+    grp.add_argument(
+        "--preset",
+        default=None,
+        choices=[*PRESETS, "auto"],
+        help="a named budget, or auto from available memory and the cgroup limit",
+    )
+    grp.add_argument(
+        "--trunk-gb",
+        type=float,
+        default=None,
+        metavar="X",
+        help="GB for the trunk: pinned layers + read-ahead ring",
+    )
+    grp.add_argument(
+        "--cache-gb", type=float, default=None, metavar="Y", help="GB for the routed-expert cache"
+    )
+    grp.add_argument(
+        "--trunk",
+        default=None,
+        metavar="DIR",
+        help="a packed trunk (trunk.bin + trunk.json from `pack`) to stream from",
+    )
+    grp.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        metavar="N",
+        help="reader threads = disk queue depth (0 = automatic)",
+    )
+    grp.add_argument(
+        "--guess-experts",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="read each layer's likely experts while its attention computes "
+        "(auto: when the trunk is resident and the disk has idle time)",
+    )
 
 
 MEMORY_FLAGS = ("budget_gb", "preset", "trunk_gb", "cache_gb", "trunk")
@@ -415,12 +463,18 @@ def wants_streaming(args: argparse.Namespace) -> bool:
     return any(getattr(args, k, None) is not None for k in MEMORY_FLAGS)
 
 
-def plan_from_args(geometry: Geometry, args: argparse.Namespace,
-                   context: int = DEFAULT_CONTEXT) -> Plan:
+def plan_from_args(
+    geometry: Geometry, args: argparse.Namespace, context: int = DEFAULT_CONTEXT
+) -> Plan:
     trunk_gb = getattr(args, "trunk_gb", None)
     cache_gb = getattr(args, "cache_gb", None)
-    if (getattr(args, "trunk", None) and trunk_gb is None and cache_gb is None
-            and getattr(args, "budget_gb", None) is None and getattr(args, "preset", None) is None):
+    if (
+        getattr(args, "trunk", None)
+        and trunk_gb is None
+        and cache_gb is None
+        and getattr(args, "budget_gb", None) is None
+        and getattr(args, "preset", None) is None
+    ):
         preset = "auto"  # --trunk alone: stream under what the machine can give
     else:
         preset = getattr(args, "preset", None)
@@ -434,4 +488,3 @@ def plan_from_args(geometry: Geometry, args: argparse.Namespace,
         context=context,
         guess_experts=getattr(args, "guess_experts", "auto") or "auto",
     )
-

@@ -41,7 +41,6 @@ from typing import Any, Protocol
 
 import numpy as np
 
-
 # Running totals a source may report; generate turns them into per-token deltas.
 CUMULATIVE_STATS = (
     "wait_trunk_s",

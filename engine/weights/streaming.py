@@ -38,8 +38,9 @@ from typing import Any
 
 import numpy as np
 
-from engine.model.config import ModelConfig
+from engine.checkpoint.safetensors import SafetensorsIndex, TensorInfo
 from engine.errors import CheckpointError, ReadError
+from engine.model.config import ModelConfig
 from engine.weights.experts import EvictionPolicy, ExpertCache
 from engine.weights.io import Batch, FileTable, Layout, ReadPool, TensorSpec, aligned_buffer
 from engine.weights.planner import (
@@ -50,7 +51,6 @@ from engine.weights.planner import (
     plan_from_args,
     wants_streaming,
 )
-from engine.checkpoint.safetensors import SafetensorsIndex, TensorInfo
 from engine.weights.resident import ResidentSource
 from engine.weights.source import ExpertSet, ExpertWeights, expert_from_arrays
 from engine.weights.sysmem import current_rss, peak_rss

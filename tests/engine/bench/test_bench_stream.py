@@ -7,9 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from engine.checkpoint.synth import synthesize
 from engine.weights.planner import GB
 from engine.weights.streaming import CheckpointMap
-from engine.checkpoint.synth import synthesize
 
 REPO = str(Path(__file__).resolve().parents[3])
 

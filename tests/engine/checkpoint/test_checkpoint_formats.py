@@ -10,14 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from engine.checkpoint.safetensors import SafetensorsIndex
+from engine.checkpoint.schema import TensorNames
+from engine.checkpoint.synth import flat_config, nested_config, synthesize, to_bf16
+from engine.errors import CheckpointError, ConfigError
 from engine.kernels import mxfp4, reference
 from engine.model.config import ModelConfig
-from engine.errors import CheckpointError, ConfigError
 from engine.model.transformer import load_model
-from engine.checkpoint.safetensors import SafetensorsIndex
-from engine.checkpoint.synth import flat_config, nested_config, synthesize, to_bf16
 from engine.weights.resident import ResidentSource
-from engine.checkpoint.schema import TensorNames
 
 
 # ---- config --------------------------------------------------------------------------------
@@ -153,7 +153,8 @@ def test_truncated_shard_in_a_checkpoint(tmp_path):
     with pytest.raises(CheckpointError) as exc:
         load_model(ckpt)
     msg = str(exc.value)
-    assert "model-00002-of-000008.safetensors" in msg and "layers.1.block_sparse_moe.experts.7" in msg
+    assert "model-00002-of-000008.safetensors" in msg
+    assert "layers.1.block_sparse_moe.experts.7" in msg
 
 
 def test_missing_tensor_names_file_and_tensor(tmp_path):
@@ -182,7 +183,9 @@ def test_missing_tensor_names_file_and_tensor(tmp_path):
 def test_index_naming_a_missing_file(tmp_path):
     ckpt = synthesize(tmp_path / "m", "tiny")
     (ckpt / "model-00003-of-000008.safetensors").unlink()
-    with pytest.raises(CheckpointError, match=r"model-00003-of-000008\.safetensors.*does not exist"):
+    with pytest.raises(
+        CheckpointError, match=r"model-00003-of-000008\.safetensors.*does not exist"
+    ):
         SafetensorsIndex.open(ckpt)
 
 

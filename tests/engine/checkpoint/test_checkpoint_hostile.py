@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from engine.model.config import ModelConfig
-from engine.errors import CheckpointError, ConfigError
 from engine.checkpoint.safetensors import SafetensorsIndex, read_header
-from engine.checkpoint.synth import synthesize
-from engine.text.tokenizer import Tokenizer
-from engine.checkpoint.trunk import pack, trunk_specs
 from engine.checkpoint.schema import TensorNames
+from engine.checkpoint.synth import synthesize
+from engine.checkpoint.trunk import pack, trunk_specs
+from engine.errors import CheckpointError, ConfigError
+from engine.model.config import ModelConfig
+from engine.text.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[3]
 DEEP = "[" * 100_000  # far past the JSON parser's recursion limit

@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from engine.checkpoint.safetensors import SafetensorsIndex
+from engine.checkpoint.schema import TensorNames
+from engine.checkpoint.trunk import pack, trunk_specs
 from engine.errors import CheckpointError, EngineError
 from engine.weights.io import ALIGN
-from engine.checkpoint.safetensors import SafetensorsIndex
-from engine.checkpoint.trunk import pack, trunk_specs
-from engine.checkpoint.schema import TensorNames
 
 REPO = str(Path(__file__).resolve().parents[3])
 

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from engine.checkpoint.synth import synthesize
 from engine.decode.generate import GenParams, generate
 from engine.model.transformer import load_model
 from engine.weights.planner import GB, add_memory_arguments, plan_from_args
 from engine.weights.streaming import CheckpointMap
-from engine.checkpoint.synth import synthesize
 
 REPO = str(Path(__file__).resolve().parents[3])
 PROMPT = "3,7,11,5,9,200,17"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.text.chat_template import ChatTemplate
 from engine.decode.steer import DemoSteer, Forced, end_of_answer, think_to_response
+from engine.text.chat_template import ChatTemplate
 
 
 def run(tok, seed: int, logits_seed: int = 0, thinking: bool = True):

@@ -4,12 +4,11 @@ the serial/parallel builds and the two decoders (table lookup vs IEEE-half bits)
 
 from __future__ import annotations
 
-import numpy as np
 import numba
+import numpy as np
 import pytest
 
-from engine.kernels import fused
-from engine.kernels import mxfp4, reference
+from engine.kernels import fused, mxfp4, reference
 
 
 def _fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
@@ -113,8 +112,14 @@ def test_table_and_bit_decoders_agree_bit_for_bit():
     packed, scale = random_mxfp4(rng, 50, 512, 0, 255)
     x = rng.standard_normal((5, 512)).astype(np.float32)
     out = np.empty((5, 50), np.float32)
-    generic_matmul(packed, scale, np.ascontiguousarray(x[:, 0::2]), np.ascontiguousarray(x[:, 1::2]),
-                   out, mxfp4.MX_SCALE)
+    generic_matmul(
+        packed,
+        scale,
+        np.ascontiguousarray(x[:, 0::2]),
+        np.ascontiguousarray(x[:, 1::2]),
+        out,
+        mxfp4.MX_SCALE,
+    )
     assert np.array_equal(out, fused.mxfp4_linear(x, packed, scale, False), equal_nan=True)
 
 
@@ -132,10 +137,10 @@ def emulate_bf16(x: np.ndarray, w: np.ndarray) -> np.ndarray:
         for b in range(blocks):
             for c in range(4):
                 j = b * 64 + c * 16
-                acc[c] = _fma32(wf[:, j:j + 16], x[t, j:j + 16], acc[c])
+                acc[c] = _fma32(wf[:, j : j + 16], x[t, j : j + 16], acc[c])
         for c in range(chunks):
             j = blocks * 64 + c * 16
-            acc[0] = _fma32(wf[:, j:j + 16], x[t, j:j + 16], acc[0])
+            acc[0] = _fma32(wf[:, j : j + 16], x[t, j : j + 16], acc[0])
         v = (acc[0] + acc[1]) + (acc[2] + acc[3])
         while v.shape[1] > 1:
             h = v.shape[1] // 2
@@ -151,8 +156,9 @@ def to_bf16(a: np.ndarray) -> np.ndarray:
     return (a.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
 
 
-@pytest.mark.parametrize("rows,cols,tokens", [(5, 7, 1), (33, 96, 2), (40, 200, 3), (300, 1024, 1),
-                                              (20, 7168, 2)])
+@pytest.mark.parametrize(
+    "rows,cols,tokens", [(5, 7, 1), (33, 96, 2), (40, 200, 3), (300, 1024, 1), (20, 7168, 2)]
+)
 def test_bf16_bits_follow_the_documented_order(rows, cols, tokens):
     rng = np.random.default_rng(rows + cols)
     w = to_bf16(rng.standard_normal((rows, cols)))
@@ -179,7 +185,7 @@ def test_bf16_same_bits_for_any_batch_threads_or_build():
     fused._KERNELS[("_bf16_matmul", False)](w, x, serial)
     assert all(np.array_equal(o, serial) for o in out.values())
     for t in range(4):
-        assert np.array_equal(fused.linear(x[t:t + 1], w)[0], serial[t])
+        assert np.array_equal(fused.linear(x[t : t + 1], w)[0], serial[t])
 
 
 def test_widen_bf16_is_exact_for_every_bit_pattern():

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from engine.checkpoint.synth import synthesize
 from engine.decode.generate import GenParams, generate
 from engine.model.transformer import load_model
-from engine.checkpoint.synth import synthesize
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -186,9 +186,9 @@ def test_chunked_kda_prefill_equals_per_token_steps(tmp_path):
 def test_synth_init_exercises_bias_and_caps(tmp_path):
     """Routing bias changes some selections and SiTU caps saturate on real activations."""
     from engine.kernels import linear
-    from engine.model.ops import rmsnorm, situ_glu
     from engine.kernels.reference import to_f32
     from engine.model.moe import route
+    from engine.model.ops import rmsnorm, situ_glu
 
     model = load_model(synthesize(tmp_path / "m", "small", seed=1))
     cfg = model.config

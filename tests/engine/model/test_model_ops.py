@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from engine.kernels.mxfp4 import mxfp4_decode
 from engine.model.attnres import attn_res
 from engine.model.config import ModelConfig
 from engine.model.kda import (
@@ -19,11 +20,10 @@ from engine.model.kda import (
     recurrence_chunked,
     short_conv,
 )
-from engine.kernels.mxfp4 import mxfp4_decode
-from engine.model.ops import rmsnorm, situ_glu
 from engine.model.mla import MLAState, mla_mixer
-from engine.model.transformer import Model
 from engine.model.moe import DenseExpert, latent_moe, route
+from engine.model.ops import rmsnorm, situ_glu
+from engine.model.transformer import Model
 from engine.weights.source import ExpertTable
 
 ABS, REL = 1e-5, 1e-4
@@ -44,7 +44,9 @@ def close(got, want, floor: float = 0.0) -> None:
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     assert got.shape == want.shape
     err = np.abs(got - want) - (ABS + REL * np.abs(want) + floor)
-    assert err.max() <= 0, f"worst excess {err.max():.3g} at {np.unravel_index(err.argmax(), err.shape)}"
+    assert err.max() <= 0, (
+        f"worst excess {err.max():.3g} at {np.unravel_index(err.argmax(), err.shape)}"
+    )
 
 
 def tiny_cfg(ops: Path, **over) -> ModelConfig:
@@ -107,11 +109,22 @@ def test_kda_chunked_recurrence_matches_fixture(ops, chunk):
 
 
 def kda_weights(f: dict, prefix: str = "self_attn.", key=lambda n: n) -> dict:
-    names = {"q_proj": "q_proj.weight", "k_proj": "k_proj.weight", "v_proj": "v_proj.weight",
-             "g_proj": "g_proj.weight", "o_proj": "o_proj.weight", "f_a": "f_a_proj.weight",
-             "f_b": "f_b_proj.weight", "b_proj": "b_proj.weight", "q_conv": "q_conv1d.weight",
-             "k_conv": "k_conv1d.weight", "v_conv": "v_conv1d.weight", "A_log": "A_log",
-             "dt_bias": "dt_bias", "o_norm": "o_norm.weight"}
+    names = {
+        "q_proj": "q_proj.weight",
+        "k_proj": "k_proj.weight",
+        "v_proj": "v_proj.weight",
+        "g_proj": "g_proj.weight",
+        "o_proj": "o_proj.weight",
+        "f_a": "f_a_proj.weight",
+        "f_b": "f_b_proj.weight",
+        "b_proj": "b_proj.weight",
+        "q_conv": "q_conv1d.weight",
+        "k_conv": "k_conv1d.weight",
+        "v_conv": "v_conv1d.weight",
+        "A_log": "A_log",
+        "dt_bias": "dt_bias",
+        "o_norm": "o_norm.weight",
+    }
     return {prefix + v: f[key(k)] for k, v in names.items()}
 
 
@@ -155,8 +168,16 @@ def test_attnres(ops):
 
 
 def mla_weights(f: dict, src: str = "", prefix: str = "self_attn.") -> dict:
-    names = ["q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm",
-             "kv_b_proj", "o_proj", "g_proj"]
+    names = [
+        "q_a_proj",
+        "q_a_layernorm",
+        "q_b_proj",
+        "kv_a_proj_with_mqa",
+        "kv_a_layernorm",
+        "kv_b_proj",
+        "o_proj",
+        "g_proj",
+    ]
     return {f"{prefix}{n}.weight": f[f"{src}{n}_weight"] for n in names}
 
 
@@ -186,9 +207,16 @@ def moe_weights(f: dict, src: str = "", prefix: str = "block_sparse_moe.") -> tu
         f"{prefix}shared_experts.up_proj.weight": f[f"{src}shared_w3_weight"],
         f"{prefix}shared_experts.down_proj.weight": f[f"{src}shared_w2_weight"],
     }
-    experts = ExpertTable({e: DenseExpert(f[f"{src}experts_{e}_w1_weight"],
-                                          f[f"{src}experts_{e}_w2_weight"],
-                                          f[f"{src}experts_{e}_w3_weight"]) for e in range(8)})
+    experts = ExpertTable(
+        {
+            e: DenseExpert(
+                f[f"{src}experts_{e}_w1_weight"],
+                f[f"{src}experts_{e}_w2_weight"],
+                f[f"{src}experts_{e}_w3_weight"],
+            )
+            for e in range(8)
+        }
+    )
     return w, experts
 
 
@@ -197,8 +225,13 @@ def test_latent_moe(ops):
     cfg = tiny_cfg(ops)
     w, experts = moe_weights(f)
     x = f["in"][0]
-    ids, weights = route(x, w["block_sparse_moe.gate.weight"],
-                         w["block_sparse_moe.gate.e_score_correction_bias"], 2, 1.0)
+    ids, weights = route(
+        x,
+        w["block_sparse_moe.gate.weight"],
+        w["block_sparse_moe.gate.e_score_correction_bias"],
+        2,
+        1.0,
+    )
     out = latent_moe(x, w, experts, ids, weights, cfg)
     # moe.json sits at the fp32 noise floor: README allows an absolute floor of 1e-6·max|want|
     close(out, f["out"][0], floor=1e-6 * float(np.abs(f["out"]).max()))
@@ -214,11 +247,13 @@ class _DictSource:
 
     def layer(self, index):
         from contextlib import nullcontext
+
         assert index == self._layer
         return nullcontext(self._w)
 
     def experts(self, layer, ids):
         from contextlib import nullcontext
+
         return nullcontext(ExpertTable({e: self._experts[e] for e in ids}))
 
 
@@ -228,20 +263,36 @@ def test_decoder_layer_with_block_residuals(ops, name):
     cfg = tiny_cfg(ops)
     L = int(f["layer_idx"])
     assert cfg.is_mla(L) == bool(f["is_mla"])
-    w = {"self_attention_res_norm.weight": f["self_attention_res_norm_weight"],
-         "self_attention_res_proj.weight": f["self_attention_res_proj_weight"],
-         "mlp_res_norm.weight": f["mlp_res_norm_weight"],
-         "mlp_res_proj.weight": f["mlp_res_proj_weight"],
-         "input_layernorm.weight": f["input_layernorm_weight"],
-         "post_attention_layernorm.weight": f["post_attention_layernorm_weight"]}
+    w = {
+        "self_attention_res_norm.weight": f["self_attention_res_norm_weight"],
+        "self_attention_res_proj.weight": f["self_attention_res_proj_weight"],
+        "mlp_res_norm.weight": f["mlp_res_norm_weight"],
+        "mlp_res_proj.weight": f["mlp_res_proj_weight"],
+        "input_layernorm.weight": f["input_layernorm_weight"],
+        "post_attention_layernorm.weight": f["post_attention_layernorm_weight"],
+    }
     if f["is_mla"]:
         w.update(mla_weights(f, "self_attn_"))
         state = MLAState.empty(cfg)
     else:
-        w.update(kda_weights(f, key=lambda k: "self_attn_" + {
-            "f_a": "f_a_proj_weight", "f_b": "f_b_proj_weight", "q_conv": "q_conv1d_weight",
-            "k_conv": "k_conv1d_weight", "v_conv": "v_conv1d_weight", "A_log": "A_log",
-            "dt_bias": "dt_bias", "o_norm": "o_norm_weight"}.get(k, k + "_weight")))
+        w.update(
+            kda_weights(
+                f,
+                key=lambda k: (
+                    "self_attn_"
+                    + {
+                        "f_a": "f_a_proj_weight",
+                        "f_b": "f_b_proj_weight",
+                        "q_conv": "q_conv1d_weight",
+                        "k_conv": "k_conv1d_weight",
+                        "v_conv": "v_conv1d_weight",
+                        "A_log": "A_log",
+                        "dt_bias": "dt_bias",
+                        "o_norm": "o_norm_weight",
+                    }.get(k, k + "_weight")
+                ),
+            )
+        )
         state = KDAState.zeros(cfg)
     moe_w, experts = moe_weights(f, "mlp_")
     w.update(moe_w)

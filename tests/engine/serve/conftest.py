@@ -13,7 +13,6 @@ import pytest
 from engine.decode.stats import TokenStats
 
 
-
 class FakeToken:
     def __init__(self, id, seconds, index, prefill_seconds, stats):
         self.id, self.seconds, self.index = id, seconds, index
@@ -25,8 +24,13 @@ class FakeParams:
         self.max_tokens, self.seed, self.stop_ids = max_tokens, seed, stop_ids
 
 
-def fake_generate(vocab: int, delay: float = 0.0, counter: list | None = None, fail_at: int | None = None,
-                  gate: threading.Event | None = None):
+def fake_generate(
+    vocab: int,
+    delay: float = 0.0,
+    counter: list | None = None,
+    fail_at: int | None = None,
+    gate: threading.Event | None = None,
+):
     """Random logits per step (seeded), the hook, then argmax: generate()'s contract.
     The random logits never pick an end id by themselves (only a hook ends a reply), so
     a test that cancels a long reply never races a reply that happened to stop early.
@@ -55,9 +59,18 @@ def fake_generate(vocab: int, delay: float = 0.0, counter: list | None = None, f
                 logits = logits_hook(list(generated), logits)
             tok = int(np.argmax(logits))
             generated.append(tok)
-            yield FakeToken(tok, delay + 0.001, index, 0.002 if index == 0 else None,
-                            TokenStats(s_per_token=delay + 0.001, gb_read_trunk=0.001,
-                                       gb_read_experts=0.0, compute_s=delay))
+            yield FakeToken(
+                tok,
+                delay + 0.001,
+                index,
+                0.002 if index == 0 else None,
+                TokenStats(
+                    s_per_token=delay + 0.001,
+                    gb_read_trunk=0.001,
+                    gb_read_experts=0.0,
+                    compute_s=delay,
+                ),
+            )
             if tok in params.stop_ids:
                 return
 
@@ -76,7 +89,9 @@ class InProcServer:
             service.set_loaded(loaded)
         cfg = uvicorn.Config(service.app(), log_level="warning", lifespan="off", http="h11")
         self.server = uvicorn.Server(cfg)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [sock]}, daemon=True
+        )
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started and time.monotonic() < deadline:
@@ -95,28 +110,52 @@ def make_loaded(test_tok):
     from engine.serve.worker import Loaded
 
     def make(n_ctx=64, delay=0.0):
-        return Loaded(tok=test_tok, generate=fake_generate(test_tok.vocab_size, delay),
-                      make_params=FakeParams, n_ctx=n_ctx)
+        return Loaded(
+            tok=test_tok,
+            generate=fake_generate(test_tok.vocab_size, delay),
+            make_params=FakeParams,
+            n_ctx=n_ctx,
+        )
 
     return make
 
 
 @pytest.fixture
 def inproc(test_tok):
-    """Factory: inproc(delay=..., steer_demo=..., gate=..., tok=..., **service kwargs) -> InProcServer."""
+    """Factory: inproc(delay=..., steer_demo=..., gate=..., tok=..., **service kwargs)
+    -> InProcServer."""
     from engine.serve.app import Service
     from engine.serve.worker import Loaded
 
     servers = []
 
-    def make(delay=0.0, steer_demo=False, loaded=True, api_keys=(), reasoning_budget=-1,
-             n_ctx=4096, counter=None, fail_at=None, gate=None, tok=None):
-        service = Service(model_name="fake-k3", steer_demo=steer_demo, reasoning_budget=reasoning_budget,
-                          api_keys=list(api_keys))
+    def make(
+        delay=0.0,
+        steer_demo=False,
+        loaded=True,
+        api_keys=(),
+        reasoning_budget=-1,
+        n_ctx=4096,
+        counter=None,
+        fail_at=None,
+        gate=None,
+        tok=None,
+    ):
+        service = Service(
+            model_name="fake-k3",
+            steer_demo=steer_demo,
+            reasoning_budget=reasoning_budget,
+            api_keys=list(api_keys),
+        )
         ld = None
         if loaded:
-            ld = Loaded(tok=tok or test_tok, generate=fake_generate(test_tok.vocab_size, delay, counter, fail_at, gate),
-                        make_params=FakeParams, n_ctx=n_ctx, info={"memory_plan": {"mode": "resident"}})
+            ld = Loaded(
+                tok=tok or test_tok,
+                generate=fake_generate(test_tok.vocab_size, delay, counter, fail_at, gate),
+                make_params=FakeParams,
+                n_ctx=n_ctx,
+                info={"memory_plan": {"mode": "resident"}},
+            )
         srv = InProcServer(service, ld)
         servers.append(srv)
         return srv

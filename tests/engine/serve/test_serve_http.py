@@ -67,7 +67,10 @@ def test_srv_stream_shape_like_llama_server(inproc):
     assert all(c["object"] == "chat.completion.chunk" and c["model"] == "fake-k3" for c in chunks)
     assert finish["choices"][0] == {"finish_reason": "stop", "index": 0, "delta": {}}
     assert usage["choices"] == [] and set(usage["timings"]) == TIMING_KEYS
-    assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + usage["usage"]["completion_tokens"]
+    assert (
+        usage["usage"]["total_tokens"]
+        == usage["usage"]["prompt_tokens"] + usage["usage"]["completion_tokens"]
+    )
     assert usage["timings"]["predicted_n"] == usage["usage"]["completion_tokens"]
     assert "timings" not in finish  # timings ride on the last chunk only
     middle = chunks[1:-2]
@@ -100,15 +103,26 @@ def test_srv_non_streamed_and_demo_is_deterministic(inproc):
 
 def test_srv_thinking_off_and_effort(inproc):
     srv = inproc(steer_demo=True)
-    for extra in ({"chat_template_kwargs": {"enable_thinking": False}}, {"reasoning_effort": "none"}):
-        out = post(srv.url + CHAT, json={"messages": HI, "seed": 1, "max_tokens": 200, **extra}).json()
+    for extra in (
+        {"chat_template_kwargs": {"enable_thinking": False}},
+        {"reasoning_effort": "none"},
+    ):
+        out = post(
+            srv.url + CHAT, json={"messages": HI, "seed": 1, "max_tokens": 200, **extra}
+        ).json()
         msg = out["choices"][0]["message"]
         assert "reasoning_content" not in msg and msg["content"]
     r = post(srv.url + CHAT, json={"messages": HI, "reasoning_effort": "medium"})
     assert r.status_code == 400 and "low, high or max" in r.json()["error"]["message"]
-    low = post(srv.url + CHAT, json={"messages": HI, "reasoning_effort": "low", "max_tokens": 5}).json()
-    high = post(srv.url + CHAT, json={"messages": HI, "reasoning_effort": "high", "max_tokens": 5}).json()
-    off = post(srv.url + CHAT, json={"messages": HI, "reasoning_effort": "none", "max_tokens": 5}).json()
+    low = post(
+        srv.url + CHAT, json={"messages": HI, "reasoning_effort": "low", "max_tokens": 5}
+    ).json()
+    high = post(
+        srv.url + CHAT, json={"messages": HI, "reasoning_effort": "high", "max_tokens": 5}
+    ).json()
+    off = post(
+        srv.url + CHAT, json={"messages": HI, "reasoning_effort": "none", "max_tokens": 5}
+    ).json()
     # the effort option message is in the prompt when thinking is on
     assert low["usage"]["prompt_tokens"] > off["usage"]["prompt_tokens"] + 50
     assert high["usage"]["prompt_tokens"] > off["usage"]["prompt_tokens"] + 50
@@ -133,14 +147,20 @@ def close_think_len(tok) -> int:
 def test_srv_reasoning_budget_forces_the_answer(inproc, test_tok):
     srv = inproc(steer_demo=True)
     # the demo would think ~24+ tokens; a budget of 6 closes the think channel early
-    out = post(srv.url + CHAT, json={"messages": HI, "seed": 3, "max_tokens": 300,
-                                           "reasoning_budget_tokens": 6}).json()
+    out = post(
+        srv.url + CHAT,
+        json={"messages": HI, "seed": 3, "max_tokens": 300, "reasoning_budget_tokens": 6},
+    ).json()
     msg = out["choices"][0]["message"]
     assert msg["content"] and out["choices"][0]["finish_reason"] == "stop"
-    assert out["usage"]["completion_tokens_details"]["reasoning_tokens"] == 6 + close_think_len(test_tok)
+    assert out["usage"]["completion_tokens_details"]["reasoning_tokens"] == 6 + close_think_len(
+        test_tok
+    )
     assert len(msg["reasoning_content"].split()) <= 6
-    zero = post(srv.url + CHAT, json={"messages": HI, "seed": 3, "max_tokens": 300,
-                                            "reasoning_budget_tokens": 0}).json()
+    zero = post(
+        srv.url + CHAT,
+        json={"messages": HI, "seed": 3, "max_tokens": 300, "reasoning_budget_tokens": 0},
+    ).json()
     assert "reasoning_content" not in zero["choices"][0]["message"]
     assert zero["choices"][0]["message"]["content"]
 
@@ -148,22 +168,41 @@ def test_srv_reasoning_budget_forces_the_answer(inproc, test_tok):
 def test_srv_server_default_budget(inproc, test_tok):
     srv = inproc(steer_demo=True, reasoning_budget=4)
     out = post(srv.url + CHAT, json={"messages": HI, "max_tokens": 300, "seed": 4}).json()
-    assert out["usage"]["completion_tokens_details"]["reasoning_tokens"] == 4 + close_think_len(test_tok)
-    assert get(srv.url + "/props").json()["default_generation_settings"]["params"]["reasoning_budget_tokens"] == 4
+    assert out["usage"]["completion_tokens_details"]["reasoning_tokens"] == 4 + close_think_len(
+        test_tok
+    )
+    assert (
+        get(srv.url + "/props").json()["default_generation_settings"]["params"][
+            "reasoning_budget_tokens"
+        ]
+        == 4
+    )
 
 
 def test_srv_stop_strings(inproc):
     srv = inproc(steer_demo=True)
-    full = post(srv.url + CHAT, json={"messages": HI, "seed": 5, "max_tokens": 300,
-                                            "reasoning_effort": "none"}).json()
+    full = post(
+        srv.url + CHAT,
+        json={"messages": HI, "seed": 5, "max_tokens": 300, "reasoning_effort": "none"},
+    ).json()
     content = full["choices"][0]["message"]["content"]
     stop = content.split()[3]
-    cut = post(srv.url + CHAT, json={"messages": HI, "seed": 5, "max_tokens": 300,
-                                           "reasoning_effort": "none", "stop": [stop, "zzzz"]}).json()
+    cut = post(
+        srv.url + CHAT,
+        json={
+            "messages": HI,
+            "seed": 5,
+            "max_tokens": 300,
+            "reasoning_effort": "none",
+            "stop": [stop, "zzzz"],
+        },
+    ).json()
     assert cut["choices"][0]["message"]["content"] == content[: content.index(stop)]
     assert cut["choices"][0]["finish_reason"] == "stop"
-    lines = stream_lines(srv.url, {"messages": HI, "seed": 5, "max_tokens": 300,
-                                   "reasoning_effort": "none", "stop": stop})
+    lines = stream_lines(
+        srv.url,
+        {"messages": HI, "seed": 5, "max_tokens": 300, "reasoning_effort": "none", "stop": stop},
+    )
     assert texts(chunks_of(lines))[1] == content[: content.index(stop)]
 
 
@@ -176,10 +215,24 @@ def test_srv_stop_strings(inproc):
         ({"messages": HI, "temperature": -1}, 400, "invalid_request_error", "temperature"),
         ({"messages": [{"role": "robot", "content": "x"}]}, 400, "invalid_request_error", "role"),
         ({"messages": HI, "n": 2}, 400, "invalid_request_error", "'n' must be 1"),
-        ({"messages": HI, "tools": [{"type": "function"}]}, 400, "invalid_request_error", "tool calling"),
-        ({"messages": HI, "reasoning_effort": "minimal"}, 400, "invalid_request_error", "low, high or max"),
-        ({"messages": [{"role": "user", "content": "word " * 5000}]}, 400, "exceed_context_size_error",
-         "exceeds the available context size"),
+        (
+            {"messages": HI, "tools": [{"type": "function"}]},
+            400,
+            "invalid_request_error",
+            "tool calling",
+        ),
+        (
+            {"messages": HI, "reasoning_effort": "minimal"},
+            400,
+            "invalid_request_error",
+            "low, high or max",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "word " * 5000}]},
+            400,
+            "exceed_context_size_error",
+            "exceeds the available context size",
+        ),
     ],
 )
 def test_srv_error_shapes(inproc, body, code, kind, words):
@@ -205,7 +258,11 @@ def test_srv_error_after_streaming_started_is_an_error_chunk(inproc):
     lines = stream_lines(srv.url, {"messages": HI, "max_tokens": 50})
     assert lines[-1] != "data: [DONE]"
     err = json.loads(lines[-1][6:])["error"]
-    assert err["code"] == 500 and err["type"] == "server_error" and "simulated engine failure" in err["message"]
+    assert (
+        err["code"] == 500
+        and err["type"] == "server_error"
+        and "simulated engine failure" in err["message"]
+    )
     assert metric(srv.url, "requests_failed_total") == 1
     r = post(srv.url + CHAT, json={"messages": HI, "max_tokens": 50})
     assert r.status_code == 500 and "simulated" in r.json()["error"]["message"]
@@ -216,11 +273,16 @@ def test_srv_api_key(inproc):
     assert get(srv.url + "/health").status_code == 200  # public, like llama-server
     r = get(srv.url + "/v1/models")
     assert r.status_code == 401 and r.json() == {
-        "error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}}
+        "error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}
+    }
     assert get(srv.url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert get(srv.url + "/v1/models", headers={"Authorization": "Bearer k2"}).status_code == 200
     assert get(srv.url + "/metrics", headers={"X-Api-Key": "k1"}).status_code == 200
-    r = post(srv.url + CHAT, json={"messages": HI, "max_tokens": 2}, headers={"Authorization": "Bearer k1"})
+    r = post(
+        srv.url + CHAT,
+        json={"messages": HI, "max_tokens": 2},
+        headers={"Authorization": "Bearer k1"},
+    )
     assert r.status_code == 200
 
 
@@ -228,8 +290,19 @@ def test_srv_loading_is_503_everywhere_but_health_with_progress(inproc, make_loa
     srv = inproc(loaded=False)
     r = get(srv.url + "/health")
     body = r.json()
-    assert r.status_code == 503 and body["error"] == {"code": 503, "message": "Loading model", "type": "unavailable_error"}
-    assert {"phase", "elapsed_s", "bytes_read", "checkpoint_bytes", "layers_bound", "rss_gb"} <= set(body["progress"])
+    assert r.status_code == 503 and body["error"] == {
+        "code": 503,
+        "message": "Loading model",
+        "type": "unavailable_error",
+    }
+    assert {
+        "phase",
+        "elapsed_s",
+        "bytes_read",
+        "checkpoint_bytes",
+        "layers_bound",
+        "rss_gb",
+    } <= set(body["progress"])
     for method, path in (("POST", CHAT), ("GET", "/v1/models"), ("GET", "/props")):
         r = request(method, srv.url + path, json={"messages": HI})
         assert r.status_code == 503 and r.json()["error"]["type"] == "unavailable_error"
@@ -261,8 +334,12 @@ def wait_metrics(url: str, what: str, **want: float) -> None:
 def test_srv_cancel_on_disconnect_stops_generation(inproc):
     counter: list[int] = []
     srv = inproc(delay=0.05, counter=counter)
-    with httpx.stream("POST", srv.url + CHAT, json={"messages": HI, "max_tokens": 2000, "stream": True},
-                      timeout=TIMEOUT) as r:
+    with httpx.stream(
+        "POST",
+        srv.url + CHAT,
+        json={"messages": HI, "max_tokens": 2000, "stream": True},
+        timeout=TIMEOUT,
+    ) as r:
         got = 0
         for line in r.iter_lines():
             if line.startswith("data: {"):
@@ -348,8 +425,11 @@ def test_srv_non_streamed_client_timeout_cancels(inproc):
     counter: list[int] = []
     srv = inproc(delay=0.05, counter=counter)
     with pytest.raises(httpx.ReadTimeout):  # only the read gives up early, not the connect
-        post(srv.url + CHAT, json={"messages": HI, "max_tokens": 2000},
-             timeout=httpx.Timeout(TIMEOUT, read=0.4))
+        post(
+            srv.url + CHAT,
+            json={"messages": HI, "max_tokens": 2000},
+            timeout=httpx.Timeout(TIMEOUT, read=0.4),
+        )
     # the cancel is counted a moment before the slot is marked idle: wait for both
     wait_metrics(srv.url, "the cancel", requests_cancelled_total=1, requests_processing=0)
     steps = len(counter)

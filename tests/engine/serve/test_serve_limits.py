@@ -214,12 +214,15 @@ def test_srv_limits_half_open_connections_are_closed(ckpt, tmp_path):
             except ConnectionResetError:
                 pass
             except TimeoutError:
-                pytest.fail(f"a connection that sent {sends[len(answers)][:40]!r} is still open after 30 s")
+                sent = sends[len(answers)][:40]
+                pytest.fail(f"a connection that sent {sent!r} is still open after 30 s")
             answers.append(out)
             s.close()
         assert answers[:40] == [b""] * 40
         assert all(a.startswith(b"HTTP/1.1 408") for a in answers[40:45]), answers[40]
-        assert all(a.startswith(b"HTTP/1.1 200") and a.count(b"HTTP/1.1") == 1 for a in answers[45:])
+        assert all(
+            a.startswith(b"HTTP/1.1 200") and a.count(b"HTTP/1.1") == 1 for a in answers[45:]
+        )
         assert httpx.get(srv.url + "/health", timeout=HANG).status_code == 200
         assert "Traceback" not in srv.log.read_text()
     finally:

@@ -94,7 +94,9 @@ def test_srv_proc_stream_with_httpx(demo_server):
         chunks, lines = sse_chunks(r)
     assert lines[-1] == "data: [DONE]"
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
-    reasoning = "".join(c["choices"][0]["delta"].get("reasoning_content") or "" for c in chunks if c["choices"])
+    reasoning = "".join(
+        c["choices"][0]["delta"].get("reasoning_content") or "" for c in chunks if c["choices"]
+    )
     content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     assert reasoning.strip() and content.strip() and "<|" not in reasoning + content
     assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
@@ -110,7 +112,11 @@ def test_srv_proc_openai_client(demo_server):
     client = openai.OpenAI(base_url=demo_server.url + "/v1", api_key="unused", max_retries=0)
     assert [m.id for m in client.models.list()] == ["demo model — random weights, not Kimi-K3"]
     stream = client.chat.completions.create(
-        model="anything", messages=HI, stream=True, max_tokens=400, seed=4,
+        model="anything",
+        messages=HI,
+        stream=True,
+        max_tokens=400,
+        seed=4,
         stream_options={"include_usage": True},
     )
     reasoning, content, finish, usage = "", "", None, None
@@ -193,7 +199,10 @@ def test_srv_proc_api_key(keyed_server):
     assert httpx.get(srv.url + "/health").status_code == 200
     r = httpx.post(srv.url + CHAT, json={"messages": HI})
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
-    assert httpx.get(srv.url + "/v1/models", headers={"X-Api-Key": KEY}).json()["data"][0]["id"] == "k3-small"
+    assert (
+        httpx.get(srv.url + "/v1/models", headers={"X-Api-Key": KEY}).json()["data"][0]["id"]
+        == "k3-small"
+    )
     bad = openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.chat.completions.create(model="k3-small", messages=HI, max_tokens=2)
@@ -206,13 +215,17 @@ def test_srv_proc_error_shapes(keyed_server):
     srv = keyed_server
     r = httpx.post(srv.url + CHAT, content=b"{oops", headers=AUTH)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
-    r = httpx.post(srv.url + CHAT, json={"messages": HI, "reasoning_effort": "medium"}, headers=AUTH)
+    r = httpx.post(
+        srv.url + CHAT, json={"messages": HI, "reasoning_effort": "medium"}, headers=AUTH
+    )
     assert r.status_code == 400 and "low, high or max" in r.json()["error"]["message"]
     r = httpx.get(srv.url + "/v2/nothing", headers=AUTH)
     assert r.status_code == 404 and r.json()["error"]["code"] == 404
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0)
     with pytest.raises(openai.BadRequestError, match="exceeds the available context size"):
-        client.chat.completions.create(model="x", messages=[{"role": "user", "content": "word " * 9000}])
+        client.chat.completions.create(
+            model="x", messages=[{"role": "user", "content": "word " * 9000}]
+        )
 
 
 def test_srv_proc_props_and_metrics(keyed_server):
@@ -238,14 +251,24 @@ def test_srv_proc_loading_503_then_200(small_ckpt):
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert r.status_code == 200 and r.json() == {"status": "ok"}
-        assert httpx.post(srv.url + CHAT, json={"messages": HI, "max_tokens": 2}, timeout=30).status_code == 200
+        assert (
+            httpx.post(
+                srv.url + CHAT, json={"messages": HI, "max_tokens": 2}, timeout=30
+            ).status_code
+            == 200
+        )
     finally:
         assert srv.stop() in (0, -signal.SIGTERM)
 
 
 def run_serve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "engine", "serve", *args],
-                          check=False, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "engine", "serve", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_srv_proc_refuses_non_loopback_without_key(small_ckpt):
@@ -270,7 +293,9 @@ def test_srv_proc_non_loopback_with_key_binds(small_ckpt, monkeypatch):
 
 def test_srv_proc_load_failures_are_one_sentence(small_ckpt, tmp_path):
     out = run_serve(str(tmp_path), "--port", "0")
-    assert out.returncode == 1 and "has no config.json" in out.stderr and "Traceback" not in out.stderr
+    assert (
+        out.returncode == 1 and "has no config.json" in out.stderr and "Traceback" not in out.stderr
+    )
     broken = tmp_path / "broken"
     broken.mkdir()
     for f in small_ckpt.iterdir():

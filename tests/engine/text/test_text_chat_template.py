@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.text.bpe_train import write_test_tokenizer
 from engine.text.chat_template import (
     EFFORT_SENTENCE,
     ChatTemplate,
@@ -13,7 +14,6 @@ from engine.text.chat_template import (
     segments_to_text,
 )
 from engine.text.tokenizer import Tokenizer, split_pieces
-from engine.text.bpe_train import write_test_tokenizer
 
 N = 1792
 REAL_BASE = 163584
@@ -23,7 +23,10 @@ SPEC_VECTOR = [
     163586, 163587, 2778, 6244, 878, 2482, 1, 163589, 19180, 163588, 2778, 163589, 163586,
     163587, 2778, 6244, 878, 69702, 1, 163589, 163587, 12092, 163589,
 ]
-SPEC_MESSAGES = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Hello"}]
+SPEC_MESSAGES = [
+    {"role": "system", "content": "You are helpful."},
+    {"role": "user", "content": "Hello"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +49,12 @@ def test_srv_spec_vector_layout(tpl, tok):
     for s in segs:
         layout += [s.name] if isinstance(s, Control) else split_pieces(s)
     assert len(layout) == 37
-    real_specials = {163586: "<|end_of_msg|>", 163587: "<|open|>", 163588: "<|close|>", 163589: "<|sep|>"}
+    real_specials = {
+        163586: "<|end_of_msg|>",
+        163587: "<|open|>",
+        163588: "<|close|>",
+        163589: "<|sep|>",
+    }
     for want, got in zip(SPEC_VECTOR, layout):
         if want in real_specials:
             assert got == real_specials[want]
@@ -79,10 +87,19 @@ def test_srv_spec_vector_exact_text(tpl):
 def test_srv_thinking_effort_system_option(tpl, tok, effort):
     segs = render_segments([{"role": "user", "content": "Hi"}], effort=effort)
     sentence = EFFORT_SENTENCE.format(effort=effort)
-    assert segs[:4] == [Control("<|open|>"), 'message role="system" type="thinking-effort"', Control("<|sep|>"), sentence]
+    assert segs[:4] == [
+        Control("<|open|>"),
+        'message role="system" type="thinking-effort"',
+        Control("<|sep|>"),
+        sentence,
+    ]
     assert sentence.endswith(f"invoked with `thinking_effort={effort}`.")
-    assert "(not including the response channel), supported values include `low`, `medium`" in sentence
-    assert segments_to_text(segs).endswith('<|open|>message role="assistant"<|sep|><|open|>think<|sep|>')
+    assert (
+        "(not including the response channel), supported values include `low`, `medium`" in sentence
+    )
+    assert segments_to_text(segs).endswith(
+        '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'
+    )
     ids = tpl.render([{"role": "user", "content": "Hi"}], effort=effort)
     # the sentence is encoded as one segment
     start = ids.index(tok.special("<|sep|>")) + 1
@@ -107,11 +124,15 @@ def test_srv_assistant_history_channels():
         "<|open|>response<|sep|>A<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>"
     ) in on
     # think channel present even when empty
-    assert "<|open|>think<|sep|><|close|>think<|sep|><|open|>response<|sep|>B<|close|>response" in on
+    assert (
+        "<|open|>think<|sep|><|close|>think<|sep|><|open|>response<|sep|>B<|close|>response" in on
+    )
     off = segments_to_text(render_segments(msgs, thinking=False))
     assert "think" not in off and "R" not in off.replace("role", "")
     assert "<|open|>response<|sep|>A<|close|>response<|sep|>" in off
-    assert render_segments(msgs, add_generation_prompt=False, thinking=False)[-1] == Control("<|end_of_msg|>")
+    assert render_segments(msgs, add_generation_prompt=False, thinking=False)[-1] == Control(
+        "<|end_of_msg|>"
+    )
 
 
 def test_srv_user_text_cannot_inject_controls(tpl, tok):
@@ -125,7 +146,14 @@ def test_srv_user_text_cannot_inject_controls(tpl, tok):
 
 
 def test_srv_content_parts_and_bad_messages():
-    segs = render_segments([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+    segs = render_segments(
+        [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            }
+        ]
+    )
     assert "ab" in segs
     with pytest.raises(TemplateError, match="role must be"):
         render_segments([{"role": "wizard", "content": "x"}])
@@ -149,10 +177,19 @@ def test_srv_parser_splits_reasoning_and_content(tok, tpl):
     sp = tok.special
     ids = (
         tok.encode("Let me think 你好.")
-        + [sp("<|close|>")] + tok.encode("think") + [sp("<|sep|>"), sp("<|open|>")] + tok.encode("response") + [sp("<|sep|>")]
+        + [sp("<|close|>")]
+        + tok.encode("think")
+        + [sp("<|sep|>"), sp("<|open|>")]
+        + tok.encode("response")
+        + [sp("<|sep|>")]
         + tok.encode("The answer is 4 😀.")
-        + [sp("<|close|>")] + tok.encode("response") + [sp("<|sep|>"), sp("<|close|>")] + tok.encode("message") + [sp("<|sep|>")]
-        + [sp("[EOS]")] + tok.encode("never seen")
+        + [sp("<|close|>")]
+        + tok.encode("response")
+        + [sp("<|sep|>"), sp("<|close|>")]
+        + tok.encode("message")
+        + [sp("<|sep|>")]
+        + [sp("[EOS]")]
+        + tok.encode("never seen")
     )
     p = tpl.parser(thinking=True)
     reasoning, content, deltas = _feed_all(p, ids)
@@ -167,7 +204,9 @@ def test_srv_parser_splits_reasoning_and_content(tok, tpl):
 @pytest.mark.parametrize("end", ["<|end_of_msg|>", "[EOS]"])
 def test_srv_parser_ends_on_either_end_id(tok, tpl, end):
     p = tpl.parser(thinking=False)
-    reasoning, content, _ = _feed_all(p, tok.encode("hi there") + [tok.special(end)] + tok.encode("more"))
+    reasoning, content, _ = _feed_all(
+        p, tok.encode("hi there") + [tok.special(end)] + tok.encode("more")
+    )
     assert (reasoning, content, p.done) == ("", "hi there", True)
 
 

@@ -9,8 +9,8 @@ import random
 import pytest
 import tiktoken
 
-from engine.text.tokenizer import SPLIT_PATTERN, Tokenizer, read_ranks
 from engine.text.bpe_train import write_test_tokenizer
+from engine.text.tokenizer import SPLIT_PATTERN, Tokenizer, read_ranks
 
 N_RANKS = 1792
 
@@ -30,7 +30,9 @@ def tok(vocab_dir) -> Tokenizer:
 @pytest.fixture(scope="module")
 def oracle(vocab_dir):
     ranks = read_ranks(vocab_dir / "tiktoken.model")
-    return tiktoken.Encoding("k3-test", pat_str=SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens={})
+    return tiktoken.Encoding(
+        "k3-test", pat_str=SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens={}
+    )
 
 
 def test_srv_files_have_exact_ranks_and_specials_in_kimi_order(vocab_dir):

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 from stream_helpers import Recorder
 
-from engine.errors import PlanError, ReadError
+from engine.checkpoint.synth import synthesize
 from engine.decode.generate import GenParams, generate
+from engine.errors import PlanError, ReadError
 from engine.model.transformer import load_model
 from engine.weights.planner import GB, add_memory_arguments, make_plan, plan_from_args
-from engine.weights.streaming import CheckpointMap, StreamingSource
-from engine.checkpoint.synth import synthesize
 from engine.weights.resident import ResidentSource
+from engine.weights.streaming import CheckpointMap, StreamingSource
 
 PROMPT = [3, 7, 11, 5, 9, 200, 17]
 
@@ -62,7 +62,9 @@ def test_stream_guess_plan_auto_only_where_the_disk_is_idle(small):
         make_plan(g, budget_gb=trunk_and_slots(small, 12), guess_experts="maybe")
     p = argparse.ArgumentParser()
     add_memory_arguments(p)
-    args = p.parse_args(["--budget-gb", f"{trunk_and_slots(small, 12):.6f}", "--guess-experts", "off"])
+    args = p.parse_args(
+        ["--budget-gb", f"{trunk_and_slots(small, 12):.6f}", "--guess-experts", "off"]
+    )
     assert not plan_from_args(g, args).guess_experts
 
 
@@ -70,8 +72,12 @@ def test_stream_guess_same_ids_and_most_reads_start_early(small):
     want = greedy(small, ResidentSource(small))
     for slots, threads in ((2 * 4, 1), (12, 4), (40, 6)):
         cmap = CheckpointMap(small)
-        plan = make_plan(cmap.geometry(), budget_gb=trunk_and_slots(small, slots),
-                         threads=threads, guess_experts="on")
+        plan = make_plan(
+            cmap.geometry(),
+            budget_gb=trunk_and_slots(small, slots),
+            threads=threads,
+            guess_experts="on",
+        )
         with StreamingSource(cmap, plan) as src:
             assert src.wants_guesses
             assert greedy(small, src) == want, (slots, threads)

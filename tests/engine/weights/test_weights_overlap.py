@@ -8,12 +8,12 @@ from contextlib import contextmanager
 
 import pytest
 
-from engine.model import moe
+from engine.checkpoint.synth import synthesize
 from engine.decode.generate import GenParams, generate
+from engine.model import moe
 from engine.model.transformer import load_model
 from engine.weights.planner import GB, make_plan
 from engine.weights.streaming import CheckpointMap, StreamingSource
-from engine.checkpoint.synth import synthesize
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,8 @@ def test_stream_shared_experts_compute_while_expert_reads_are_in_flight(small, m
     class Spy:
         def __init__(self, inner):
             self.inner = inner
-            self.concurrent = inner.concurrent  # as the source's own set, so experts still run in parallel
+            # as concurrent as the source's own set, so experts still run in parallel
+            self.concurrent = inner.concurrent
 
         def __getitem__(self, e):
             events.append("expert")

@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 from stream_helpers import Recorder
 
-from engine.errors import ReadError
-from engine.decode.generate import GenParams, generate
-from engine.weights.io import Layout
-from engine.model.transformer import load_model
-from engine.weights.planner import GB, add_memory_arguments, make_plan
-from engine.weights.streaming import MODEL_TENSORS, CheckpointMap, StreamingSource, open_source
 from engine.checkpoint.synth import synthesize
 from engine.checkpoint.trunk import pack
+from engine.decode.generate import GenParams, generate
+from engine.errors import ReadError
+from engine.model.transformer import load_model
+from engine.weights.io import Layout
+from engine.weights.planner import GB, add_memory_arguments, make_plan
 from engine.weights.resident import ResidentSource
+from engine.weights.streaming import MODEL_TENSORS, CheckpointMap, StreamingSource, open_source
 
 REPO = str(Path(__file__).resolve().parents[3])
 PROMPT = [3, 7, 11, 5, 9, 200, 17]
