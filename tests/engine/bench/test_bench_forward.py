@@ -7,6 +7,9 @@ import json
 
 from engine.bench import forward as bench_forward
 from engine.checkpoint.synth import flat_config, synthesize
+from engine.decode.generate import GenParams, generate
+from engine.model.config import ModelConfig
+from engine.model.transformer import load_model
 
 
 def test_bench_forward_reports_fractions(monkeypatch, tmp_path, capsys):
@@ -23,4 +26,12 @@ def test_bench_forward_reports_fractions(monkeypatch, tmp_path, capsys):
                 "memory_bandwidth_gb_per_s", "kda_moe_layer_ms", "mla_moe_layer_ms"):
         assert res[key] > 0
     assert res["checkpoint_decode"]["seconds_per_token"] > 0
-    assert len(res["checkpoint_decode"]["generated_ids"]) == 3
+    # the decode it timed is the real model's: the same ids as a plain generate()
+    plain = generate(load_model(ckpt), [1, 2, 3, 4, 5], GenParams(max_tokens=3))
+    assert res["checkpoint_decode"]["generated_ids"] == [t.id for t in plain]
+    # the expert bytes it divides by are MXFP4's: a packed nibble + one scale byte per 32
+    cfg = ModelConfig.from_dict(toy)
+    lat, inter = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
+    one_expert = 3 * (inter * lat // 2 + inter * lat // 32)
+    want = round(cfg.num_experts_per_token * one_expert / 1e9, 4)
+    assert res["active_experts_gb_per_layer"] == want
