@@ -406,8 +406,3 @@ class Layout:
             key = name[n:] if n and name.startswith(strip) else name
             out[key] = buf[pos : pos + s.nbytes].view(s.dtype).reshape(s.shape)
         return out
-
-
-def read_layout(pool: ReadPool, files: FileTable, layout: Layout, buf: np.ndarray,
-                priority: tuple = (1,)) -> Batch:
-    return pool.submit(layout.reads(files, buf), priority)
