@@ -1,41 +1,6 @@
-"""`python -m engine COMMAND`: run, synth, pack, serve, bench.
+"""`python -m engine COMMAND` (engine/cli.py)."""
 
-Each command's module exposes `add_arguments(parser)` and `main(args) -> int`; only the
-chosen one is imported.
-"""
-
-from __future__ import annotations
-
-import argparse
-import importlib
-import sys
-
-COMMANDS = {
-    "run": ("engine.run", "generate from a checkpoint (token ids in, ids and timings out)"),
-    "synth": ("engine.synth", "write a random-weight Kimi-K3-architecture checkpoint"),
-    "pack": ("engine.trunk", "pack a checkpoint's trunk into trunk.bin + trunk.json"),
-    "serve": ("engine.server", "serve a checkpoint over an OpenAI-compatible HTTP API"),
-    "bench": ("engine.bench", "benchmarks: forward, stream, serve"),
-}
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="python -m engine")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    chosen = next((a for a in argv if not a.startswith("-")), None)
-    for name, (module, help_text) in COMMANDS.items():
-        sp = sub.add_parser(name, help=help_text, description=help_text)
-        if name == chosen:
-            importlib.import_module(module).add_arguments(sp)
-    args = parser.parse_args(argv)
-    module = importlib.import_module(COMMANDS[args.command][0])
-    try:
-        return int(module.main(args) or 0)
-    except KeyboardInterrupt:
-        print("\ninterrupted.", file=sys.stderr)
-        return 130
-
+from engine.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

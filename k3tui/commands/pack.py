@@ -1,6 +1,6 @@
 """`k3tui pack [CHECKPOINT] [OUT]`: pack the trunk for streaming, as a detached job.
 
-Runs `engine.trunk.pack` (resumable) in a job process; the state file carries the same
+Runs `engine.checkpoint.trunk.pack` (resumable) in a job process; the state file carries the same
 keys as a download plus `layer`. Defaults: the configured checkpoint (`model.dir`) and
 `model.trunk_dir`, else `<checkpoint>-trunk` beside it (then saved as `model.trunk_dir`).
 """
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
 def _pack(ckpt: Path, out: Path, on_progress) -> dict:
     try:
         from engine.errors import EngineError
-        from engine.trunk import pack
+        from engine.checkpoint.trunk import pack
     except ImportError as exc:
         raise K3Error(f"The bundled engine cannot pack here ({exc}).",
                       "reinstall k3tui (`pip install -e .`) and rerun") from None

@@ -18,7 +18,7 @@ __all__ = ["MachineReport", "ProbeEnv", "list_profiles", "load_report", "probe_m
 def probe_machine(target_dir: str | Path | None = None, measure: bool = False,
                   env: ProbeEnv | None = None, check_isolation: bool = True) -> MachineReport:
     """Probe this machine (or the trees `env` points at) for the model's target directory."""
-    from engine.sysmem import read_cgroup, read_mounts
+    from engine.weights.sysmem import read_cgroup, read_mounts
     from k3tui.probe.cpu import probe_cpu
     from k3tui.probe.gpu import probe_gpu
     from k3tui.probe.isolation import IsolationInfo, probe_isolation

@@ -11,7 +11,7 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engine.sysmem import Roots
+from engine.weights.sysmem import Roots
 
 
 @dataclass

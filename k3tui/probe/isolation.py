@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.sysmem import CgroupInfo
+from engine.weights.sysmem import CgroupInfo
 from k3tui.probe.env import ProbeEnv
 
 TEST_LIMIT = 256 * 1024 * 1024

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.sysmem import CgroupInfo, memory_pressure_file, parse_meminfo
+from engine.weights.sysmem import CgroupInfo, memory_pressure_file, parse_meminfo
 from k3tui.probe.env import ProbeEnv
 
 

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.sysmem import Mount, read_mounts
+from engine.weights.sysmem import Mount, read_mounts
 from k3tui.probe.env import ProbeEnv
 
 NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "virtiofs", "ceph", "glusterfs",

@@ -9,7 +9,7 @@ import signal
 import httpx
 import pytest
 
-from engine.synth import synthesize
+from engine.checkpoint.synth import synthesize
 from k3tui.backends.events import BackendError, Finished, ReasoningDelta, TokenStats
 from k3tui.backends.launch import launch, launch_engine
 from k3tui.config import Config

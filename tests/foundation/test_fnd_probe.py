@@ -11,7 +11,7 @@ import pytest
 
 from fnd_helpers import env_for
 from k3tui.probe import MachineReport, probe_machine
-from engine.sysmem import limit_or_none, parse_mountinfo, read_cgroup as probe_cgroup
+from engine.weights.sysmem import limit_or_none, parse_mountinfo, read_cgroup as probe_cgroup
 from k3tui.probe.cpu import parse_cpu_list
 from k3tui.probe.env import ProbeEnv
 from k3tui.probe.gpu import probe_gpu

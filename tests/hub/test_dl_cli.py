@@ -60,7 +60,7 @@ def test_dl_default_dir_is_under_models(hub, tmp_path, _isolated_home):
 
 @pytest.fixture
 def checkpoint(tmp_path):
-    from engine.synth import synthesize
+    from engine.checkpoint.synth import synthesize
 
     return synthesize(tmp_path / "ck", size="tiny")
 

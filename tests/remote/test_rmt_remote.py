@@ -391,7 +391,7 @@ def test_rmt_api_key_from_env_then_credentials_and_masked(monkeypatch):
 # --- the bundled engine's own server ------------------------------------------------------------
 
 def test_rmt_engine_server_with_api_key(tmp_path):
-    from engine.synth import synthesize
+    from engine.checkpoint.synth import synthesize
 
     ckpt = synthesize(tmp_path / "ckpt", size="small", seed=0)
     log = tmp_path / "engine.log"

@@ -1,0 +1,33 @@
+"""`python -m engine bench forward|stream`: benchmarks that print ratios measured in one run.
+
+* forward — compute: one KDA layer and one MLA-MoE layer at the real widths, BF16 and
+  MXFP4 matmul throughput as fractions of the memory bandwidth measured in the same run
+  (engine/bench/forward.py).
+* stream — I/O: the streaming source under memory budgets (engine/bench/stream.py).
+* serve — the HTTP server's cost per token against calling generate directly
+  (engine/bench/serve.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHES = {
+    "forward": "engine.bench.forward",
+    "stream": "engine.bench.stream",
+    "serve": "engine.bench.serve",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", metavar="WHICH", required=True)
+    for name, module in BENCHES.items():
+        sp = sub.add_parser(
+            name, help=(importlib.import_module(module).__doc__ or "").split("\n")[0]
+        )
+        importlib.import_module(module).add_arguments(sp)
+
+
+def main(args: argparse.Namespace) -> int:
+    return int(importlib.import_module(BENCHES[args.bench]).main(args) or 0)

@@ -1,0 +1,87 @@
+"""Decoding loop: prefill, then one token per step (or full recomputation), sampling,
+stop ids, max tokens, cancellation, per-token timing and engine statistics."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.decode.sampler import Sampler
+from engine.decode.stats import StatsMeter, TokenStats
+from engine.model.transformer import Cancelled, Model
+
+LogitsHook = Callable[[list[int], np.ndarray], np.ndarray]
+
+
+@dataclass(frozen=True)
+class GenParams:
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_ids: tuple[int, ...] = ()
+    full_recompute: bool = False
+
+
+@dataclass(frozen=True)
+class GenToken:
+    id: int
+    seconds: float  # wall time since the previous token (since the start for index 0)
+    index: int
+    prefill_seconds: float | None  # index 0 only: the prompt's forward pass
+    stats: TokenStats = field(default_factory=TokenStats)
+    stop: bool = False  # this id is one of params.stop_ids; it is the last token yielded
+
+
+def generate(model: Model, prompt_ids: Sequence[int], params: GenParams, *,
+             cancel: threading.Event | None = None,
+             logits_hook: LogitsHook | None = None) -> Iterator[GenToken]:
+    """Yield generated tokens one by one. A stop id is yielded (flagged `stop`) and ends the
+    run; `cancel` is checked between tokens and between layers."""
+    if not prompt_ids:
+        raise ValueError("generate needs at least one prompt id")
+    sample = Sampler(params.temperature, params.top_k, params.top_p, params.seed)
+    stops = set(int(s) for s in params.stop_ids)
+    ids = [int(i) for i in prompt_ids]
+    generated: list[int] = []
+    state = None if params.full_recompute else model.new_state()
+    meter = StatsMeter(model.source)
+    start = last = time.perf_counter()
+    try:
+        for index in range(params.max_tokens):
+            if cancel is not None and cancel.is_set():
+                return
+            t0 = time.perf_counter()
+            if params.full_recompute:
+                logits = model.forward(ids, model.new_state(), all_positions=False, cancel=cancel)[
+                    -1
+                ]
+            elif index == 0:
+                logits = model.prefill(ids, state, cancel=cancel)
+            else:
+                logits = model.step(ids[-1], state, cancel=cancel)
+            compute = time.perf_counter() - t0
+            if logits_hook is not None:
+                logits = logits_hook(list(generated), logits)
+            token = sample(logits)
+            seconds = time.perf_counter() - (start if index == 0 else last)
+            generated.append(token)
+            ids.append(token)
+            yield GenToken(
+                id=token,
+                seconds=seconds,
+                index=index,
+                prefill_seconds=compute if index == 0 else None,
+                stats=meter.delta(seconds, compute),
+                stop=token in stops,
+            )
+            last = time.perf_counter()
+            if token in stops:
+                return
+    except Cancelled:
+        return

@@ -1,0 +1,388 @@
+"""Fused matrix kernels compiled by numba: widen/decode inside the dot product.
+
+The BF16 and MXFP4 row dot products are written as 16-lane LLVM vector IR (numba
+intrinsics): the weight row is widened/decoded in registers and multiplied at once, so
+each weight byte is read from memory once, and the summation order is spelled out in the
+code rather than left to fast-math reassociation. Rows are split across threads; each
+output element is produced by the same instruction sequence whatever the number of tokens
+or threads, so results depend on neither (tests/engine/kernels/test_kernels_fused.py checks the
+bits against a numpy emulation of each documented order).
+Importing this module raises ImportError when numba is missing; kernels/__init__.py then uses
+the numpy reference.
+"""
+
+from __future__ import annotations
+
+import os
+import types as pytypes
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange
+from numba.core import cgutils, types
+from numba.core.extending import intrinsic
+
+from engine.kernels.mxfp4 import E2M1, MX_GROUP, MX_SCALE
+
+# OpenMP workers spin while idle by default: on a shared 2-core machine that burns the CPU
+# the other thread (or another process) needs. Must be set before the first parallel run.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+ROWS_PER_TASK = 16
+# Waking the thread pool costs ~0.1-5 ms on a busy 2-core machine: small products run serial.
+PARALLEL_MIN_WEIGHTS = 1 << 20
+_FLAGS = {"fastmath": True, "cache": True, "nogil": True, "error_model": "numpy"}
+
+
+def _f32_matmul(w, x, out):  # w f32 [R, C]
+    rows, cols = w.shape
+    tokens = x.shape[0]
+    for r in prange(rows):
+        for t in range(tokens):
+            acc = np.float32(0.0)
+            for j in range(cols):
+                acc += w[r, j] * x[t, j]
+            out[t, r] = acc
+
+
+# ---- MXFP4 row dot product, written as LLVM vector IR ------------------------------------------
+# Auto-vectorised scalar code decoded with many integer ops per nibble and summed each
+# 32-group horizontally; spelling the loop out as 16-lane vectors keeps the partial sums in
+# registers and fixes the summation order in the code (no fast-math reassociation), so it
+# is the same on every machine, thread count and batch size.
+_LANES = 16
+# Software prefetch this far ahead of the bytes being decoded (about two expert rows):
+# without it a core waits on memory between bursts of decoding, +40% from RAM measured.
+PREFETCH_BYTES = 4096
+_F32 = ir.FloatType()
+_VF = ir.VectorType(_F32, _LANES)
+_VI8 = ir.VectorType(ir.IntType(8), _LANES)
+_VI16 = ir.VectorType(ir.IntType(16), _LANES)
+_VI32 = ir.VectorType(ir.IntType(32), _LANES)
+# E2M1 times 2^-14 (exact): what the generic decode below produces via IEEE-half bits.
+_E2M1_2M14 = ir.Constant(_VF, [float(v) * 2.0**-14 for v in E2M1])
+
+
+def _host_has_avx512() -> bool:
+    """vpermps on 16 floats is one instruction that looks up all 16 E2M1 codes; only when
+    numba compiles for this very CPU (NUMBA_CPU_NAME unset)."""
+    if numba.config.CPU_NAME or numba.config.CPU_FEATURES:
+        return False
+    try:
+        from llvmlite import binding
+
+        return bool(binding.get_host_cpu_features().get("avx512f"))
+    except RuntimeError:  # features unknown on this platform: the generic decode is always right
+        return False
+
+
+def _splat(ty: ir.VectorType, v) -> ir.Constant:
+    return ir.Constant(ty, [v] * _LANES)
+
+
+def _vfma(builder, a, b, c):
+    """a·b + c rounded once: a defined result on every machine (FMA hardware or not)."""
+    fnty = ir.FunctionType(_VF, [_VF, _VF, _VF])
+    return builder.call(cgutils.get_or_insert_function(builder.module, fnty, "llvm.fma.v16f32"),
+                        [a, b, c])
+
+
+def _decode_generic(builder, b):
+    """16 packed bytes → (low-nibble, high-nibble) float vectors of E2M1·2^-14. Code n
+    placed as IEEE-half bits (magnitude n&7 at bit 9, sign n&8 at bit 15) is exactly
+    E2M1[n]·2^-14: E2M1's subnormals land on half subnormals, which convert exactly. The
+    high byte of that half is built per byte, widened and converted."""
+    lo = builder.or_(builder.shl(builder.and_(b, _splat(_VI8, 0x08)), _splat(_VI8, 4)),
+                     builder.shl(builder.and_(b, _splat(_VI8, 0x07)), _splat(_VI8, 1)))
+    hi = builder.or_(builder.and_(b, _splat(_VI8, 0x80)),
+                     builder.and_(builder.lshr(b, _splat(_VI8, 3)), _splat(_VI8, 0x0E)))
+
+    def to_f32(hb):
+        h = builder.shl(builder.zext(hb, _VI16), _splat(_VI16, 8))
+        return builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), _LANES)), _VF)
+
+    return to_f32(lo), to_f32(hi)
+
+
+def _decode_avx512(builder, b):
+    """The same values by table lookup: vpermps reads only an index's low 4 bits."""
+    fnty = ir.FunctionType(_VF, [_VF, _VI32])
+    perm = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.permvar.sf.512")
+    idx = builder.zext(b, _VI32)
+    return (builder.call(perm, [_E2M1_2M14, idx]),
+            builder.call(perm, [_E2M1_2M14, builder.lshr(idx, _splat(_VI32, 4))]))
+
+
+_PREFETCH_READ_L1 = [ir.Constant(ir.IntType(32), v) for v in (0, 3, 1)]  # read, keep, data
+
+
+def _prefetch_fn(builder):
+    """llvm.prefetch: a hint, never a fault, so it may point past the matrix's end."""
+    fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer()] + [ir.IntType(32)] * 3)
+    return cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+
+
+def _lane_sum(builder, v):
+    """Fixed halving tree over a vector's lanes: lane i += lane i + width/2."""
+    width = v.type.count
+    while width > 1:
+        width //= 2
+        lanes = [ir.Constant(ir.VectorType(ir.IntType(32), width), list(range(k, k + width)))
+                 for k in (0, width)]
+        lo, hi = builder.shuffle_vector(v, v, lanes[0]), builder.shuffle_vector(v, v, lanes[1])
+        v = builder.fadd(lo, hi)
+    return builder.extract_element(v, ir.Constant(ir.IntType(32), 0))
+
+
+def _make_row_dot(decode, block: int):
+    @intrinsic
+    def row_dot(typingctx, packed, r, xe, xo, t0, scale, scales, out):
+        """out[t, r] = Σ_i W[r, i]·x[t, i] for MXFP4 row r and the `block` tokens from t0
+        (x split into even/odd columns). Each 32-group is decoded once for all of them.
+        Per token, lane k of two 16-lane accumulators (even / odd 32-groups) sums, group
+        after group, fma(fma(hi_k, xo_k, lo_k·xe_k), scale, acc) with E2M1·2^-14 values;
+        then acc_even + acc_odd, a fixed halving tree over the lanes, × 2^14. A token's
+        bits do not depend on which block it was computed in."""
+        sig = types.none(packed, r, xe, xo, t0, scale, scales, out)
+
+        def codegen(context, builder, signature, args):
+            pk, r, xe, xo, t0, sc, tab, res = args
+            pkty, _, xety, xoty, _, scty, tabty, resty = signature.args
+            zero, one, two = (ir.Constant(r.type, v) for v in (0, 1, 2))
+
+            def ptr(ty, val, i, j):
+                arr = context.make_array(ty)(context, builder, val)
+                return cgutils.get_item_pointer(context, builder, ty, arr, [i, j])
+
+            half = cgutils.unpack_tuple(
+                builder, context.make_array(pkty)(context, builder, pk).shape, 2
+            )[1]
+            n_groups = builder.udiv(half, ir.Constant(r.type, 16))
+            prow, srow = ptr(pkty, pk, r, zero), ptr(scty, sc, r, zero)
+            toks = [builder.add(t0, ir.Constant(r.type, i)) for i in range(block)]
+            erows = [ptr(xety, xe, t, zero) for t in toks]
+            orows = [ptr(xoty, xo, t, zero) for t in toks]
+            table = context.make_array(tabty)(context, builder, tab).data
+            accs = [
+                [cgutils.alloca_once_value(builder, ir.Constant(_VF, None)) for _ in range(2)]
+                for _ in range(block)
+            ]
+
+            def group(g, chain):
+                off = builder.mul(g, ir.Constant(g.type, 16))
+                b = builder.load(
+                    builder.bitcast(builder.gep(prow, [off]), _VI8.as_pointer()), align=1
+                )
+                lo, hi = decode(builder, b)
+                s = builder.load(
+                    builder.gep(table, [builder.zext(builder.load(builder.gep(srow, [g])), g.type)])
+                )
+                sv = builder.insert_element(
+                    ir.Constant(_VF, ir.Undefined), s, ir.Constant(ir.IntType(32), 0)
+                )
+                sv = builder.shuffle_vector(sv, sv, ir.Constant(_VI32, [0] * _LANES))
+                for erow, orow, acc in zip(erows, orows, accs):
+                    xev = builder.load(
+                        builder.bitcast(builder.gep(erow, [off]), _VF.as_pointer()), align=4
+                    )
+                    xov = builder.load(
+                        builder.bitcast(builder.gep(orow, [off]), _VF.as_pointer()), align=4
+                    )
+                    part = _vfma(builder, hi, xov, builder.fmul(lo, xev))
+                    builder.store(_vfma(builder, part, sv, builder.load(acc[chain])), acc[chain])
+
+            prefetch = _prefetch_fn(builder)
+            with cgutils.for_range(builder, builder.udiv(n_groups, two)) as loop:  # two chains
+                g0 = builder.mul(loop.index, two)
+                ahead = builder.add(
+                    builder.mul(g0, ir.Constant(r.type, 16)), ir.Constant(r.type, PREFETCH_BYTES)
+                )
+                builder.call(prefetch, [builder.gep(prow, [ahead]), *_PREFETCH_READ_L1])
+                group(g0, 0)
+                group(builder.add(g0, one), 1)
+            with builder.if_then(builder.icmp_unsigned("!=", builder.urem(n_groups, two), zero)):
+                group(builder.sub(n_groups, one), 0)
+            for t, acc in zip(toks, accs):
+                total = _lane_sum(builder, builder.fadd(builder.load(acc[0]), builder.load(acc[1])))
+                builder.store(
+                    builder.fmul(total, ir.Constant(_F32, 16384.0)), ptr(resty, res, t, r)
+                )
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return row_dot
+
+
+_DECODE = _decode_avx512 if _host_has_avx512() else _decode_generic
+_mxfp4_row_dot1, _mxfp4_row_dot2, _mxfp4_row_dot4 = (_make_row_dot(_DECODE, b) for b in (1, 2, 4))
+
+
+def _mxfp4_matmul(packed, scale, xe, xo, out, scales):
+    """x arrives split into even (low nibble) and odd (high nibble) columns; tokens go
+    four, then two, then one at a time through each row (same bits either way)."""
+    rows = packed.shape[0]
+    tokens = xe.shape[0]
+    for r in prange(rows):
+        t = 0
+        while t + 4 <= tokens:
+            _mxfp4_row_dot4(packed, r, xe, xo, t, scale, scales, out)
+            t += 4
+        if t + 2 <= tokens:
+            _mxfp4_row_dot2(packed, r, xe, xo, t, scale, scales, out)
+            t += 2
+        if t < tokens:
+            _mxfp4_row_dot1(packed, r, xe, xo, t, scale, scales, out)
+
+
+# ---- BF16 row dot product, the same way ------------------------------------------------------
+_BF16_CHAINS = 4  # independent 16-lane accumulators: enough to hide the FMA latency
+
+
+@intrinsic
+def _bf16_row_dot(typingctx, w, r, x, t):
+    """Σ_j W[r, j]·x[t, j] for a BF16 row (uint16 bits, widened exactly by a 16-bit shift).
+    Chunk c of 16 columns goes to accumulator c mod 4 for the whole 64-column blocks;
+    leftover 16-column chunks go to accumulator 0; then (acc0 + acc1) + (acc2 + acc3), a
+    halving tree over the lanes, and the last < 16 columns one by one."""
+    sig = types.float32(w, r, x, t)
+
+    def codegen(context, builder, signature, args):
+        wv, r, xv, t = args
+        wty, _, xty, _ = signature.args
+        ity = r.type
+        zero = ir.Constant(ity, 0)
+        warr = context.make_array(wty)(context, builder, wv)
+        cols = cgutils.unpack_tuple(builder, warr.shape, 2)[1]
+        wrow = cgutils.get_item_pointer(context, builder, wty, warr, [r, zero])
+        xrow = cgutils.get_item_pointer(
+            context, builder, xty, context.make_array(xty)(context, builder, xv), [t, zero]
+        )
+        accs = [
+            cgutils.alloca_once_value(builder, ir.Constant(_VF, None)) for _ in range(_BF16_CHAINS)
+        ]
+        prefetch = _prefetch_fn(builder)
+
+        def chunk(j, acc):  # 16 columns from column j
+            bits = builder.load(
+                builder.bitcast(builder.gep(wrow, [j]), _VI16.as_pointer()), align=2
+            )
+            wf = builder.bitcast(builder.shl(builder.zext(bits, _VI32), _splat(_VI32, 16)), _VF)
+            xf = builder.load(builder.bitcast(builder.gep(xrow, [j]), _VF.as_pointer()), align=4)
+            builder.store(_vfma(builder, wf, xf, builder.load(acc)), acc)
+
+        block = ir.Constant(ity, _LANES * _BF16_CHAINS)
+        with cgutils.for_range(builder, builder.udiv(cols, block)) as loop:
+            j0 = builder.mul(loop.index, block)
+            for c in (0, 32):  # two cache lines of bits per block
+                ahead = builder.add(j0, ir.Constant(ity, PREFETCH_BYTES // 2 + c))
+                pf = builder.bitcast(builder.gep(wrow, [ahead]), ir.IntType(8).as_pointer())
+                builder.call(prefetch, [pf, *_PREFETCH_READ_L1])
+            for c, acc in enumerate(accs):
+                chunk(builder.add(j0, ir.Constant(ity, c * _LANES)), acc)
+        done = builder.mul(builder.udiv(cols, block), block)
+        lanes16 = ir.Constant(ity, _LANES)
+        n_chunks = builder.udiv(builder.sub(cols, done), lanes16)
+        with cgutils.for_range(builder, n_chunks) as loop:
+            chunk(builder.add(done, builder.mul(loop.index, lanes16)), accs[0])
+        v = builder.fadd(
+            builder.fadd(builder.load(accs[0]), builder.load(accs[1])),
+            builder.fadd(builder.load(accs[2]), builder.load(accs[3])),
+        )
+        total = cgutils.alloca_once_value(builder, _lane_sum(builder, v))
+        rest = builder.add(done, builder.mul(n_chunks, lanes16))
+        fma1 = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fma.f32"
+        )
+        with cgutils.for_range(builder, builder.sub(cols, rest)) as loop:
+            j = builder.add(rest, loop.index)
+            wf = builder.bitcast(
+                builder.shl(
+                    builder.zext(builder.load(builder.gep(wrow, [j])), ir.IntType(32)),
+                    ir.Constant(ir.IntType(32), 16),
+                ),
+                _F32,
+            )
+            builder.store(
+                builder.call(fma1, [wf, builder.load(builder.gep(xrow, [j])), builder.load(total)]),
+                total,
+            )
+        return builder.load(total)
+
+    return sig, codegen
+
+
+def _bf16_matmul(w, x, out):  # w uint16 [R, C], x f32 [T, C], out f32 [T, R]
+    rows = w.shape[0]
+    tokens = x.shape[0]
+    n_tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in prange(n_tasks):
+        for r in range(task * ROWS_PER_TASK, min(rows, (task + 1) * ROWS_PER_TASK)):
+            for t in range(tokens):
+                out[t, r] = _bf16_row_dot(w, r, x, t)
+
+
+def _build(fn, parallel: bool):
+    """Compile `fn` serial or parallel (`prange` is a plain range in the serial build, so
+    both compute every output element with the same instruction sequence). Each build
+    gets its own function name: numba's on-disk cache is keyed by the function, and
+    sharing one would hand the parallel caller the serial machine code."""
+    name = f"{fn.__name__}_{'parallel' if parallel else 'serial'}"
+    clone = pytypes.FunctionType(fn.__code__, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+    clone.__qualname__ = name
+    # the BF16 and MXFP4 kernels' order is spelled out in their IR: no fast-math licence
+    flags = dict(_FLAGS, fastmath=False) if fn in (_mxfp4_matmul, _bf16_matmul) else _FLAGS
+    return njit(parallel=parallel, **flags)(clone)
+
+
+_KERNELS = {
+    (fn.__name__, parallel): _build(fn, parallel)
+    for fn in (_bf16_matmul, _f32_matmul, _mxfp4_matmul)
+    for parallel in (False, True)
+}
+
+
+def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    out = np.empty((x.shape[0], w.shape[0]), np.float32)
+    par = w.size >= PARALLEL_MIN_WEIGHTS  # by matrix only: a step and a prefill agree
+    if w.dtype == np.uint16:
+        _KERNELS[("_bf16_matmul", par)](w, x, out)
+    else:
+        _KERNELS[("_f32_matmul", par)](w, x, out)
+    return out
+
+
+def mxfp4_linear(
+    x: np.ndarray, packed: np.ndarray, scale: np.ndarray, parallel: bool | None = None
+) -> np.ndarray:
+    """`parallel=None` decides by size; the MoE passes False and spreads experts over
+    threads itself."""
+    if packed.shape[1] * 2 % MX_GROUP or scale.shape[1] * MX_GROUP != packed.shape[1] * 2:
+        raise ValueError(f"MXFP4 shapes disagree: packed {packed.shape}, scale {scale.shape}")
+    out = np.empty((x.shape[0], packed.shape[0]), np.float32)
+    par = packed.size * 2 >= PARALLEL_MIN_WEIGHTS if parallel is None else parallel
+    xe, xo = np.ascontiguousarray(x[:, 0::2]), np.ascontiguousarray(x[:, 1::2])
+    _KERNELS[("_mxfp4_matmul", par)](packed, scale, xe, xo, out, MX_SCALE)
+    return out
+
+
+def warm_up() -> None:
+    """Load (or compile) every kernel now, so the first token does not pay for it."""
+    x = np.zeros((1, 64), np.float32)
+    out = np.empty((1, 2), np.float32)
+    for parallel in (False, True):
+        _KERNELS[("_bf16_matmul", parallel)](np.zeros((2, 64), np.uint16), x, out)
+        _KERNELS[("_f32_matmul", parallel)](np.zeros((2, 64), np.float32), x, out)
+        _KERNELS[("_mxfp4_matmul", parallel)](
+            np.zeros((2, 16), np.uint8),
+            np.zeros((2, 1), np.uint8),
+            x[:, :16],
+            x[:, :16],
+            out,
+            MX_SCALE,
+        )
+
+
+def set_threads(n: int) -> None:
+    numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))

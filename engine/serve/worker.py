@@ -1,0 +1,444 @@
+"""The generation worker of `python -m engine serve`: one job at a time, in a thread.
+
+`run_job` drives `Loaded.generate` for a `Job`, turns token ids into reasoning / content
+text (the template's parser, stop strings), keeps the job's timings and the server's
+metrics, and emits typed events (engine/serve/protocol.py) for the response to write.
+`load_engine` builds the `Loaded` model side from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from engine.decode.stats import TokenStats
+from engine.decode.steer import NEG, DemoSteer, Forced, think_to_response
+from engine.errors import EngineError
+from engine.serve.protocol import ChatRequest, End, Event, Failed, Stopped, Token
+from engine.text.chat_template import ChatTemplate, OutputParser
+from engine.text.tokenizer import Tokenizer
+
+
+@dataclass
+class Loaded:
+    """The model side: `generate(prompt_ids, params, cancel, logits_hook)` yields
+    engine.generate.GenToken-like objects (`id, seconds, index, prefill_seconds, stats`)."""
+
+    tok: Tokenizer
+    generate: Callable[..., Iterator[Any]]
+    make_params: Callable[..., Any]
+    n_ctx: int
+    info: dict[str, Any] = field(default_factory=dict)  # for /props and /v1/models
+    budget_gb: float | None = None
+    source: Any = None
+
+
+def _read_chars() -> int | None:
+    try:
+        return psutil.Process().io_counters().read_chars
+    except (AttributeError, psutil.Error):
+        return None
+
+
+@dataclass
+class LoadProgress:
+    """What /health reports while the model loads. `bytes_read` counts what this process
+    read since the load began (weights, via read syscalls); `checkpoint_bytes` is the size
+    of the shards, so a client can show a fraction for a resident load."""
+
+    phase: str = "starting"
+    started: float = field(default_factory=time.monotonic)
+    error: str | None = None
+    layers_bound: int | None = None
+    n_layers: int | None = None
+    checkpoint_bytes: int | None = None
+    _read0: int | None = field(default_factory=_read_chars)
+
+    def as_dict(self) -> dict[str, Any]:
+        read = _read_chars()
+        return {
+            "phase": self.phase,
+            "elapsed_s": round(time.monotonic() - self.started, 3),
+            "bytes_read": read - self._read0
+            if read is not None and self._read0 is not None
+            else None,
+            "checkpoint_bytes": self.checkpoint_bytes,
+            "layers_bound": self.layers_bound,
+            "n_layers": self.n_layers,
+            "rss_gb": round(psutil.Process().memory_info().rss / 1e9, 3),
+        }
+
+
+class Metrics:
+    COUNTERS = {
+        "requests_total": "chat completion requests accepted",
+        "requests_cancelled_total": "generations stopped because the client went away",
+        "requests_failed_total": "generations that ended with an error",
+        "prompt_tokens_total": "prompt tokens processed",
+        "prompt_seconds_total": "seconds spent in prefill",
+        "tokens_predicted_total": "tokens generated (reasoning included)",
+        "tokens_predicted_seconds_total": "seconds spent generating tokens",
+        "gb_read_total": "GB read from storage by generation",
+    }
+    GAUGES = {
+        "requests_processing": "generations running now (0 or 1)",
+        "requests_deferred": "requests waiting for the generation slot",
+        "model_loaded": "1 once the model is ready",
+        "load_seconds": "seconds the model took to load",
+        "rss_gb": "resident memory of the server process in GB",
+        "budget_gb": "memory budget of the plan in GB (0 = resident, no budget)",
+        "last_s_per_token": "seconds of the last generated token",
+        "last_true_hit_rate": "expert cache true hit rate of the last token",
+    }
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.values: dict[str, float] = {k: 0.0 for k in (*self.COUNTERS, *self.GAUGES)}
+
+    def add(self, name: str, value: float = 1.0) -> None:
+        with self._lock:
+            self.values[name] += value
+
+    def set(self, name: str, value: float) -> None:
+        with self._lock:
+            self.values[name] = float(value)
+
+    def render(self) -> str:
+        self.set("rss_gb", psutil.Process().memory_info().rss / 1e9)
+        lines = []
+        with self._lock:
+            for kind, table in (("counter", self.COUNTERS), ("gauge", self.GAUGES)):
+                for name, help_text in table.items():
+                    lines += [
+                        f"# HELP k3_{name} {help_text}",
+                        f"# TYPE k3_{name} {kind}",
+                        f"k3_{name} {self.values[name]:.10g}",
+                    ]
+        return "\n".join(lines) + "\n"
+
+
+class StopScanner:
+    """Holds back text that could be the start of a stop string; reports a match."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.buf = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        if not self.stops:
+            return text, False
+        self.buf += text
+        hits = [i for i in (self.buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.buf = self.buf[: min(hits)], ""
+            return out, True
+        cut = max(0, len(self.buf) - self.hold)
+        out, self.buf = self.buf[:cut], self.buf[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.buf = self.buf, ""
+        return out
+
+
+@dataclass
+class Job:
+    req: ChatRequest
+    prompt_ids: list[int]
+    max_new: int
+    cancel: threading.Event = field(default_factory=threading.Event)
+    # filled by the worker
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0
+    prompt_s: float = 0.0
+    predicted_s: float = 0.0
+    content_chars: int = 0
+    finish: str | None = None
+
+    def timings(self) -> dict[str, Any]:
+        """llama-server's `timings` of this generation so far."""
+        prompt_ms = self.prompt_s * 1000.0
+        pred_ms = self.predicted_s * 1000.0
+        n_p, n = len(self.prompt_ids), self.completion_tokens
+        return {
+            "cache_n": 0,
+            "prompt_n": n_p,
+            "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": prompt_ms / n_p if n_p else 0.0,
+            "prompt_per_second": n_p / self.prompt_s if self.prompt_s else 0.0,
+            "predicted_n": n,
+            "predicted_ms": pred_ms,
+            "predicted_per_token_ms": pred_ms / n if n else 0.0,
+            "predicted_per_second": n / self.predicted_s if self.predicted_s else 0.0,
+        }
+
+    def usage(self) -> dict[str, Any]:
+        n_p, n = len(self.prompt_ids), self.completion_tokens
+        return {
+            "completion_tokens": n,
+            "prompt_tokens": n_p,
+            "total_tokens": n_p + n,
+            "prompt_tokens_details": {"cached_tokens": 0},
+            "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+        }
+
+    def empty_answer_note(self) -> str | None:
+        """Why the content is empty when the token limit ran out inside the reasoning."""
+        if self.finish == "length" and self.content_chars == 0:
+            if self.reasoning_tokens:
+                return (
+                    f"max_tokens ({self.max_new}) ran out while the model was still reasoning "
+                    f"({self.reasoning_tokens} reasoning tokens), so the answer is empty: raise "
+                    "max_tokens, or set reasoning_budget_tokens below max_tokens so thinking "
+                    "stops in time to answer"
+                )
+            return f"max_tokens ({self.max_new}) ran out before any answer text was produced"
+        return None
+
+
+def k3_record(tok_event: Any, budget_gb: float | None) -> TokenStats:
+    """A token's statistics with what the server knows added: the RSS (measured here when
+    the generator does not report it) and the plan's budget. None: before the first token."""
+    stats = tok_event.stats if tok_event is not None else TokenStats()
+    rss = stats.rss_gb if stats.rss_gb is not None else psutil.Process().memory_info().rss / 1e9
+    budget = stats.budget_gb if stats.budget_gb is not None else budget_gb
+    return replace(stats, rss_gb=rss, budget_gb=budget)
+
+
+class _Text:
+    """Token ids → reasoning / content text: the template's output parser, then a stop
+    scanner per channel (text that could start a stop string is held back)."""
+
+    def __init__(self, template: ChatTemplate, req: ChatRequest):
+        self.parser = template.parser(thinking=req.thinking)
+        self.reasoning, self.content = StopScanner(req.stop), StopScanner(req.stop)
+
+    def feed(self, token_id: int) -> tuple[str, str, bool]:
+        """(reasoning, content, a stop string matched)."""
+        delta = self.parser.feed(token_id)
+        reasoning, hit_r = self.reasoning.push(delta.reasoning)
+        content, hit_c = self.content.push(delta.content)
+        return reasoning, content, hit_r or hit_c
+
+    def flush(self) -> tuple[str, str]:
+        tail = self.parser.finish()
+        return (
+            self.reasoning.push(tail.reasoning)[0] + self.reasoning.flush(),
+            self.content.push(tail.content)[0] + self.content.flush(),
+        )
+
+
+def _logits_hook(
+    job: Job, tok: Tokenizer, parser: OutputParser, end_ids: list[int], steer_demo: bool
+) -> Callable:
+    """What the worker does to each step's logits: forced tokens first (the reasoning
+    budget's close-think), `ignore_eos`, then the demo steering."""
+    req = job.req
+    forced = Forced()
+    steer = DemoSteer(tok, parser, forced, seed=req.seed) if steer_demo else None
+    budget = req.reasoning_budget
+
+    def hook(generated, logits):
+        f = forced.take(logits)
+        if f is not None:
+            return f
+        if req.ignore_eos:  # llama-server's knob: keep generating to max_tokens
+            logits = logits.copy()
+            logits[end_ids] = NEG
+        if (
+            budget >= 0
+            and parser.in_reasoning
+            and not parser.in_tag
+            and parser.reasoning_tokens >= budget
+        ):
+            forced.push(think_to_response(tok))
+            return forced.take(logits)
+        return steer(generated, logits) if steer else logits
+
+    return hook
+
+
+def _count(job: Job, t: Any, loaded: Loaded, metrics: Metrics) -> TokenStats:
+    """Account one generated token in the job's timings and the metrics."""
+    if t.prefill_seconds is not None and job.completion_tokens == 0:
+        job.prompt_s = float(t.prefill_seconds)
+        metrics.add("prompt_tokens_total", len(job.prompt_ids))
+        metrics.add("prompt_seconds_total", job.prompt_s)
+    job.completion_tokens += 1
+    # the first token's `seconds` includes the prefill, which timings count apart
+    seconds = max(0.0, float(t.seconds) - float(t.prefill_seconds or 0.0))
+    job.predicted_s += seconds
+    metrics.add("tokens_predicted_total")
+    metrics.add("tokens_predicted_seconds_total", seconds)
+    k3 = k3_record(t, loaded.budget_gb)
+    if k3.gb_read:
+        metrics.add("gb_read_total", k3.gb_read)
+    metrics.set("last_s_per_token", float(t.seconds))
+    if k3.true_hit_rate is not None:
+        metrics.set("last_true_hit_rate", k3.true_hit_rate)
+    return k3
+
+
+def _decode(
+    job: Job,
+    gen: Iterator[Any],
+    text: _Text,
+    loaded: Loaded,
+    metrics: Metrics,
+    emit: Callable[[Event], None],
+) -> str:
+    """Emit the tokens of `gen` as text until the end, a stop or the limit: the finish
+    reason ("stop", "length" or "cancelled")."""
+    finish = "length"
+    for t in gen:
+        if job.cancel.is_set():
+            break
+        k3 = _count(job, t, loaded, metrics)
+        was_reasoning = text.parser.in_reasoning
+        reasoning, content, hit = text.feed(int(t.id))
+        if was_reasoning:
+            job.reasoning_tokens += 1
+        job.content_chars += len(content)
+        emit(Token(k3, reasoning, content))
+        if text.parser.done or hit:
+            finish = "stop"
+            break
+        if job.completion_tokens >= job.max_new:
+            break
+    if job.cancel.is_set():
+        return "cancelled"
+    reasoning, content = text.flush()
+    if reasoning or content:
+        job.content_chars += len(content)
+        emit(Token(None, reasoning, content))
+    return finish
+
+
+def run_job(
+    job: Job,
+    loaded: Loaded,
+    template: ChatTemplate,
+    metrics: Metrics,
+    steer_demo: bool,
+    emit: Callable[[Event], None],
+) -> None:
+    """Generate for `job`, emitting `Token` events, then `End`, `Failed` or `Stopped`.
+    Runs in a worker thread."""
+    text = _Text(template, job.req)
+    end_ids = list(template.end_ids())
+    hook = _logits_hook(job, loaded.tok, text.parser, end_ids, steer_demo)
+    metrics.set("requests_processing", 1)
+    gen = None
+    try:
+        req = job.req
+        params = loaded.make_params(
+            max_tokens=job.max_new,
+            temperature=req.temperature,
+            top_k=req.top_k,
+            top_p=req.top_p,
+            seed=req.seed,
+            stop_ids=tuple(end_ids),
+        )
+        gen = loaded.generate(job.prompt_ids, params, cancel=job.cancel, logits_hook=hook)
+        job.finish = _decode(job, gen, text, loaded, metrics, emit)
+        if job.finish == "cancelled":
+            metrics.add("requests_cancelled_total")
+            emit(Stopped())
+        else:
+            emit(End(job.finish))
+    except Exception as exc:  # noqa: BLE001 - reported to the client as an error chunk
+        if job.cancel.is_set():
+            job.finish = "cancelled"
+            metrics.add("requests_cancelled_total")
+            emit(Stopped())
+        else:
+            metrics.add("requests_failed_total")
+            if isinstance(exc, EngineError):
+                message = str(exc)
+            else:
+                traceback.print_exc(file=sys.stderr)
+                message = f"generation failed: {type(exc).__name__}: {exc}"
+            emit(Failed(message))
+    finally:
+        if gen is not None and hasattr(gen, "close"):
+            try:
+                gen.close()
+            except Exception:  # noqa: BLE001 - closing a failed generator
+                pass
+        metrics.set("requests_processing", 0)
+
+
+def load_engine(
+    checkpoint: Path,
+    tokenizer_dir: Path,
+    args: argparse.Namespace,
+    progress: LoadProgress,
+    n_ctx: int,
+) -> Loaded:
+    """Tokenizer, weight source under the memory plan, model; generation via ENG's API."""
+    from engine.decode.generate import GenParams, generate
+    from engine.model.transformer import load_model
+    from engine.weights.streaming import open_source
+
+    progress.phase = "tokenizer"
+    progress.checkpoint_bytes = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
+    tok = Tokenizer.from_dir(tokenizer_dir)
+    progress.phase = "weights"
+    args.context_tokens = n_ctx
+    source = open_source(checkpoint, args)
+    progress.phase = "model"
+    model = load_model(checkpoint, source)
+    cfg = model.config
+    progress.n_layers = getattr(cfg, "num_hidden_layers", None)
+    progress.layers_bound = progress.n_layers
+    vocab = getattr(cfg, "vocab_size", None)
+    if vocab is not None and vocab < tok.vocab_size:
+        raise EngineError(
+            f"the tokenizer has {tok.vocab_size} ids but the model only {vocab}; "
+            "pass --tokenizer with the checkpoint's own tokenizer files"
+        )
+    plan = getattr(source, "plan", None)
+    budget = plan.budget_bytes / 1e9 if plan is not None else None
+    memory_plan = (
+        {"mode": "streaming", "describe": plan.describe(), **plan.as_dict()}
+        if plan is not None
+        else {"mode": "resident", "describe": "every weight resident in RAM (no memory flag given)"}
+    )
+    max_pos = getattr(cfg, "max_position_embeddings", None) or n_ctx
+
+    delay = getattr(args, "debug_token_delay", 0.0)
+
+    def gen(prompt_ids, params, cancel=None, logits_hook=None):
+        for token in generate(model, prompt_ids, params, cancel=cancel, logits_hook=logits_hook):
+            if delay:  # tests: a reply slow enough to stop or kill half-way on any machine
+                time.sleep(delay)
+            yield token
+
+    return Loaded(
+        tok=tok,
+        generate=gen,
+        make_params=GenParams,
+        n_ctx=min(n_ctx, max_pos),
+        info={
+            "checkpoint": str(checkpoint),
+            "memory_plan": _jsonable(memory_plan),
+            "meta": {"n_layers": getattr(cfg, "num_hidden_layers", None), "n_vocab_model": vocab},
+        },
+        budget_gb=budget,
+        source=source,
+    )
+
+
+def _jsonable(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))

@@ -1,0 +1,187 @@
+"""Expert read-ahead from a guess: reads start before the router, the router still decides.
+Same tokens with and without it, demand bytes still the minimum, wrong guesses counted
+apart and kept as valid cached experts, and a failed guessed read never yields a token."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+import pytest
+from stream_helpers import Recorder
+
+from engine.checkpoint.synth import synthesize
+from engine.decode.generate import GenParams, generate
+from engine.errors import PlanError, ReadError
+from engine.model.transformer import load_model
+from engine.weights.planner import GB, add_memory_arguments, make_plan, plan_from_args
+from engine.weights.resident import ResidentSource
+from engine.weights.streaming import CheckpointMap, StreamingSource
+
+PROMPT = [3, 7, 11, 5, 9, 200, 17]
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """6 layers, 16 experts top-4, several shards."""
+    return synthesize(tmp_path_factory.mktemp("guess") / "ck", "small", seed=3)
+
+
+def trunk_and_slots(ck, slots: int) -> float:
+    """A budget that pins the whole trunk and leaves `slots` expert slots."""
+    g = CheckpointMap(ck).geometry()
+    return (g.trunk_bytes + slots * g.expert_slot_bytes + 1) / GB
+
+
+def source(ck, guess="on", **kw) -> StreamingSource:
+    cmap = CheckpointMap(ck)
+    return StreamingSource(cmap, make_plan(cmap.geometry(), threads=4, guess_experts=guess, **kw))
+
+
+def greedy(ck, src, n=8) -> list[int]:
+    return [t.id for t in generate(load_model(ck, src), PROMPT, GenParams(max_tokens=n))]
+
+
+def test_stream_guess_plan_auto_only_where_the_disk_is_idle(small):
+    g = CheckpointMap(small).geometry()
+    resident_trunk = make_plan(g, budget_gb=trunk_and_slots(small, 12))
+    assert resident_trunk.streamed_trunk_bytes == 0 and resident_trunk.guess_experts
+    assert "expert read-ahead: on" in resident_trunk.describe()
+    streaming = make_plan(g, budget_gb=(max(g.layer_bytes) * 2 + 12 * g.expert_slot_bytes) / GB)
+    assert streaming.streamed_trunk_bytes > 0 and not streaming.guess_experts
+    assert make_plan(g, budget_gb=(max(g.layer_bytes) * 2 + 12 * g.expert_slot_bytes) / GB,
+                     guess_experts="on").guess_experts
+    # No room for a second layer's guesses beside the demand reads: off even when asked.
+    cramped = make_plan(g, budget_gb=trunk_and_slots(small, g.top_k + 1), guess_experts="on")
+    assert not cramped.guess_experts and f"needs {2 * g.top_k} expert slots" in cramped.describe()
+    everything = make_plan(g, budget_gb=trunk_and_slots(small, g.n_experts * g.moe_layers))
+    assert not everything.guess_experts  # every expert stays resident: nothing to guess
+    assert not make_plan(g, budget_gb=trunk_and_slots(small, 12), guess_experts="off").guess_experts
+    with pytest.raises(PlanError, match="auto, on or off"):
+        make_plan(g, budget_gb=trunk_and_slots(small, 12), guess_experts="maybe")
+    p = argparse.ArgumentParser()
+    add_memory_arguments(p)
+    args = p.parse_args(
+        ["--budget-gb", f"{trunk_and_slots(small, 12):.6f}", "--guess-experts", "off"]
+    )
+    assert not plan_from_args(g, args).guess_experts
+
+
+def test_stream_guess_same_ids_and_most_reads_start_early(small):
+    want = greedy(small, ResidentSource(small))
+    for slots, threads in ((2 * 4, 1), (12, 4), (40, 6)):
+        cmap = CheckpointMap(small)
+        plan = make_plan(
+            cmap.geometry(),
+            budget_gb=trunk_and_slots(small, slots),
+            threads=threads,
+            guess_experts="on",
+        )
+        with StreamingSource(cmap, plan) as src:
+            assert src.wants_guesses
+            assert greedy(small, src) == want, (slots, threads)
+            st = src.stats()
+            assert st["experts_guessed"] > 0
+            # Most experts a step read had their read started by a guess.
+            assert st["experts_guessed_used"] >= 0.5 * st["experts_guessed"], st
+    with source(small, guess="off", budget_gb=trunk_and_slots(small, 12)) as src:
+        assert greedy(small, src) == want
+        assert src.stats()["experts_guessed"] == 0
+
+
+def test_stream_guess_demand_bytes_stay_the_minimum(small):
+    g = CheckpointMap(small).geometry()
+    with source(small, budget_gb=trunk_and_slots(small, 12)) as src:
+        rec = Recorder(src)
+        model = load_model(small, rec)
+        payload = g.expert_bytes
+        prev = src.stats()
+        n = 0
+        for tok in generate(model, PROMPT, GenParams(max_tokens=6)):
+            cur = src.stats()
+            calls, n = rec.calls[n:], len(rec.calls)
+            not_resident = sum(1 for L, ids, res in calls for e in ids if (L, e) not in res)
+            experts = (cur["gb_read_experts"] - prev["gb_read_experts"]) * GB
+            assert round(experts) == not_resident * payload, tok.index
+            assert cur["expert_misses"] - prev["expert_misses"] == not_resident
+            if tok.index > 0:
+                assert tok.stats.experts_guessed > 0
+                unused = tok.stats.experts_guessed - tok.stats.experts_guessed_used
+                # Wrong guesses are counted apart, once their read has landed.
+                assert tok.stats.gb_read_unused * GB <= unused * payload + 1
+            prev = cur
+        src._reap_guesses(block=True)
+        st = src.stats()
+        wrong = st["experts_guessed"] - st["experts_guessed_used"]
+        assert round(st["gb_read_unused"] * GB) == wrong * payload
+
+
+def test_stream_wrong_guess_becomes_a_cached_expert(small):
+    with source(small, budget_gb=trunk_and_slots(small, 12)) as src:
+        res = ResidentSource(small)
+        src.guess(2, [5, 6])
+        assert src.stats()["experts_guessed"] == 2
+        with src.experts(2, [6, 7]) as ex, res.experts(2, [6, 7]) as ref:
+            for e in (6, 7):
+                assert np.array_equal(ex[e].w1_packed, ref[e].w1_packed)
+        src._reap_guesses(block=True)
+        st = src.stats()
+        assert st["experts_guessed_used"] == 1 and st["expert_misses"] == 2
+        assert (2, 5) in src.cache.resident()  # the wrong guess is a valid cached expert
+        assert st["gb_read_unused"] * GB == pytest.approx(src.map.expert_layout(2, 5).payload)
+        with src.experts(2, [5]) as ex, res.experts(2, [5]) as ref:
+            assert np.array_equal(ex[5].w2_scale, ref[5].w2_scale)
+        assert src.stats()["expert_hits"] == 1  # ... and counts as resident later
+        src.guess(2, [5, 6, 7])  # resident ones are not read again
+        assert src.stats()["experts_guessed"] == 2
+        # A guess never takes the slots a layer's own top-k needs.
+        src.guess(3, range(16))
+        assert src.cache.free_for_reuse >= src.plan.geometry.top_k
+
+
+def test_stream_guess_keeps_the_layers_own_cached_experts(small):
+    with source(small, budget_gb=trunk_and_slots(small, 12)) as src:
+        assert src.cache.nslots == 12
+        for L in (1, 2, 3):
+            with src.experts(L, [0, 1, 2, 3]) as ex:
+                for e in range(4):
+                    ex[e]
+        src.guess(2, [8, 9, 10, 11])  # the arena is full: four experts must go
+        src._retire_guesses(2, [])
+        src._reap_guesses(block=True)
+        resident = set(src.cache.resident())
+        assert {(2, e) for e in range(4)} <= resident  # layer 2 is about to ask for its own
+        assert not {(1, e) for e in range(4)} & resident  # layer 1 comes round last
+
+
+def test_stream_guess_read_error(small, tmp_path, copy_checkpoint):
+    ck = copy_checkpoint(small, tmp_path / "ck")
+    with source(ck, budget_gb=trunk_and_slots(ck, 12)) as src:
+        lay = src.map.expert_layout(3, 15)
+        os.truncate(lay.runs[0].file, lay.runs[0].start + 10)
+        # A failed guess the router did not choose is dropped quietly.
+        src.guess(3, [15])
+        with src.experts(3, [0]) as ex:
+            ex[0]
+        src._reap_guesses(block=True)
+        assert (3, 15) not in src.cache.resident() and not src._guesses
+        # One it did choose stops the step with the read's error.
+        src.guess(3, [15])
+        with pytest.raises(ReadError), src.experts(3, [15]) as ex:
+            ex[15]
+        assert (3, 15) not in src.cache.resident()
+    ck2 = copy_checkpoint(small, tmp_path / "ck2")
+    src = source(ck2, budget_gb=trunk_and_slots(ck2, 12))
+    model = load_model(ck2, src)
+    assert len(list(generate(model, PROMPT, GenParams(max_tokens=2)))) == 2
+    # Layer 4's experts are cut off after they were indexed (the trunk is pinned by now).
+    runs = [src.map.expert_layout(4, e).runs[0] for e in range(16)]
+    first = min(runs, key=lambda r: r.start)
+    os.truncate(first.file, first.start + 10)
+    got = []
+    with pytest.raises(ReadError):
+        for t in generate(model, [9, 8], GenParams(max_tokens=4)):
+            got.append(t.id)
+    assert got == []  # not one token computed from missing weights
+    src.close()

@@ -1,0 +1,246 @@
+"""StreamingSource end to end: same bytes and same tokens at every budget, minimal reads,
+read-ahead that never touches a slot in use, and clear errors instead of missing weights."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from stream_helpers import Recorder
+
+from engine.checkpoint.synth import synthesize
+from engine.checkpoint.trunk import pack
+from engine.decode.generate import GenParams, generate
+from engine.errors import ReadError
+from engine.model.transformer import load_model
+from engine.weights.io import Layout
+from engine.weights.planner import GB, add_memory_arguments, make_plan
+from engine.weights.resident import ResidentSource
+from engine.weights.streaming import MODEL_TENSORS, CheckpointMap, StreamingSource, open_source
+
+REPO = str(Path(__file__).resolve().parents[3])
+PROMPT = [3, 7, 11, 5, 9, 200, 17]
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """A multi-shard real-format checkpoint: 6 layers, 16 experts top-4."""
+    return synthesize(tmp_path_factory.mktemp("small") / "ck", "small", seed=3)
+
+
+def source(ck, trunk=None, threads=4, **plan_kw) -> StreamingSource:
+    cmap = CheckpointMap(ck, trunk)
+    plan = make_plan(cmap.geometry(), threads=threads, **plan_kw)
+    return StreamingSource(cmap, plan)
+
+
+def floor_gb(ck) -> float:
+    g = CheckpointMap(ck).geometry()
+    return (max(g.layer_bytes) + g.min_expert_slots * g.expert_slot_bytes) / GB
+
+
+def budgets(ck) -> list[dict]:
+    """From the smallest budget that runs (one slot) to everything pinned."""
+    g = CheckpointMap(ck).geometry()
+    lo = floor_gb(ck)
+    two = (2 * max(g.layer_bytes) + g.min_expert_slots * g.expert_slot_bytes) / GB
+    return [
+        dict(budget_gb=lo),
+        dict(budget_gb=two),
+        dict(budget_gb=two + max(g.layer_bytes) / GB),  # a pinned prefix + two slots
+        dict(budget_gb=(g.trunk_bytes + 2 * g.min_expert_slots * g.expert_slot_bytes) / GB),
+    ]
+
+
+def greedy(ck, src, n=8, prompt=PROMPT) -> list[int]:
+    model = load_model(ck, src)
+    return [t.id for t in generate(model, prompt, GenParams(max_tokens=n))]
+
+
+def test_stream_source_serves_the_same_bytes_as_resident(tiny_a):
+    res = ResidentSource(tiny_a)
+    rng = np.random.default_rng(0)
+    for kw in budgets(tiny_a):
+        with source(tiny_a, **kw) as src:
+            order = list(range(13)) * 3 + [5, 2, 9, 12, 0, 7]  # cyclic, then out of order
+            for L in order:
+                with src.layer(L) as w, res.layer(L) as ref:
+                    assert set(w) == set(ref)
+                    for k in ref:
+                        assert w[k].dtype == ref[k].dtype and np.array_equal(w[k], ref[k]), (L, k)
+                    if L >= 1:
+                        ids = sorted(rng.choice(8, size=int(rng.integers(1, 8)), replace=False))
+                        with src.experts(L, ids) as ex, res.experts(L, ids) as exr:
+                            for e in ids:  # more than the slots at the floor: served in groups
+                                for f in ("w1_packed", "w1_scale", "w2_packed", "w3_scale"):
+                                    assert np.array_equal(getattr(ex[e], f),
+                                                          getattr(exr[e], f))
+            for n in ("embed_tokens.weight", "lm_head.weight", "norm.weight"):
+                assert np.array_equal(src.model_tensor(n), res.model_tensor(n))
+
+
+def test_stream_tiny_a_greedy_ids_at_every_budget(tiny_a, tmp_path):
+    import json
+
+    want = json.loads((tiny_a / "expected.json").read_text())["greedy_ids"]
+    prompt = [3, 7, 11, 5, 9]
+    pack(tiny_a, tmp_path / "trunk")
+    for kw in budgets(tiny_a):
+        with source(tiny_a, **kw) as src:
+            assert greedy(tiny_a, src, 16, prompt) == want, kw
+    with source(tiny_a, trunk=tmp_path / "trunk", threads=1, budget_gb=floor_gb(tiny_a)) as src:
+        assert greedy(tiny_a, src, 16, prompt) == want
+
+
+def test_stream_synth_ids_identical_from_floor_to_resident(small, tmp_path):
+    want = greedy(small, ResidentSource(small))
+    pack(small, tmp_path / "trunk")
+    runs = [dict(kw, threads=t) for kw in budgets(small) for t in (1, 6)]
+    runs.append(dict(trunk=tmp_path / "trunk", budget_gb=floor_gb(small)))
+    runs.append(dict(trunk=tmp_path / "trunk", trunk_gb=0.001, cache_gb=0.0002))
+    for kw in runs:
+        with source(small, **kw) as src:
+            rec = Recorder(src)
+            assert greedy(small, rec) == want, kw
+            if kw.get("budget_gb") == floor_gb(small):
+                # The prefill's union did not fit the slots: it was served in groups.
+                assert max(len(ids) for _, ids, _ in rec.calls) > src.cache.nslots
+
+
+def test_stream_bytes_per_token_are_the_minimum(small):
+    g = CheckpointMap(small).geometry()
+    kw = dict(budget_gb=budgets(small)[2]["budget_gb"])
+    with source(small, **kw) as src:
+        rec = Recorder(src)
+        model = load_model(small, rec)
+        plan = src.plan
+        assert plan.ring_slots == 2 and 0 < len(plan.pinned) < g.n_layers
+        lay = src.map.layers
+        streamed_payload = sum(lay[i].payload for i in range(g.n_layers) if i not in plan.pinned)
+        pinned_payload = sum(lay[i].payload for i in plan.pinned)
+        expert_payload = g.expert_bytes
+        prev = src.stats()
+        n_calls = 0
+        for tok in generate(model, PROMPT, GenParams(max_tokens=6)):
+            cur = src.stats()
+            calls = rec.calls[n_calls:]
+            n_calls = len(rec.calls)
+            not_resident = sum(1 for L, ids, res in calls for e in ids if (L, e) not in res)
+            trunk = (cur["gb_read_trunk"] - prev["gb_read_trunk"]) * GB
+            experts = (cur["gb_read_experts"] - prev["gb_read_experts"]) * GB
+            want_trunk = streamed_payload + (pinned_payload if tok.index == 0 else 0)
+            assert round(trunk) == want_trunk, tok.index
+            assert round(experts) == not_resident * expert_payload, tok.index
+            assert cur["expert_misses"] - prev["expert_misses"] == not_resident
+            assert tok.stats.gb_read_trunk == pytest.approx(want_trunk / GB)
+            prev = cur
+        # The device delivered nothing beyond those bytes' aligned windows, plus the
+        # read-ahead of the next (never requested) token's first streamed layers.
+        deadline = time.monotonic() + 30
+        while src.pool.busy() and time.monotonic() < deadline:  # read-ahead lands
+            time.sleep(0.01)
+        windows = (6 - 1) * sum(lay[i].nbytes for i in range(g.n_layers) if i not in plan.pinned)
+        windows += sum(lay[i].nbytes for i in range(g.n_layers))  # first token, pinned too
+        windows += prev["expert_misses"] * g.expert_slot_bytes
+        windows += sum(Layout([src.map.model_spec(n)]).nbytes for n in MODEL_TENSORS)
+        extra = src.pool.bytes_read - windows
+        assert 0 <= extra <= plan.ring_slots * plan.ring_slot_bytes
+
+
+def test_stream_read_ahead_never_overwrites_a_slot_in_use(small):
+    g = CheckpointMap(small).geometry()
+    with source(small, budget_gb=budgets(small)[1]["budget_gb"]) as src:
+        assert src.plan.ring_slots == 2 and src.plan.pinned == ()
+        for L in range(g.n_layers):
+            with src.layer(L) as w:
+                before = {k: v.copy() for k, v in w.items()}
+                nxt = (L + 1) % g.n_layers
+                ahead = [s for s in src._ring if s.layer == nxt]
+                assert ahead, "the next layer is being read while this one computes"
+                ahead[0].batch.finished()
+                time.sleep(0.02)
+                assert all(np.array_equal(w[k], before[k]) for k in before)
+    with source(small, budget_gb=floor_gb(small)) as src:
+        assert src.plan.ring_slots == 1
+        for L in range(g.n_layers):
+            with src.layer(L):
+                read0 = src.pool.bytes_read
+                time.sleep(0.05)
+                assert src.pool.bytes_read == read0  # one slot: no read-ahead
+                assert [s.layer for s in src._ring] == [L]
+
+
+def test_stream_short_read_stops_generation(small, tmp_path, copy_checkpoint):
+    ck = copy_checkpoint(small, tmp_path / "ck")
+    src = source(ck, budget_gb=floor_gb(ck))
+    model = load_model(ck, src)
+    assert len(list(generate(model, PROMPT, GenParams(max_tokens=2)))) == 2
+    # The shard of layer 4 loses its experts (and half its trunk) after it was indexed.
+    shard = sorted(ck.glob("model-00005-*.safetensors"))[0]
+    os.truncate(shard, src.map.layers[4].runs[0].start + 1000)
+    got = []
+    with pytest.raises(ReadError, match="short read"):
+        for t in generate(model, PROMPT, GenParams(max_tokens=3)):
+            got.append(t.id)
+    assert got == []  # not one token computed from missing weights
+    src.close()
+
+
+def test_stream_expert_read_error_never_publishes_the_slot(small, tmp_path, copy_checkpoint):
+    ck = copy_checkpoint(small, tmp_path / "ck")
+    with source(ck, budget_gb=floor_gb(ck) * 2) as src:
+        lay = src.map.expert_layout(3, 15)
+        os.truncate(lay.runs[0].file, lay.runs[0].start + 10)
+        for attempt in range(2):  # the failed slot was not published as holding expert 15
+            with pytest.raises(ReadError), src.experts(3, [0, 15]) as ex:
+                ex[0]
+                ex[15]
+        assert (3, 15) not in src.cache.resident()
+        assert (3, 0) in src.cache.resident()
+
+
+def test_stream_open_source_and_cli(small, capsys, tmp_path, copy_checkpoint):
+    p = argparse.ArgumentParser()
+    add_memory_arguments(p)
+    assert isinstance(open_source(small, p.parse_args([])), ResidentSource)
+    src = open_source(small, p.parse_args(["--budget-gb", f"{floor_gb(small) * 1.5:.6f}"]))
+    assert isinstance(src, StreamingSource)
+    assert "memory plan" in capsys.readouterr().err
+    src.close()
+    ck = copy_checkpoint(small, tmp_path / "ck")
+    base = [sys.executable, "-m", "engine", "run", str(ck), "--ids", "3,7,11", "--gen", "2"]
+    ok = subprocess.run(base + ["--budget-gb", "0.01"], capture_output=True, text=True, cwd=REPO)
+    assert ok.returncode == 0, ok.stderr
+    low = subprocess.run(base + ["--budget-gb", "0.0001"], capture_output=True, text=True,
+                         cwd=REPO)
+    assert low.returncode != 0 and "Traceback" not in low.stderr
+    assert "below this checkpoint's minimum" in low.stderr
+    os.truncate(sorted(ck.glob("model-00003-*.safetensors"))[0], 5000)
+    bad = subprocess.run(base + ["--budget-gb", "0.01"], capture_output=True, text=True, cwd=REPO)
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+
+
+def test_stream_experts_fetched_from_several_threads(small):
+    """When the set fits, the view is concurrent: the MoE may read it from its compute threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    res = ResidentSource(small)
+    with source(small, budget_gb=floor_gb(small) * 3, threads=3) as src:
+        for L in (1, 2, 3, 1):
+            ids = list(range(16)) if src.cache.nslots >= 16 else list(range(src.cache.nslots))
+            with src.experts(L, ids) as ex, res.experts(L, ids) as ref:
+                assert ex.concurrent and set(ex) == set(ids)
+                with ThreadPoolExecutor(4) as pool:
+                    got = list(pool.map(lambda e: ex[e], ids * 2))
+                for e, w in zip(ids * 2, got):
+                    assert np.array_equal(w.w2_packed, ref[e].w2_packed)
+                    assert np.array_equal(w.w3_scale, ref[e].w3_scale)
+        st = src.stats()
+        payload = src.map.expert_layout(1, 0).payload
+        assert round(st["gb_read_experts"] * GB) == st["expert_misses"] * payload
