@@ -6,6 +6,7 @@ refused with one sentence."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -177,3 +178,13 @@ def test_compact_corrupt_exception_index_never_reaches_the_kernel():
     raw[col_off:col_off + 4] = np.array([bits.shape[1] + 5], np.int32).view(np.uint8)
     with pytest.raises(CheckpointError, match="corrupt .* re-pack the trunk"):
         from_bytes(raw, bits.shape, n, "w")
+
+
+def test_compact_k3tui_pack_flag(packed, tmp_path):
+    ck, _, _, _ = packed
+    env = dict(os.environ, K3TUI_HOME=str(tmp_path / "home"))
+    out = subprocess.run([sys.executable, "-m", "k3tui", "pack", str(ck), str(tmp_path / "t"),
+                          "--foreground", "--compact"], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    assert json.loads((tmp_path / "t" / "trunk.json").read_text())["format"] == "k3-c12"
