@@ -6,6 +6,7 @@
 * stream — I/O: the streaming source under memory budgets (engine/bench_stream.py).
 * serve — the HTTP server's cost per token against calling generate directly
   (engine/bench_serve.py).
+* compact — the lossless compact trunk against the BF16 one (engine/bench_compact.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ BENCHES = {
     "forward": "engine.bench_forward",
     "stream": "engine.bench_stream",
     "serve": "engine.bench_serve",
+    "compact": "engine.bench_compact",
 }
 
 
