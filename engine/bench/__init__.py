@@ -6,6 +6,7 @@
 * stream — I/O: the streaming source under memory budgets (engine/bench/stream.py).
 * serve — the HTTP server's cost per token against calling generate directly
   (engine/bench/serve.py).
+* compact — the lossless compact trunk against the BF16 one (engine/bench/compact.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ BENCHES = {
     "forward": "engine.bench.forward",
     "stream": "engine.bench.stream",
     "serve": "engine.bench.serve",
+    "compact": "engine.bench.compact",
 }
 
 

@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ import numpy as np
 
 from engine.checkpoint.safetensors import DTYPES, SafetensorsIndex, TensorInfo, overlap
 from engine.checkpoint.schema import TensorNames
+from engine.checkpoint.compact import C12, CompactSpec, c12_nbytes, eligible
 from engine.errors import CheckpointError, EngineError, ReadError
 from engine.jsonfile import load_json
 from engine.model.config import ModelConfig
@@ -41,6 +43,7 @@ from engine.weights.io import ALIGN, FileTable, TensorSpec, align_down, align_up
 TRUNK_BIN = "trunk.bin"
 TRUNK_JSON = "trunk.json"
 PROGRESS = "trunk.progress.json"
+COMPACT_FORMAT = "k3-c12"  # compact_pack.FORMAT
 CHUNK = 16 << 20
 WORKERS = 4  # chunks copied concurrently: the disk's queue depth for reads and writes
 Progress = Callable[[int, int, int], None]  # (done_bytes, total_bytes, layer)
@@ -233,8 +236,13 @@ class _Copier:
 
 
 def pack(checkpoint_dir: str | Path, out_dir: str | Path,
-         progress: Progress | None = None) -> dict[str, Any]:
-    """Pack the trunk into `out_dir`; resumable. Returns a summary (bytes, seconds, MB/s)."""
+         progress: Progress | None = None, compact: bool = False) -> dict[str, Any]:
+    """Pack the trunk into `out_dir`; resumable. Returns a summary (bytes, seconds, MB/s).
+    `compact`: the lossless c12 trunk (compact_pack.py) instead of the peer's BF16 one."""
+    if compact:
+        from engine.checkpoint.compact_pack import pack_compact
+
+        return pack_compact(checkpoint_dir, out_dir, progress)
     root, out = Path(checkpoint_dir), Path(out_dir)
     index, names, n = _open_checkpoint(root)
     runs = layer_runs(index, names, n)
@@ -244,7 +252,7 @@ def pack(checkpoint_dir: str | Path, out_dir: str | Path,
     done_json = out / TRUNK_JSON
     if done_json.is_file():
         have = _load_json(done_json)
-        if have.get("fingerprint") == fp and (out / TRUNK_BIN).is_file() \
+        if have.get("fingerprint") == fp and "format" not in have and (out / TRUNK_BIN).is_file() \
                 and (out / TRUNK_BIN).stat().st_size >= total:
             if progress:
                 progress(total, total, n - 1)
@@ -324,7 +332,7 @@ class _Checker:
 
 
 def _tensor_specs(chk: _Checker, where: str, got: dict, want: dict, binary: Path, base: int,
-                  span: int, layer: int) -> list[TensorSpec]:
+                  span: int, layer: int, fmt: str | None) -> list[TensorSpec]:
     """One layer's tensors in trunk.bin, each checked against the checkpoint's and inside
     the layer's own span."""
     specs = []
@@ -333,14 +341,14 @@ def _tensor_specs(chk: _Checker, where: str, got: dict, want: dict, binary: Path
         off, nb = chk.need(t, "off", int, tw), chk.need(t, "nbytes", int, tw)
         dtype, shape = chk.need(t, "dtype", str, tw), chk.need(t, "shape", list, tw)
         ref = want[name]
-        if nb != ref.nbytes or dtype != ref.dtype or tuple(shape) != ref.shape:
+        expect, kind = _encoding(fmt, t, ref, chk.need, tw)
+        if nb != expect or dtype != ref.dtype or tuple(shape) != ref.shape:
             raise chk.bad(f"tensor {name} is {dtype} {shape} in {nb} bytes but the checkpoint's "
                           f"is {ref.dtype} {list(ref.shape)} in {ref.nbytes}")
         if off + nb > span:
             raise chk.bad(f"tensor {name} spans bytes [{off}, {off + nb}) of layer {layer}, "
                           f"which holds only {span}: it points outside its own layer")
-        specs.append(TensorSpec(name, binary, base + off, ref.nbytes, DTYPES[ref.dtype],
-                                ref.shape))
+        specs.append(kind(name, binary, base + off, nb, DTYPES[ref.dtype], ref.shape))
     return specs
 
 
@@ -375,6 +383,7 @@ def trunk_specs(trunk_dir: Path, index: SafetensorsIndex, names: TensorNames, n_
             f"the trunk in {trunk_dir} was packed from a different checkpoint than "
             f"{checkpoint_dir}; {repack}."
         )
+    fmt = _format(meta, bad)
     if need(meta, "align", int, "") != ALIGN or need(meta, "n_layers", int, "") != n_layers:
         raise bad(f"it describes {meta['n_layers']} layers aligned to {meta['align']} but the "
                   f"checkpoint has {n_layers} (align {ALIGN})")
@@ -402,7 +411,7 @@ def trunk_specs(trunk_dir: Path, index: SafetensorsIndex, names: TensorNames, n_
                 f"pack is incomplete or corrupt; {repack}."
             )
         spans.append((base, base + span, L))
-        specs = _tensor_specs(chk, where, got, want, binary, base, span, L)
+        specs = _tensor_specs(chk, where, got, want, binary, base, span, L, fmt)
         clash = overlap([(s.offset, s.offset + s.nbytes, s.name) for s in specs])
         if clash:
             raise bad(f"tensors {clash[0]} and {clash[1]} of layer {L} overlap")
@@ -414,6 +423,24 @@ def trunk_specs(trunk_dir: Path, index: SafetensorsIndex, names: TensorNames, n_
 
 
 _KINDS = {dict: "object", list: "list", str: "string"}
+
+
+def _format(meta: dict, bad: Callable[[str], CheckpointError]) -> str | None:
+    """None for the peer's BF16 trunk, COMPACT_FORMAT for ours; anything else is refused."""
+    fmt = meta.get("format")
+    if fmt not in (None, COMPACT_FORMAT):
+        raise bad(f"its format {str(fmt)[:40]!r} is not one this engine reads")
+    return fmt
+
+
+def _encoding(fmt: str | None, t: dict, ref: TensorInfo, need: Callable,
+              where: str) -> tuple[int, Callable[..., TensorSpec]]:
+    """The bytes a trunk.json tensor entry must span and the spec type that reads them:
+    a c12 matrix of a compact trunk, else the raw bytes."""
+    if fmt is None or t.get("encoding") != C12 or not eligible(ref.dtype, ref.shape):
+        return ref.nbytes, TensorSpec
+    n_exc = need(t, "exceptions", int, where)
+    return c12_nbytes(ref.shape, n_exc), partial(CompactSpec, exceptions=n_exc)
 
 
 def plain_copy(checkpoint_dir: str | Path, dest: str | Path) -> dict[str, Any]:
@@ -462,6 +489,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", help="checkpoint folder (safetensors shards + config)")
     parser.add_argument("out", help="folder for trunk.bin + trunk.json (resumes if present)")
     parser.add_argument("--json", action="store_true", help="print a JSON summary at the end")
+    parser.add_argument("--compact", action="store_true",
+                        help="write the lossless compact trunk (~12 bits/weight, this engine "
+                        "only) instead of the peer-compatible BF16 one")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -479,7 +509,8 @@ def main(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
 
     try:
-        summary = pack(args.checkpoint, args.out, progress=show)
+        summary = pack(args.checkpoint, args.out, progress=show,
+                       compact=getattr(args, "compact", False))
     except EngineError as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return 1
@@ -489,6 +520,8 @@ def main(args: argparse.Namespace) -> int:
     elif summary["already_packed"]:
         print(f"{args.out} already holds this checkpoint's trunk; nothing to do.")
     else:
-        print(f"packed {summary['total_bytes'] / 1e9:.3f} GB of trunk into {args.out} "
+        kind = (f"compact trunk ({100 * summary['ratio']:.1f}% of its BF16 size)"
+                if "ratio" in summary else "trunk")
+        print(f"packed {summary['total_bytes'] / 1e9:.3f} GB of {kind} into {args.out} "
               f"({summary['mb_per_s']:.0f} MB/s).")
     return 0

@@ -19,6 +19,7 @@ import os
 
 import numpy as np
 
+from engine.kernels.compact import CompactMatrix
 from engine.kernels.reference import linear_ref, mxfp4_linear_ref
 
 
@@ -47,7 +48,14 @@ def compute_threads() -> int:
 def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """y = x Wᵀ for x [T, in] (or [in]) and a raw BF16/F32 weight [out, in]."""
     x2 = np.ascontiguousarray(x, np.float32).reshape(-1, x.shape[-1])
-    if FUSED and w.dtype in (np.uint16, np.float32) and w.flags.c_contiguous:
+    if isinstance(w, CompactMatrix):  # a compact trunk's matrix: the same bits as its BF16
+        if FUSED:
+            from engine.kernels.fused_compact import c12_linear
+
+            y = c12_linear(x2, w)
+        else:
+            y = linear_ref(x2, w.bf16())
+    elif FUSED and w.dtype in (np.uint16, np.float32) and w.flags.c_contiguous:
         from engine.kernels import fused
 
         y = fused.linear(x2, w)

@@ -323,7 +323,7 @@ def _bf16_matmul(w, x, out):  # w uint16 [R, C], x f32 [T, C], out f32 [T, R]
                 out[t, r] = _bf16_row_dot(w, r, x, t)
 
 
-def _build(fn, parallel: bool):
+def _build(fn, parallel: bool, exact: bool = False):
     """Compile `fn` serial or parallel (`prange` is a plain range in the serial build, so
     both compute every output element with the same instruction sequence). Each build
     gets its own function name: numba's on-disk cache is keyed by the function, and
@@ -331,8 +331,10 @@ def _build(fn, parallel: bool):
     name = f"{fn.__name__}_{'parallel' if parallel else 'serial'}"
     clone = pytypes.FunctionType(fn.__code__, fn.__globals__, name, fn.__defaults__, fn.__closure__)
     clone.__qualname__ = name
-    # the BF16 and MXFP4 kernels' order is spelled out in their IR: no fast-math licence
-    flags = dict(_FLAGS, fastmath=False) if fn in (_mxfp4_matmul, _bf16_matmul) else _FLAGS
+    # the BF16 and MXFP4 kernels' order is spelled out in their IR (`exact`: a kernel that
+    # calls theirs): no fast-math licence
+    exact = exact or fn in (_mxfp4_matmul, _bf16_matmul)
+    flags = dict(_FLAGS, fastmath=False) if exact else _FLAGS
     return njit(parallel=parallel, **flags)(clone)
 
 

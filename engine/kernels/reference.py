@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.kernels.compact import CompactMatrix
 from engine.kernels.mxfp4 import mxfp4_decode
 
 
@@ -18,6 +19,8 @@ def widen_bf16(raw: np.ndarray) -> np.ndarray:
 
 def to_f32(a: np.ndarray) -> np.ndarray:
     """Any raw trunk tensor → float32 (BF16 widened, F16/F32 converted)."""
+    if isinstance(a, CompactMatrix):
+        a = a.bf16()
     if a.dtype == np.uint16:
         return widen_bf16(a)
     if a.dtype == np.float32:

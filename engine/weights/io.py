@@ -342,6 +342,10 @@ class TensorSpec:
     dtype: np.dtype
     shape: tuple[int, ...]
 
+    def view_of(self, raw: np.ndarray) -> np.ndarray:
+        """The tensor from its bytes (a compact trunk's spec returns its own matrix type)."""
+        return raw.view(self.dtype).reshape(self.shape)
+
 
 @dataclass(frozen=True)
 class Run:
@@ -404,5 +408,5 @@ class Layout:
         n = len(strip)
         for name, (pos, s) in self.tensors.items():
             key = name[n:] if n and name.startswith(strip) else name
-            out[key] = buf[pos : pos + s.nbytes].view(s.dtype).reshape(s.shape)
+            out[key] = s.view_of(buf[pos : pos + s.nbytes])
         return out

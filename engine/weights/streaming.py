@@ -96,6 +96,7 @@ class CheckpointMap:
             )
 
             per_layer = trunk_specs(Path(trunk_dir), self.index, self.names, n, self.root)
+        self.trunk_kind = _trunk_kind(per_layer, trunk_dir)
         self.layers = [Layout(per_layer[i]) for i in range(n)]
         self._expert_layouts: dict[tuple[int, int], Layout] = {}
 
@@ -139,6 +140,20 @@ class CheckpointMap:
             state_bytes=kda_state + conv,
             scratch_bytes=_scratch_bytes(biggest, c),
         )
+
+
+def _trunk_kind(per_layer: dict[int, list[TensorSpec]], trunk_dir: str | Path | None) -> str:
+    """What the trunk streams from, for the forecast line."""
+    from engine.checkpoint.compact import CompactSpec
+
+    if trunk_dir is None:
+        return "the checkpoint's shards (BF16)"
+    specs = [s for layer in per_layer.values() for s in layer]
+    if not any(isinstance(s, CompactSpec) for s in specs):
+        return f"the packed BF16 trunk in {trunk_dir}"
+    bf16 = sum(int(np.prod(s.shape)) * s.dtype.itemsize for s in specs)
+    return (f"the compact trunk in {trunk_dir} "
+            f"({100 * sum(s.nbytes for s in specs) / max(bf16, 1):.1f}% of BF16, lossless)")
 
 
 def _scratch_bytes(biggest: int, c: ModelConfig) -> int:
@@ -645,6 +660,6 @@ def open_source(checkpoint_dir: str | Path, args: argparse.Namespace | None = No
     ctx = context or getattr(args, "context_tokens", None) or DEFAULT_CONTEXT
     plan = plan_from_args(cmap.geometry(), args, context=ctx)
     if not quiet:
-        print(plan.describe(), file=sys.stderr, flush=True)
+        print(f"trunk: {cmap.trunk_kind}\n{plan.describe()}", file=sys.stderr, flush=True)
     return StreamingSource(cmap, plan)
 

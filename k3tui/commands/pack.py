@@ -22,6 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--detach", action="store_true", help="start the job and return")
     parser.add_argument("--foreground", action="store_true",
                         help="pack in this process instead of a detached job")
+    parser.add_argument("--compact", action="store_true",
+                        help="lossless compact trunk (~12 bits/weight, fewer bytes per token; "
+                        "this engine only, not the C peer)")
 
 
 def _config():
@@ -55,16 +58,17 @@ def run(args: argparse.Namespace) -> int:
     ckpt, out, remember = _defaults(args)
     reporter = jobs.JobReporter.from_env()
     if reporter is not None:
-        return _run_in_job(reporter, ckpt, out, remember)
+        return _run_in_job(reporter, ckpt, out, remember, args.compact)
     if args.foreground:
         lock = jobs.lock_target(str(out), f"k3tui pack {ckpt} {out}")
         try:
-            summary = _pack(ckpt, out, _printer())
+            summary = _pack(ckpt, out, _printer(), args.compact)
         finally:
             os.close(lock)
         print()
         return _conclude(summary, out, remember, print)
-    argv = jobs.k3tui_argv("pack", str(ckpt), *([] if remember else [str(out)]), "--foreground")
+    argv = jobs.k3tui_argv("pack", str(ckpt), *([] if remember else [str(out)]), "--foreground",
+                           *(["--compact"] if args.compact else []))
     job_id = jobs.start_job("pack", argv, str(out))
     print(f"Started job {job_id}: packing {ckpt} into {out}; it keeps going if this "
           "terminal closes.")
@@ -76,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     return attach(job_id)
 
 
-def _pack(ckpt: Path, out: Path, on_progress) -> dict:
+def _pack(ckpt: Path, out: Path, on_progress, compact: bool = False) -> dict:
     try:
         from engine.errors import EngineError
         from engine.checkpoint.trunk import pack
@@ -84,7 +88,7 @@ def _pack(ckpt: Path, out: Path, on_progress) -> dict:
         raise K3Error(f"The bundled engine cannot pack here ({exc}).",
                       "reinstall k3tui (`pip install -e .`) and rerun") from None
     try:
-        return pack(ckpt, out, progress=on_progress)
+        return pack(ckpt, out, progress=on_progress, compact=compact)
     except EngineError as exc:
         raise K3Error(str(exc), "fix the cause above and rerun `k3tui pack` (it resumes)") \
             from None
@@ -147,7 +151,7 @@ def _conclude(summary: dict, out: Path, remember: bool, say) -> int:
     return 0
 
 
-def _run_in_job(reporter, ckpt: Path, out: Path, remember: bool) -> int:
+def _run_in_job(reporter, ckpt: Path, out: Path, remember: bool, compact: bool = False) -> int:
     import signal
 
     signal.signal(signal.SIGHUP, signal.SIG_IGN)   # SIGTERM (cancel) just ends us: pack
@@ -155,7 +159,7 @@ def _run_in_job(reporter, ckpt: Path, out: Path, remember: bool) -> int:
     reporter.update(message=f"packing {ckpt} into {out}")
     print(time.strftime("%H:%M:%S"), f"pack {ckpt} -> {out}", flush=True)
     try:
-        summary = _pack(ckpt, out, _Meter(lambda fields: reporter.update(**fields)))
+        summary = _pack(ckpt, out, _Meter(lambda fields: reporter.update(**fields)), compact)
         lines: list[str] = []
         _conclude(summary, out, remember, lines.append)
         for line in lines:

@@ -1,0 +1,172 @@
+"""`python -m engine bench compact`: the compact (c12) trunk against the BF16 trunk, side by side.
+
+* Format: bits/weight and exception rate of c12 on the checkpoint's trunk matrices and on
+  harder weights (Student-t, outlier rows, a few large values per row).
+* Kernel: the fused c12 matmul against the BF16 kernel on one real-width matrix, in
+  weights per second, and the memory bandwidth (a numpy copy) measured in the same run.
+* Decode: the same budgets with the BF16 trunk and the compact one, interleaved (BF16,
+  c12, BF16, c12 …), each reporting s/token, trunk bytes read per token and pinned layers;
+  the ids must match (they are compared).
+The default checkpoint is synthesised `medium` in --workdir (reused). A separate
+subcommand so `bench stream` can change without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine.bench_stream import default_workdir
+
+PROMPT = [3, 7, 11, 5, 9, 200, 17]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", metavar="DIR", help="an existing checkpoint")
+    parser.add_argument("--workdir", type=Path, default=None, help="where to synthesise/pack")
+    parser.add_argument("--tokens", type=int, default=6, help="tokens decoded per run")
+    parser.add_argument("--budgets", default="0.1,0.5,1.0",
+                        help="budgets as fractions of the BF16 trunk + minimal cache")
+    parser.add_argument("--json", action="store_true")
+
+
+def _hard(rng) -> dict[str, np.ndarray]:
+    def bf16(f):
+        return (np.asarray(f, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+    shape = (2048, 2048)
+    rows = rng.standard_normal(shape) * 0.02
+    rows[::64] *= 1e3
+    spikes = rng.standard_normal(shape) * 0.02
+    spikes[np.arange(shape[0])[:, None], rng.integers(0, shape[1], (shape[0], 4))] = 50.0
+    return {"gaussian": bf16(rng.standard_normal(shape) * 0.02),
+            "student_t3": bf16(rng.standard_t(3, shape) * 0.02),
+            "student_t1.5": bf16(rng.standard_t(1.5, shape) * 0.02),
+            "outlier_rows": bf16(rows), "4_spikes_per_row": bf16(spikes)}
+
+
+def format_section(ck: Path) -> dict[str, Any]:
+    from engine.checkpoint.compact import eligible, measure
+    from engine.checkpoint.safetensors import SafetensorsIndex
+    from engine.checkpoint.schema import TensorNames
+
+    index = SafetensorsIndex.open(ck)
+    names = TensorNames.detect(index)
+    w = b = e = 0
+    for name, t in index.tensors.items():
+        if ".layers." in name and not names.is_expert(name) and eligible(t.dtype, t.shape):
+            s = measure(index.read(name).view(np.uint16).reshape(t.shape))
+            w, b, e = w + s.weights, b + s.nbytes, e + s.exceptions
+    out = {"checkpoint_trunk": {"bits_per_weight": 8 * b / w, "exception_rate": e / w}}
+    for name, bits in _hard(np.random.default_rng(0)).items():
+        s = measure(bits)
+        out[name] = {"bits_per_weight": s.bits_per_weight, "exception_rate": s.exception_rate}
+    return out
+
+
+def kernel_section(rows: int = 7168, cols: int = 2048, reps: int = 5) -> dict[str, Any]:
+    from engine.checkpoint.compact import encode
+    from engine.kernels import linear
+
+    rng = np.random.default_rng(1)
+    bits = (np.float32(0.02) * rng.standard_normal((rows, cols), np.float32)).view(np.uint32)
+    bits = (bits >> 16).astype(np.uint16)
+    m = encode(bits)
+    x = rng.standard_normal((1, cols)).astype(np.float32)
+    assert np.array_equal(linear(x, bits).view(np.uint32), linear(x, m).view(np.uint32))
+    big = np.ones(64 << 20, np.uint8)
+    best = {"bf16": 1e9, "c12": 1e9, "copy": 1e9}
+    for _ in range(reps):  # interleaved, best of `reps`
+        for key, fn in (("bf16", lambda: linear(x, bits)), ("c12", lambda: linear(x, m)),
+                        ("copy", lambda: big.copy())):
+            t0 = time.perf_counter()
+            fn()
+            best[key] = min(best[key], time.perf_counter() - t0)
+    n = rows * cols
+    return {"matrix": [rows, cols], "bf16_gweights_s": n / best["bf16"] / 1e9,
+            "c12_gweights_s": n / best["c12"] / 1e9,
+            "c12_over_bf16_time": best["c12"] / best["bf16"],
+            "copy_gb_s": 2 * big.nbytes / best["copy"] / 1e9}
+
+
+def _decode(ck: Path, trunk: Path, budget_gb: float, tokens: int) -> dict[str, Any]:
+    from engine.decode.generate import GenParams, generate
+    from engine.model.transformer import load_model
+    from engine.weights.planner import GB, make_plan
+    from engine.weights.streaming import CheckpointMap, StreamingSource
+
+    cmap = CheckpointMap(ck, trunk)
+    plan = make_plan(cmap.geometry(), budget_gb=budget_gb)
+    with StreamingSource(cmap, plan) as src:
+        model = load_model(ck, src)
+        toks = list(generate(model, PROMPT, GenParams(max_tokens=tokens)))
+        steady = toks[1:]
+        return {"ids": [t.id for t in toks], "pinned": len(plan.pinned),
+                "s_per_token": sum(t.seconds for t in steady) / len(steady),
+                "trunk_gb_per_token":
+                    sum(t.stats.gb_read_trunk or 0.0 for t in steady) / len(steady),
+                "streamed_trunk_gb": plan.streamed_trunk_bytes / GB}
+
+
+def decode_section(ck: Path, work: Path, fractions: list[float], tokens: int) -> list[dict]:
+    from engine.checkpoint.trunk import pack
+    from engine.weights.planner import GB
+    from engine.weights.streaming import CheckpointMap
+
+    trunks = {"bf16": work / "trunk-bf16", "c12": work / "trunk-c12"}
+    pack(ck, trunks["bf16"])
+    pack(ck, trunks["c12"], compact=True)
+    g = CheckpointMap(ck, trunks["bf16"]).geometry()
+    floor = max(g.layer_bytes) * 2 + g.min_expert_slots * g.expert_slot_bytes
+    rows = []
+    for f in fractions:
+        budget = (floor + f * g.trunk_bytes) / GB
+        runs: dict[str, list] = {"bf16": [], "c12": []}
+        for _ in range(2):  # interleaved
+            for kind in ("bf16", "c12"):
+                runs[kind].append(_decode(ck, trunks[kind], budget, tokens))
+        b, c = (min(runs[k], key=lambda r: r["s_per_token"]) for k in ("bf16", "c12"))
+        rows.append({"budget_gb": budget, "bf16": b, "c12": c, "ids_equal": b["ids"] == c["ids"],
+                     "bytes_ratio": c["trunk_gb_per_token"] / max(b["trunk_gb_per_token"], 1e-12),
+                     "time_ratio": c["s_per_token"] / b["s_per_token"]})
+    return rows
+
+
+def main(args: argparse.Namespace) -> int:
+    from engine.checkpoint.synth import synthesize
+
+    work = args.workdir or default_workdir() / "compact"
+    work.mkdir(parents=True, exist_ok=True)
+    ck = Path(args.checkpoint) if args.checkpoint else work / "ck-medium"
+    if not args.checkpoint and not (ck / "config.json").is_file():
+        synthesize(ck, "medium", seed=0)
+    load = open("/proc/loadavg").read().split()[:3]
+    result = {"loadavg_start": load, "format": format_section(ck), "kernel": kernel_section(),
+              "decode": decode_section(ck, work, [float(v) for v in args.budgets.split(",")],
+                                       args.tokens),
+              "loadavg_end": open("/proc/loadavg").read().split()[:3]}
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"load average {' '.join(load)} (shared machine: ratios only)")
+    for name, s in result["format"].items():
+        print(f"  {name:18} {s['bits_per_weight']:6.2f} bits/weight, "
+              f"exceptions {100 * s['exception_rate']:.3f}%")
+    k = result["kernel"]
+    print(f"kernel {k['matrix']}: BF16 {k['bf16_gweights_s']:.2f} Gw/s, c12 "
+          f"{k['c12_gweights_s']:.2f} Gw/s (time x{k['c12_over_bf16_time']:.2f}), "
+          f"copy {k['copy_gb_s']:.1f} GB/s")
+    for r in result["decode"]:
+        b, c = r["bf16"], r["c12"]
+        print(f"budget {r['budget_gb']:.3f} GB: pinned {b['pinned']} -> {c['pinned']}, trunk "
+              f"{b['trunk_gb_per_token'] * 1e3:.1f} -> {c['trunk_gb_per_token'] * 1e3:.1f} "
+              f"MB/token "
+              f"(x{r['bytes_ratio']:.2f}), {b['s_per_token']:.3f} -> {c['s_per_token']:.3f} "
+              f"s/token (x{r['time_ratio']:.2f}), ids equal: {r['ids_equal']}")
+    print(f"load average at the end {' '.join(result['loadavg_end'])}")
+    return 0
