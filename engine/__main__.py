@@ -1,4 +1,4 @@
-"""`python -m engine COMMAND`: run, synth, pack, serve, bench.
+"""`python -m engine COMMAND`: run, synth, pack, serve, plan, bench.
 
 Each command's module exposes `add_arguments(parser)` and `main(args) -> int`; only the
 chosen one is imported.
@@ -15,6 +15,7 @@ COMMANDS = {
     "synth": ("engine.checkpoint.synth", "write a random-weight Kimi-K3-architecture checkpoint"),
     "pack": ("engine.checkpoint.trunk", "pack a checkpoint's trunk into trunk.bin + trunk.json"),
     "serve": ("engine.server", "serve a checkpoint over an OpenAI-compatible HTTP API"),
+    "plan": ("engine.weights.plan_cli", "the memory plan and its forecast, without weights"),
     "bench": ("engine.bench", "benchmarks: forward, stream, serve"),
 }
 
