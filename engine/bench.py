@@ -4,6 +4,8 @@
   MXFP4 matmul throughput as fractions of the memory bandwidth measured in the same run
   (engine/bench_forward.py).
 * stream — I/O: the streaming source under memory budgets (engine/bench_stream.py).
+* parts — this machine's disk and real-width compute, and the real model's forecast per
+  preset from them (engine/bench_parts.py).
 * serve — the HTTP server's cost per token against calling generate directly
   (engine/bench_serve.py).
 """
@@ -17,6 +19,7 @@ BENCHES = {
     "forward": "engine.bench_forward",
     "stream": "engine.bench_stream",
     "serve": "engine.bench_serve",
+    "parts": "engine.bench_parts",
 }
 
 
