@@ -6,6 +6,8 @@
 * stream — I/O: the streaming source under memory budgets (engine/bench_stream.py).
 * parts — this machine's disk and real-width compute, and the real model's forecast per
   preset from them (engine/bench_parts.py).
+* slice — the real-width slice under a ladder of budgets, measured against the forecast
+  (engine/bench_slice.py).
 * serve — the HTTP server's cost per token against calling generate directly
   (engine/bench_serve.py).
 """
@@ -20,6 +22,7 @@ BENCHES = {
     "stream": "engine.bench_stream",
     "serve": "engine.bench_serve",
     "parts": "engine.bench_parts",
+    "slice": "engine.bench_slice",
 }
 
 

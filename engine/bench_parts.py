@@ -120,7 +120,7 @@ def measure_disk(folder: Path, scratch_bytes: int, expert_bytes: int, top_k: int
 # ---- compute ------------------------------------------------------------------------------
 def measure_compute(tokens: int) -> dict[str, Any]:
     from engine import kernels
-    from engine.bench_forward import REAL_WIDTHS, BenchSource, _Filler, time_layer
+    from engine.bench_forward import REAL_WIDTHS, BenchSource, _Filler, time_layer, time_mxfp4
     from engine.checkpoint.schema import expected_tensors
     from engine.model.config import ModelConfig
     from engine.model.transformer import Model
@@ -137,6 +137,9 @@ def measure_compute(tokens: int) -> dict[str, Any]:
            for name, layer in (("kda_moe_layer_s", 1), ("mla_moe_layer_s", 3),
                                ("dense_layer0_s", 0))}
     trunk = {1: src.trunk_bytes(1), 3: src.trunk_bytes(3), 0: src.trunk_bytes(0)}
+    runs = [time_mxfp4(src, cfg, cfg.num_experts_per_token, rng) for _ in range(3)]
+    wall, nbytes, _ = min(runs)
+    out["mxfp4_gb_per_s"] = nbytes / wall / GB  # one token through top-16 experts
     del src, model
     head = fill.tile(fill.bf16, (cfg.vocab_size, cfg.hidden_size))
     x = rng.standard_normal((1, cfg.hidden_size)).astype(np.float32)
