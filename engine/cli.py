@@ -1,4 +1,4 @@
-"""`python -m engine COMMAND`: run, synth, pack, serve, bench (the dispatcher that
+"""`python -m engine COMMAND`: run, synth, pack, serve, plan, bench (the dispatcher that
 __main__.py calls).
 
 Each command's module exposes `add_arguments(parser)` and `main(args) -> int`; only the
@@ -16,7 +16,8 @@ COMMANDS = {
     "synth": ("engine.checkpoint.synth", "write a random-weight Kimi-K3-architecture checkpoint"),
     "pack": ("engine.checkpoint.trunk", "pack a checkpoint's trunk into trunk.bin + trunk.json"),
     "serve": ("engine.serve.app", "serve a checkpoint over an OpenAI-compatible HTTP API"),
-    "bench": ("engine.bench", "benchmarks: forward, stream, serve"),
+    "plan": ("engine.weights.plan_cli", "the memory plan and its forecast, without weights"),
+    "bench": ("engine.bench", "benchmarks: forward, stream, serve, compact, parts, slice"),
 }
 
 

@@ -4,6 +4,10 @@
   MXFP4 matmul throughput as fractions of the memory bandwidth measured in the same run
   (engine/bench/forward.py).
 * stream — I/O: the streaming source under memory budgets (engine/bench/stream.py).
+* parts — this machine's disk and real-width compute, and the real model's forecast per
+  preset from them (engine/bench/parts.py).
+* slice — the real-width slice under a ladder of budgets, measured against the forecast
+  (engine/bench/slice.py).
 * serve — the HTTP server's cost per token against calling generate directly
   (engine/bench/serve.py).
 * compact — the lossless compact trunk against the BF16 one (engine/bench/compact.py).
@@ -19,6 +23,8 @@ BENCHES = {
     "stream": "engine.bench.stream",
     "serve": "engine.bench.serve",
     "compact": "engine.bench.compact",
+    "parts": "engine.bench.parts",
+    "slice": "engine.bench.slice",
 }
 
 

@@ -1,6 +1,6 @@
 """Random-weight Kimi-K3-architecture checkpoints in the released on-disk format.
 
-`python -m engine synth OUT [--size tiny|small|medium|demo|bench] [--seed N]` writes a
+`python -m engine synth OUT [--size tiny|small|medium|demo|bench|slice] [--seed N]` writes a
 nested config.json, one safetensors shard per decoder layer (its trunk tensors sorted by
 name, then its routed experts 0..N−1, six tensors each, MXFP4), a final shard with the
 embedding, head and model-level vectors, and model.safetensors.index.json. Every size but
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 import zlib
 from collections.abc import Callable
@@ -130,27 +131,20 @@ SIZES: dict[str, dict[str, Any]] = {
         attn_res_block_size=3,
     ),
     # the peer's benchmark shape (issue 3): 13 layers KKKMKKKMKKKMM, ~6.2 GB
-    "bench": dict(
-        hidden_size=2048,
-        num_hidden_layers=13,
-        vocab_size=32768,
-        kda_num_heads=16,
-        kda_head_dim=128,
-        full_attn_layers=[4, 8, 12, 13],
-        num_attention_heads=16,
-        q_lora_rank=512,
-        kv_lora_rank=256,
-        qk_nope_head_dim=128,
-        qk_rope_head_dim=64,
-        v_head_dim=128,
-        num_experts=256,
-        num_experts_per_token=16,
-        num_shared_experts=2,
-        routed_expert_hidden_size=1024,
-        moe_intermediate_size=1024,
-        intermediate_size=5632,
-        attn_res_block_size=4,
-    ),
+    "bench": dict(hidden_size=2048, num_hidden_layers=13, vocab_size=32768, kda_num_heads=16,
+                  kda_head_dim=128, full_attn_layers=[4, 8, 12, 13], num_attention_heads=16,
+                  q_lora_rank=512, kv_lora_rank=256, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                  v_head_dim=128, num_experts=256, num_experts_per_token=16,
+                  num_shared_experts=2, routed_expert_hidden_size=1024,
+                  moe_intermediate_size=1024, intermediate_size=5632, attn_res_block_size=4),
+    # Kimi-K3's real widths, vocab and expert size (spec 1.1), fewer layers and experts:
+    # 4 layers = dense KDA layer 0, two KDA-MoE, one MLA-MoE (~13.8 GB); see slice_overrides
+    "slice": dict(hidden_size=7168, num_hidden_layers=4, vocab_size=163840, kda_num_heads=96,
+                  kda_head_dim=128, full_attn_layers=[4], num_attention_heads=96,
+                  q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                  v_head_dim=128, num_experts=64, num_experts_per_token=16,
+                  num_shared_experts=2, routed_expert_hidden_size=3584,
+                  moe_intermediate_size=3072, intermediate_size=33792, attn_res_block_size=12),
 }
 N_SPECIAL = 256  # added tokens after the BPE ranks
 
@@ -163,6 +157,26 @@ def flat_config(size: str, overrides: dict[str, Any] | None = None) -> dict[str,
     if cfg["routed_expert_hidden_size"] % 32 or cfg["moe_intermediate_size"] % 32:
         raise ValueError("MXFP4 experts need latent and expert widths divisible by 32")
     return cfg
+
+
+def slice_overrides(layers: int | None = None, experts: int | None = None) -> dict[str, Any]:
+    """Config keys for a slice of `layers` layers and `experts` experts per MoE layer.
+
+    The layer map keeps the release's rule (one-based multiples of 4 are MLA) and, like the
+    release, makes the last layer MLA, so 3+ layers hold a dense layer 0, KDA-MoE and
+    MLA-MoE layers. Fewer than 16 experts lower top-k to the expert count."""
+    out: dict[str, Any] = {}
+    if layers is not None:
+        if not 2 <= layers <= 93:
+            raise ValueError("a slice has 2 to 93 layers (layer 0 dense, the last one MLA)")
+        out["num_hidden_layers"] = layers
+        out["full_attn_layers"] = sorted({i for i in range(4, layers + 1, 4)} | {layers})
+    if experts is not None:
+        if not 1 <= experts <= 896:
+            raise ValueError("a slice has 1 to 896 experts per layer")
+        out["num_experts"] = experts
+        out["num_experts_per_token"] = min(16, experts)
+    return out
 
 
 def nested_config(flat: dict[str, Any]) -> dict[str, Any]:
@@ -295,7 +309,28 @@ def trunk_value(
     std = 1.2 if short.endswith(_STD_CAPPED) else 0.02
     if short.startswith(("embed_tokens", "lm_head")):
         std = 1.0 if short.startswith("embed") else 0.02
+    if n > _CHUNK_ELEMS:  # real widths: never hold a whole 2.35 GB head (and temporaries)
+        return "BF16", _NormalRows(rng, shape, std)
     return "BF16", to_bf16(rng.standard_normal(shape, dtype=np.float32) * np.float32(std))
+
+
+_CHUNK_ELEMS = 1 << 24
+
+
+class _NormalRows:
+    """A BF16 N(0, std) matrix produced a block of rows at a time, with the same values as
+    one draw (the generator's stream does not depend on how the draws are split)."""
+
+    def __init__(self, rng: np.random.Generator, shape: tuple[int, ...], std: float):
+        self.rng, self.shape, self.std = rng, tuple(shape), np.float32(std)
+        self.nbytes = 2 * math.prod(shape)
+
+    def __iter__(self):
+        cols = math.prod(self.shape[1:])
+        step = max(1, _CHUNK_ELEMS // cols)
+        for r0 in range(0, self.shape[0], step):
+            rows = min(step, self.shape[0] - r0)
+            yield to_bf16(self.rng.standard_normal((rows, cols), dtype=np.float32) * self.std)
 
 
 # E2M1 codes drawn uniformly have RMS 2.93 (magnitudes 0…6), so a scale of 2^(s−127) gives
@@ -350,12 +385,13 @@ def _write_shard(path: Path, entries: list[_Entry]) -> int:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
         for e in entries:
-            arr = np.ascontiguousarray(e.make())
-            if arr.nbytes != e.nbytes:
+            value = e.make()
+            chunks = value if isinstance(value, _NormalRows) else [np.ascontiguousarray(value)]
+            if value.nbytes != e.nbytes:
                 raise AssertionError(
-                    f"{e.name}: generated {arr.nbytes} bytes, header says {e.nbytes}"
-                )
-            f.write(arr.tobytes())
+                    f"{e.name}: generated {value.nbytes} bytes, header says {e.nbytes}")
+            for arr in chunks:
+                f.write(arr.data)
     return pos
 
 
@@ -473,13 +509,14 @@ def checkpoint_bytes(size: str, overrides: dict[str, Any] | None = None) -> int:
 # ---- CLI -------------------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", help="output folder")
-    parser.add_argument(
-        "--size",
-        default="tiny",
-        choices=list(SIZES),
-        help="tiny/small/medium (tests), demo (chat demo), bench (~6.2 GB)",
-    )
+    parser.add_argument("--size", default="tiny", choices=list(SIZES),
+                        help="tiny/small/medium (tests), demo (chat demo), bench (~6.2 GB), "
+                        "slice (real widths, ~13.8 GB)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layers", type=int, default=None, metavar="N",
+                        help="slice only: decoder layers (default 4: dense, KDA-MoE x2, MLA-MoE)")
+    parser.add_argument("--experts", type=int, default=None, metavar="N",
+                        help="slice only: routed experts per MoE layer (default 64; 896 = real)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -487,11 +524,26 @@ def main(args: argparse.Namespace) -> int:
     if out.exists() and any(out.glob("*.safetensors")):
         print(f"error: {out} already holds a checkpoint; choose an empty folder.", file=sys.stderr)
         return 2
-    need = checkpoint_bytes(args.size)
+    layers, experts = getattr(args, "layers", None), getattr(args, "experts", None)
+    if args.size != "slice" and (layers is not None or experts is not None):
+        print("error: --layers and --experts apply to --size slice only.", file=sys.stderr)
+        return 2
+    try:
+        overrides = slice_overrides(layers, experts)
+        need = checkpoint_bytes(args.size, overrides)
+    except ValueError as exc:
+        print(f"error: {exc}.", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out).free
+    if need > free:
+        print(f"error: the {args.size} checkpoint needs {need / 1e9:.1f} GB and {out} has "
+              f"{free / 1e9:.1f} GB free; free some space or choose fewer --experts.",
+              file=sys.stderr)
+        return 2
     print(f"writing the {args.size} checkpoint ({need / 1e9:.3f} GB) to {out}", file=sys.stderr)
-    synthesize(
-        out, args.size, args.seed, progress=lambda msg: print(msg, file=sys.stderr, flush=True)
-    )
+    synthesize(out, args.size, args.seed, overrides,
+               progress=lambda msg: print(msg, file=sys.stderr, flush=True))
     cfg = ModelConfig.from_dir(out)
     print(f"{out}: {cfg.describe()}")
     return 0

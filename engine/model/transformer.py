@@ -78,10 +78,9 @@ class Model:
             blocks + [h], fold(self._model_vectors(), "output_attn_res"), cfg.rms_norm_eps
         )
         rows = h_f if all_positions else h_f[-1:]
-        logits = linear(
-            rmsnorm(rows, src.model_tensor("norm.weight"), cfg.rms_norm_eps),
-            src.model_tensor("lm_head.weight"),
-        )
+        xn = rmsnorm(rows, src.model_tensor("norm.weight"), cfg.rms_norm_eps)
+        head = src.model_tensor("lm_head.weight")  # a StreamedMatrix under a small budget
+        logits = head.linear(xn) if hasattr(head, "linear") else linear(xn, head)
         state.position += len(ids)
         state.ids.extend(int(i) for i in ids)
         return logits

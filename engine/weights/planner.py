@@ -70,6 +70,7 @@ class Geometry:
     kv_bytes_per_token: int  # MLA latent cache, all MLA layers
     state_bytes: int  # KDA recurrent state + conv history
     scratch_bytes: int  # compute temporaries (widened weights, activations)
+    table_bytes: int = 0  # embedding + head: the part of model_bytes that can stream
 
     @property
     def trunk_bytes(self) -> int:
@@ -99,6 +100,41 @@ class Plan:
     source: str = "budget"  # how the numbers were chosen: budget, preset NAME, trunk/cache
     notes: list[str] = field(default_factory=list)
     guess_experts: bool = False  # read the next layer's likely experts before its router
+    stream_tables: bool = False  # embedding rows on demand, head streamed (see tables.py)
+
+    @property
+    def tables_bytes(self) -> int:
+        """Resident model tables: all of them, or the small vectors + two head chunks."""
+        g = self.geometry
+        if not self.stream_tables:
+            return g.model_bytes
+        from engine.weights.tables import HEAD_CHUNK_BYTES
+
+        return g.model_bytes - g.table_bytes + 2 * HEAD_CHUNK_BYTES
+
+    def terms(self) -> dict[str, int]:
+        """Every part of the peak RSS forecast, named, in bytes."""
+        g = self.geometry
+        return {
+            "pinned_weights": self.pinned_bytes,
+            "ring": self.ring_bytes,
+            "expert_slots": self.cache_bytes,
+            "model_tables": self.tables_bytes,
+            "kda_state": g.state_bytes,
+            "kv_cache": g.kv_bytes_per_token * self.context,
+            "scratch": g.scratch_bytes,
+            "runtime": RUNTIME_BYTES,
+        }
+
+    @property
+    def forecast_rss_bytes(self) -> int:
+        return sum(self.terms().values())
+
+    @property
+    def read_bytes_per_token(self) -> int:
+        """Trunk + (streamed) head bytes every token reads, before any expert miss."""
+        head = self.geometry.table_bytes // 2 if self.stream_tables else 0
+        return self.streamed_trunk_bytes + head
 
     @property
     def pinned_bytes(self) -> int:
@@ -120,9 +156,7 @@ class Plan:
     @property
     def overhead_bytes(self) -> int:
         """The fixed part outside the budget: tables, state, KV for the context, runtime."""
-        g = self.geometry
-        return (g.model_bytes + g.state_bytes + g.kv_bytes_per_token * self.context
-                + g.scratch_bytes + RUNTIME_BYTES)
+        return self.forecast_rss_bytes - self.budget_bytes
 
     @property
     def streamed_trunk_bytes(self) -> int:
@@ -141,15 +175,13 @@ class Plan:
             f"{f(self.overhead_bytes)} = peak RSS forecast "
             f"{f(self.budget_bytes + self.overhead_bytes)}",
             f"  trunk: {len(self.pinned)} of {g.n_layers} layers pinned "
-            f"({f(self.pinned_bytes)}{_layer_list(self.pinned, g.n_layers)}){ring}; "
-            f"streams {f(self.streamed_trunk_bytes)} of trunk "
-            "per token",
+            f"({f(self.pinned_bytes)}{_layer_list(self.pinned, g.n_layers)}){ring}; streams "
+            f"{f(self.streamed_trunk_bytes)} of trunk per token",
             f"  experts: {self.expert_slots} slots x {f(g.expert_slot_bytes)} = "
             f"{f(self.cache_bytes)} (top-{g.top_k} needs {g.min_expert_slots}; all "
             f"{g.n_experts * g.moe_layers} experts = {f(g.all_experts_bytes)})",
-            f"  fixed: model tables {f(g.model_bytes)}, state+KV for {self.context} tokens "
-            f"{f(g.state_bytes + g.kv_bytes_per_token * self.context)}, scratch+runtime "
-            f"{f(g.scratch_bytes + RUNTIME_BYTES)}",
+            "  fixed: " + ", ".join(f"{k.replace('_', ' ')} {f(v)}" for k, v in
+                                    list(self.terms().items())[3:]),
             f"  reader threads: {self.threads}",
             "  expert read-ahead: "
             + (
@@ -173,6 +205,10 @@ class Plan:
             "expert_slots": self.expert_slots,
             "threads": self.threads,
             "guess_experts": self.guess_experts,
+            "stream_tables": self.stream_tables,
+            "forecast_rss_gb": self.forecast_rss_bytes / GB,
+            "read_gb_per_token": self.read_bytes_per_token / GB,
+            "terms_gb": {k: v / GB for k, v in self.terms().items()},
         }
 
 
@@ -324,6 +360,7 @@ def make_plan(
         source=source,
     )
     plan.guess_experts = _wants_guesses(plan, guess_experts)
+    _decide_tables(plan)
     if guess_experts == "on" and not plan.guess_experts:
         plan.notes.append(
             f"expert read-ahead stays off: it needs {2 * g.top_k} expert slots (a layer's "
@@ -333,6 +370,24 @@ def make_plan(
     if check_memory:
         check_fits(plan)
     return plan
+
+
+def _decide_tables(plan: Plan) -> None:
+    """Stream the embedding and head when keeping them would more than double the
+    weights' RAM while the trunk streams anyway: a head GB read per token costs what a
+    trunk GB does, so past that point the tables are the budget's worst use. At the real
+    size this is what keeps the laptop preset (4.7 GB of tables, 4 GB of weights) under
+    8 GB; the desktop preset and above keep them."""
+    g = plan.geometry
+    if g.table_bytes <= plan.budget_bytes or not plan.streamed_trunk_bytes:
+        return
+    plan.stream_tables = True
+    plan.notes.append(
+        f"embedding and head ({fmt_bytes(g.table_bytes)}) stay on disk: embedding rows are "
+        f"read on demand and the head is streamed in chunks, {fmt_bytes(g.table_bytes // 2)}"
+        f" more read per token; resident they would add {fmt_bytes(g.table_bytes)} to a "
+        f"{fmt_bytes(plan.budget_bytes)} budget."
+    )
 
 
 def _wants_guesses(plan: Plan, mode: str) -> bool:

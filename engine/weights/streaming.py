@@ -42,7 +42,16 @@ from engine.checkpoint.safetensors import SafetensorsIndex, TensorInfo
 from engine.errors import CheckpointError, ReadError
 from engine.model.config import ModelConfig
 from engine.weights.experts import EvictionPolicy, ExpertCache
-from engine.weights.io import Batch, FileTable, Layout, ReadPool, TensorSpec, aligned_buffer
+from engine.weights.io import (
+    ALIGN,
+    Batch,
+    FileTable,
+    Layout,
+    ReadPool,
+    TensorSpec,
+    align_up,
+    aligned_buffer,
+)
 from engine.weights.planner import (
     DEFAULT_CONTEXT,
     GB,
@@ -117,7 +126,9 @@ class CheckpointMap:
         slot = payload = 0
         for i in moe:  # experts are uniform; check one per layer
             lay = self.expert_layout(i, 0)
-            slot, payload = max(slot, lay.nbytes), max(payload, lay.payload)
+            # a slot must hold any expert's windows, whatever page offset it starts at
+            worst = align_up(lay.payload) + ALIGN * len(lay.runs)
+            slot, payload = max(slot, lay.nbytes, worst), max(payload, lay.payload)
         model = [self.model_spec(s) for s in MODEL_TENSORS]
         mats = [s for lay in self.layers for _, s in lay.tensors.values()] + model
         biggest = max((int(np.prod(s.shape)) for s in mats if len(s.shape) == 2), default=0)
@@ -135,6 +146,7 @@ class CheckpointMap:
             top_k=c.num_experts_per_token,
             moe_layers=len(moe),
             model_bytes=sum(s.nbytes for s in model),
+            table_bytes=sum(s.nbytes for s in model[:2]),  # MODEL_TENSORS: embed, head first
             checkpoint_bytes=sum(Path(f).stat().st_size for f in files),
             kv_bytes_per_token=n_mla * (c.kv_lora_rank + c.qk_rope_head_dim) * 4,
             state_bytes=kda_state + conv,
@@ -475,6 +487,12 @@ class StreamingSource:
 
     def model_tensor(self, name: str) -> np.ndarray:
         arr = self._model.get(name)
+        if arr is None and self.plan.stream_tables and name in MODEL_TENSORS[:2]:
+            from engine.weights.tables import RowTable, StreamedMatrix
+
+            kind = RowTable if name == "embed_tokens.weight" else StreamedMatrix
+            arr = self._model[name] = kind(self.map.model_spec(name), self.pool, self.files,
+                                           (EXPERT_PRIORITY, -1))
         if arr is None:
             spec = self.map.model_spec(name)
             lay = Layout([spec])
@@ -490,6 +508,7 @@ class StreamingSource:
             "wait_experts_s": c["wait_experts_s"],
             "gb_read_trunk": c["trunk_bytes"] / GB,
             "gb_read_experts": c["expert_bytes"] / GB,
+            "gb_read_tables": sum(getattr(t, "bytes_read", 0) for t in self._model.values()) / GB,
             "expert_hits": c["expert_hits"],
             "expert_misses": c["expert_misses"],
             "evictions": self.cache.evictions,

@@ -1,0 +1,228 @@
+"""Measure this machine's parts for the real model's forecast, in about a minute.
+
+`python -m engine bench parts [--dir PATH] [--json]`:
+* disk under PATH (default: the current folder) with the engine's read pattern: a scratch
+  file is written, then read O_DIRECT through the engine's ReadPool as trunk-sized
+  sequential runs and as 17.5 MB expert reads at unaligned offsets, top-k at a time at the
+  engine's queue depth; the scratch file is removed;
+* compute of one real-width KDA-MoE layer, MLA-MoE layer, dense layer 0 and the head
+  (BF16 163,840 x 7168), one decode token each through the engine's decoder layer and
+  kernels on this machine's cores (random weights in the on-disk dtypes);
+* the memory bandwidth (array copy) in the same run, for the kernels' fraction of it.
+With `--json`, one object on stdout (a k3tui command consumes it), schema:
+  {"schema": 1, "load_average": [1, 5, 15 min],
+   "disk": {"dir": str, "direct": bool, "scratch_gb": float,
+            "sequential_gb_per_s": float, "expert_gb_per_s": float, "queue_depth": int},
+   "compute": {"kda_moe_layer_s", "mla_moe_layer_s", "dense_layer0_s", "head_s": float,
+               "threads": int, "kernels": "fused (numba)" | "numpy reference"},
+   "memory_bandwidth_gb_per_s": float,
+   "presets": [{"name", "fits" (bool: forecast peak RSS <= 95 % of available memory here),
+                "s_per_token", "bound" ("disk"|"compute"), "first_token_s" (50-token prompt),
+                "first_token_s_by_prompt": {"50", "500"}, "prefill_expert_gb_by_prompt",
+                "peak_rss_gb", "gb_read_per_token"}], "note": str}
+`presets` is the real 93-layer model's forecast (engine.decode.forecast) per preset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+GB = 1e9
+NOTE = ("a forecast from measured parts (this disk, these cores, real-width layers with "
+        "random weights), not a run of the real model")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dir", default=".", metavar="PATH",
+                        help="measure the disk holding PATH (where the model would live)")
+    parser.add_argument("--scratch-gb", type=float, default=1.0, metavar="X",
+                        help="size of the scratch file read back (default 1)")
+    parser.add_argument("--tokens", type=int, default=2, help="timed tokens per layer")
+    parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---- disk ---------------------------------------------------------------------------------
+def measure_disk(folder: Path, scratch_bytes: int, expert_bytes: int, top_k: int,
+                 threads: int, trunk_run: int) -> dict[str, Any]:
+    from engine.weights.io import FileTable, Layout, ReadPool, TensorSpec, aligned_buffer
+
+    fd, name = tempfile.mkstemp(prefix=".k3-bench-parts-", dir=folder)
+    path = Path(name)
+    try:
+        block = np.random.default_rng(0).integers(0, 256, 1 << 24, dtype=np.uint8)
+        with os.fdopen(fd, "wb") as f:
+            for _ in range(max(1, scratch_bytes // block.size)):
+                f.write(block.data)
+            f.flush()
+            os.fsync(f.fileno())
+        size = path.stat().st_size
+        files, pool = FileTable(), ReadPool(threads)
+        try:
+            direct = files.get(path).direct
+
+            def read(specs: list, buf) -> float:
+                lay = Layout(specs)
+                t = time.perf_counter()
+                pool.submit(lay.reads(files, buf[: lay.nbytes]), (0,)).wait()
+                return time.perf_counter() - t
+
+            run = min(trunk_run, size // 2)
+            buf = aligned_buffer(run + 8192)
+            buf[:] = 0  # the engine's ring is touched once; page faults are not disk time
+            secs, n = 0.0, 0
+            for start in range(0, size - run + 1, run):
+                secs += read([TensorSpec("t", path, start, run, np.dtype(np.uint8), (run,))], buf)
+                n += run
+            seq = n / secs
+            ebuf = aligned_buffer(top_k * (expert_bytes + 8192))
+            ebuf[:] = 0
+            rng = np.random.default_rng(1)
+            secs, n = 0.0, 0
+            for _ in range(3):
+                offs = rng.choice((size - expert_bytes) // 4099, top_k, replace=False) * 4099
+                specs = [TensorSpec(f"e{i}", path, int(o), expert_bytes, np.dtype(np.uint8),
+                                    (expert_bytes,)) for i, o in enumerate(sorted(offs))]
+                t = time.perf_counter()
+                lays = [Layout([s]) for s in specs]
+                pos, batches = 0, []
+                for lay in lays:
+                    window = ebuf[pos : pos + lay.nbytes]
+                    batches.append(pool.submit(lay.reads(files, window), (0,)))
+                    pos += lay.nbytes
+                for b in batches:
+                    b.wait()
+                secs += time.perf_counter() - t
+                n += top_k * expert_bytes
+        finally:
+            pool.close()
+            files.close()
+    finally:
+        path.unlink(missing_ok=True)
+    return {"dir": str(folder), "direct": bool(direct), "scratch_gb": size / GB,
+            "sequential_gb_per_s": seq / GB, "expert_gb_per_s": n / secs / GB,
+            "queue_depth": threads}
+
+
+# ---- compute ------------------------------------------------------------------------------
+def measure_compute(tokens: int) -> dict[str, Any]:
+    from engine import kernels
+    from engine.bench.forward import REAL_WIDTHS, BenchSource, _Filler, time_layer, time_mxfp4
+    from engine.checkpoint.schema import expected_tensors
+    from engine.model.config import ModelConfig
+    from engine.model.transformer import Model
+
+    cfg = ModelConfig.from_dict(REAL_WIDTHS)
+    rng = np.random.default_rng(2)
+    src = BenchSource(cfg, pool=3 * cfg.num_experts_per_token)
+    fill = _Filler(3)
+    shapes = expected_tensors(cfg)
+    src.layers[0] = {s[len("layers.0."):]: fill.tensor(s, shape, cfg)
+                     for s, shape in shapes.items() if s.startswith("layers.0.")}
+    model = Model(cfg, src)
+    out = {name: statistics.median(time_layer(model, layer, tokens, 256, rng))
+           for name, layer in (("kda_moe_layer_s", 1), ("mla_moe_layer_s", 3),
+                               ("dense_layer0_s", 0))}
+    trunk = {1: src.trunk_bytes(1), 3: src.trunk_bytes(3), 0: src.trunk_bytes(0)}
+    runs = [time_mxfp4(src, cfg, cfg.num_experts_per_token, rng) for _ in range(3)]
+    wall, nbytes, _ = min(runs)
+    out["mxfp4_gb_per_s"] = nbytes / wall / GB  # one token through top-16 experts
+    del src, model
+    head = fill.tile(fill.bf16, (cfg.vocab_size, cfg.hidden_size))
+    x = rng.standard_normal((1, cfg.hidden_size)).astype(np.float32)
+    times = []
+    for _ in range(tokens + 1):
+        t = time.perf_counter()
+        kernels.linear(x, head)
+        times.append(time.perf_counter() - t)
+    out["head_s"] = statistics.median(times[1:])
+    out["trunk_gb"] = {"kda_moe": trunk[1] / GB, "mla_moe": trunk[3] / GB, "dense": trunk[0] / GB,
+                       "head": head.nbytes / GB}
+    out["kernels"] = "fused (numba)" if kernels.FUSED else "numpy reference"
+    out["threads"] = kernels.compute_threads()
+    return out
+
+
+def preset_forecasts(parts_json: dict[str, Any]) -> list[dict[str, Any]]:
+    """The real 93-layer model's forecast for each preset, from a parts measurement."""
+    from engine.decode.forecast import LayerKinds, Parts, forecast
+    from engine.weights.planner import PRESETS
+    from engine.weights.plan_cli import plan_for, real_config
+    from engine.weights.sysmem import read_memory_facts
+
+    parts = Parts.from_dict(parts_json)
+    kinds = LayerKinds.of(real_config())
+    avail = read_memory_facts().available
+    rows = []
+    for name in PRESETS:
+        plan = plan_for("real", name)
+        f = forecast(parts, kinds, plan)
+        rows.append({"name": name, "fits": bool(avail) and plan.forecast_rss_bytes <= 0.95 * avail,
+                     **f})
+    return rows
+
+
+def measure(folder: Path, scratch_gb: float, tokens: int) -> dict[str, Any]:
+    from engine.bench.forward import copy_bandwidth
+    from engine.weights.plan_cli import geometry_from_config, real_config
+
+    g = geometry_from_config(real_config())
+    res: dict[str, Any] = {"schema": 1, "load_average": list(os.getloadavg())}
+    log(f"disk under {folder}: {scratch_gb:g} GB scratch file, trunk runs and expert reads ...")
+    res["disk"] = measure_disk(folder, int(scratch_gb * GB), g.expert_bytes, g.top_k, 8,
+                               max(g.layer_bytes[1:]))
+    log("compute: real-width KDA-MoE, MLA-MoE, dense layer 0 and head ...")
+    res["compute"] = measure_compute(tokens)
+    res["memory_bandwidth_gb_per_s"] = copy_bandwidth(0.5) / GB
+    res["presets"] = preset_forecasts(res)
+    res["load_average_after"] = list(os.getloadavg())
+    res["note"] = NOTE
+    return res
+
+
+def main(args: argparse.Namespace) -> int:
+    folder = Path(args.dir)
+    if not folder.is_dir():
+        print(f"error: {folder} is not a folder; give --dir a folder on the disk to measure.",
+              file=sys.stderr)
+        return 2
+    if not 0.1 <= args.scratch_gb <= 64 or args.tokens < 1:
+        print("error: --scratch-gb must be 0.1 to 64 and --tokens at least 1.", file=sys.stderr)
+        return 2
+    try:
+        res = measure(folder, args.scratch_gb, args.tokens)
+    except OSError as exc:
+        print(f"error: cannot measure the disk under {folder} ({exc.strerror or exc}); "
+              "check it is writable and has space.", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(res))
+        return 0
+    d, c = res["disk"], res["compute"]
+    print(f"disk {d['dir']}: sequential {d['sequential_gb_per_s']:.2f} GB/s, experts "
+          f"{d['expert_gb_per_s']:.2f} GB/s (queue depth {d['queue_depth']}"
+          f"{'' if d['direct'] else ', page cache: O_DIRECT refused'})")
+    print(f"compute ({c['kernels']}, {c['threads']} threads): KDA-MoE {c['kda_moe_layer_s']:.3f}"
+          f" s, MLA-MoE {c['mla_moe_layer_s']:.3f} s, dense {c['dense_layer0_s']:.3f} s, head "
+          f"{c['head_s']:.3f} s; load {res['load_average'][0]:.2f}")
+    print(f"real 93-layer Kimi-K3 on this machine — {NOTE}:")
+    for p in res["presets"]:
+        print(f"  {p['name']:<12} fits={'yes' if p['fits'] else 'no ':<3} "
+              f"{p['s_per_token']:8.1f} s/token ({p['bound']}-bound)  first token "
+              f"{p['first_token_s_by_prompt']['50']:.0f} s / "
+              f"{p['first_token_s_by_prompt']['500']:.0f} s (50/500-token prompt)  "
+              f"peak RSS {p['peak_rss_gb']:.1f} GB")
+    return 0
