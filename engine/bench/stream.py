@@ -108,86 +108,109 @@ def ensure_checkpoint(workdir: Path, checkpoint_gb: float | None) -> Path:
 # ---- one rung, in its own process -------------------------------------------------------
 
 
-def raw_throughput(src, rng: np.random.Generator, passes: int = 2) -> dict[str, float]:
-    """The disk's O_DIRECT speed for this plan's per-token pattern, through the same pool.
-    The disk is shared and its speed drifts, so the bench samples it before, between and
-    after the timed decode blocks."""
-    from engine.weights.io import aligned_buffer
-    from engine.weights.streaming import EXPERT_CHUNK, EXPERT_PRIORITY, TRUNK_PRIORITY
+def reference_raw(cmap, plan, rng: np.random.Generator) -> dict:
+    """The best of a sweep over the engine's request sizes (a demand chunk, an expert, a
+    read-ahead chunk) and queue depths (the plan's readers, twice that), on this
+    checkpoint's files, through the engine's pool and buffers."""
+    from engine.bench.disk import raw_sweep
+    from engine.weights.io import CHUNK
+    from engine.weights.streaming import EXPERT_CHUNK
 
-    plan, cmap, pool = src.plan, src.map, src.pool
     g = plan.geometry
-    streamed = [i for i in range(g.n_layers) if i not in set(plan.pinned)]
-    tbuf = aligned_buffer(max((cmap.layers[i].nbytes for i in streamed), default=4096))
-    ebuf = aligned_buffer(g.top_k * g.expert_slot_bytes)
-    moe = [i for i in range(g.n_layers) if cmap.config.is_moe(i)]
-    for p in src._pinned.values():  # the source's own first reads must not overlap
-        p.batch.finished()
-    for slot in src._ring:
-        if slot.batch is not None:
-            slot.batch.finished()
-    total = 0
-    t0 = time.perf_counter()
-    for _ in range(passes):
-        batches = []
-        for i in streamed:  # read-ahead of whole layers, as the ring does
-            lay = cmap.layers[i]
-            batches.append(pool.submit(lay.reads(src.files, tbuf[: lay.nbytes]),
-                                       (TRUNK_PRIORITY, i)))
-            total += lay.payload
-        for i in moe:  # each layer's top-k at once, sorted by offset, ahead of the trunk
-            ids = sorted(rng.choice(g.n_experts, size=g.top_k, replace=False))
-            reads = []
-            for k, e in enumerate(ids):
-                lay = cmap.expert_layout(i, int(e))
-                start = k * g.expert_slot_bytes
-                reads += lay.reads(src.files, ebuf[start:start + lay.nbytes])
-                total += lay.payload
-            batches.append(pool.submit(reads, (EXPERT_PRIORITY, i), chunk=EXPERT_CHUNK))
-        for b in batches:
-            b.wait()
-    secs = time.perf_counter() - t0
-    return {"raw_gb": total / 1e9, "raw_s": secs, "raw_gb_per_s": total / 1e9 / secs}
+    files = sorted({Path(t.file) for t in cmap.index.tensors.values()})
+    sizes = sorted({EXPERT_CHUNK, g.expert_slot_bytes, CHUNK})
+    return raw_sweep(files, sizes, sorted({plan.threads, 2 * plan.threads}), rng)
 
 
-def _decode(model, prompt: list[int], tokens: int) -> tuple[list, float]:
-    """Greedy tokens and the CPU seconds of the decode steps (compute + readers)."""
+def _decode(model, prompt: list[int], tokens: int, src=None, disk=None) -> tuple[list, dict]:
+    """Greedy tokens; CPU seconds of the decode steps (compute + readers) and, with `disk`,
+    the device's counters and the engine's own device bytes over the same steps."""
     from engine.decode.generate import GenParams, generate
 
     toks = []
     cpu0 = 0.0
+    a = pool0 = None
     for tok in generate(model, prompt, GenParams(max_tokens=tokens)):
         toks.append(tok)
         if tok.index == 0:
             cpu0 = _cpu_s()
-    return toks, _cpu_s() - cpu0
+            a = disk.sample() if disk else None
+            pool0 = src.pool.bytes_read if src is not None else 0
+    info: dict = {"cpu_s": _cpu_s() - cpu0}
+    if disk is not None and src is not None:
+        from engine.bench.disk import DiskCounters
+
+        b = disk.sample()
+        info.update(DiskCounters.between(a, b))
+        secs = sum(t.seconds for t in toks[1:])
+        info["engine_device_gb_per_s"] = (src.pool.bytes_read - (pool0 or 0)) / 1e9 / secs \
+            if secs > 0 else None
+    return toks, info
 
 
-def _open(cmap, budget_gb: float, threads: int, warm: bool = False, guess: str = "auto"):
-    """A StreamingSource under `budget_gb`; with `warm`, every weight read before the clock."""
+def _open(cmap, budget_gb: float, threads: int, guess: str = "auto"):
+    """A StreamingSource under `budget_gb` and its model."""
     from engine.model.transformer import load_model
     from engine.weights.planner import make_plan
     from engine.weights.streaming import StreamingSource
 
-    g = cmap.geometry()
-    plan = make_plan(g, budget_gb=budget_gb, threads=threads, guess_experts=guess)
+    plan = make_plan(cmap.geometry(), budget_gb=budget_gb, threads=threads,
+                     guess_experts=guess)
     src = StreamingSource(cmap, plan)
-    if warm:
-        for L in range(g.n_layers):
-            with src.layer(L):
-                pass
-            if cmap.config.is_moe(L):
-                with src.experts(L, range(g.n_experts)) as ex:
-                    for e in range(g.n_experts):
-                        ex[e]
     return src, load_model(cmap.root, src)
+
+
+def _resident(ck: Path):
+    """The same engine without a memory flag: every weight in RAM."""
+    from engine.model.transformer import load_model
+    from engine.weights.resident import ResidentSource
+
+    from engine.checkpoint.trunk import drop_cache
+
+    src = ResidentSource(ck)
+    drop_cache(src.index.files())  # it read through the page cache; leave none behind
+    return load_model(ck, src)
+
+
+def _alternate(models: list, prompt: list[int], tokens: int, src) -> tuple[list, list, float]:
+    """Decode the same prompt on the resident twin and the streamed model two tokens at a
+    time, so both are timed under the same machine load. Returns both token lists and the
+    drain time per streamed token: reads still in flight would finish during the twin's
+    turn for free, so the time they take is charged to the streamed tokens."""
+    from engine.decode.generate import GenParams, generate
+
+    gens = [generate(m, prompt, GenParams(max_tokens=tokens)) for m in models]
+    runs: list[list] = [[next(gens[0])], [next(gens[1])]]  # prefills: not timed
+    drained = 0.0
+    while len(runs[1]) < tokens:
+        for which in (0, 1):
+            for _ in range(2):
+                tok = next(gens[which], None)
+                if tok is not None:
+                    runs[which].append(tok)
+        t0 = time.perf_counter()
+        while src.pool.busy():
+            time.sleep(0.0005)
+        drained += time.perf_counter() - t0
+    return runs[0], runs[1], drained / max(len(runs[1]) - 1, 1)
+
+
+def _idle(src) -> float:
+    """Wait until the source's own first reads (pinned layers, an up-front load) are done."""
+    t0 = time.perf_counter()
+    while src.pool.busy():
+        time.sleep(0.001)
+    return time.perf_counter() - t0
 
 
 def run_rung(ck: Path, budget: str, tokens: int, threads: int, trunk: str | None,
              guess: str = "auto") -> dict:
-    """One budget: raw disk speed, a decode alone (its peak RSS is the rung's), then the
-    same decode alternating with a fully resident twin so that compute-only time and
-    streamed time are measured under the same machine load."""
+    """One budget: the raw disk (a sweep before and after), a decode alone (its peak RSS and
+    disk counters are the rung's), then the same decode alternating with the engine without
+    a memory flag (compute-only, under the same machine load). At "max" every weight fits
+    the budget: the source loads them up front, and the resident twin runs after it closes
+    (both at once would need the checkpoint twice in RAM)."""
+    from engine.bench.disk import DiskCounters
     from engine.weights.planner import GB
     from engine.weights.streaming import CheckpointMap
     from engine.weights.sysmem import peak_rss
@@ -197,47 +220,34 @@ def run_rung(ck: Path, budget: str, tokens: int, threads: int, trunk: str | None
     full_gb = (g.trunk_bytes + g.all_experts_bytes) / GB
     prompt = [int(x) for x in np.random.default_rng(1).integers(0, cmap.config.vocab_size, 4)]
     resident = budget == "max"
-    src, model = _open(cmap, full_gb if resident else float(budget), threads, warm=resident,
-                       guess=guess)
+    t_open = time.perf_counter()
+    src, model = _open(cmap, full_gb if resident else float(budget), threads, guess=guess)
+    load_s = time.perf_counter() - t_open + _idle(src)
     _log(src.plan.describe())
     rng = np.random.default_rng(7)
-    raw = [] if resident else [raw_throughput(src, rng)]
-    alone, cpu = _decode(model, prompt, tokens)
+    refs = [reference_raw(cmap, src.plan, rng)]
+    disk = DiskCounters(ck)
+    alone, info = _decode(model, prompt, tokens, src, disk)
     peak = peak_rss() / GB
     ids = [t.id for t in alone]
-    streamed, twin_toks = alone[1:], alone[1:]
+    streamed = alone[1:]
     drain_per_token = 0.0
-    if not resident:
-        # The same decode on a fully resident twin, alternating two tokens at a time, so
-        # compute-only and streamed tokens are timed under the same machine load.
-        from engine.decode.generate import GenParams, generate
-
-        twin, twin_model = _open(cmap, full_gb, threads, warm=True)
-        gens = [generate(twin_model, prompt, GenParams(max_tokens=tokens)),
-                generate(model, prompt, GenParams(max_tokens=tokens))]
-        runs: list[list] = [[next(gens[0])], [next(gens[1])]]  # prefills: not timed
-        drained = 0.0
-        while len(runs[1]) < tokens:
-            for which in (0, 1):
-                for _ in range(2):
-                    tok = next(gens[which], None)
-                    if tok is not None:
-                        runs[which].append(tok)
-            # Reads the streamed source still has in flight would finish during the twin's
-            # turn for free; charge the time they take to the streamed tokens instead.
-            t0 = time.perf_counter()
-            while src.pool.busy():
-                time.sleep(0.0005)
-            drained += time.perf_counter() - t0
-            raw.append(raw_throughput(src, rng, passes=1))  # sample the disk meanwhile too
-        if [t.id for t in runs[0]] != ids or [t.id for t in runs[1]] != ids:
-            raise EngineError("the resident and streamed decodes disagree; this is a bug.")
-        twin_toks, streamed = runs[0][1:], runs[1][1:]
-        drain_per_token = drained / max(len(streamed), 1)
-        raw.append(raw_throughput(src, rng))
-        twin.close()
-    plan = src.plan
-    src.close()
+    if resident:
+        plan = src.plan
+        src.close()
+        del model
+        twin_toks, _ = _decode(_resident(ck), prompt, tokens)
+        twin_ids, twin_toks = [t.id for t in twin_toks], twin_toks[1:]
+    else:
+        twin_run, run, drain_per_token = _alternate([_resident(ck), model], prompt, tokens, src)
+        if [t.id for t in run] != ids:
+            raise EngineError("the streamed decode changed between two runs; this is a bug.")
+        twin_ids, twin_toks, streamed = [t.id for t in twin_run], twin_run[1:], run[1:]
+        refs.append(reference_raw(cmap, src.plan, rng))
+        plan = src.plan
+        src.close()
+    if twin_ids != ids:
+        raise EngineError("the resident and streamed decodes disagree; this is a bug.")
 
     def mean(key: str) -> float:
         return float(np.mean([getattr(t.stats, key) or 0.0 for t in streamed])) if streamed else 0.0
@@ -247,8 +257,7 @@ def run_rung(ck: Path, budget: str, tokens: int, threads: int, trunk: str | None
 
     guessed, adopted = total("experts_guessed"), total("experts_guessed_used")
     misses = total("expert_misses")
-    raw_gb = sum(r["raw_gb"] for r in raw)
-    raw_s = sum(r["raw_s"] for r in raw)
+    best = max(refs, key=lambda r: r["raw_gb_per_s"])
     return {
         "budget": budget,
         "budget_gb": plan.budget_bytes / GB,
@@ -257,6 +266,7 @@ def run_rung(ck: Path, budget: str, tokens: int, threads: int, trunk: str | None
         "ring_slots": plan.ring_slots,
         "expert_slots": plan.expert_slots,
         "threads": plan.threads,
+        "load_s": load_s,
         "s_per_token": float(np.mean([t.seconds for t in streamed])) + drain_per_token
         if streamed else None,
         "drain_s_per_token": drain_per_token,
@@ -274,11 +284,16 @@ def run_rung(ck: Path, budget: str, tokens: int, threads: int, trunk: str | None
         "wait_trunk_s_per_token": mean("wait_trunk_s"),
         "wait_experts_s_per_token": mean("wait_experts_s"),
         "true_hit_rate": mean("true_hit_rate"),
-        "cpu_s_per_token": cpu / len(alone[1:]) if alone[1:] else None,
+        "cpu_s_per_token": info["cpu_s"] / len(alone[1:]) if alone[1:] else None,
         "prefill_s": alone[0].prefill_seconds if alone else None,
         "ids": ids,
         "peak_rss_gb": peak,
-        "raw_gb_per_s": raw_gb / raw_s if raw else None,
+        "raw_gb_per_s": best["raw_gb_per_s"],
+        "raw_best": best["best"],
+        "raw_sweep": [r["sweep"] for r in refs],
+        "device_gb_per_s": info.get("device_gb_per_s"),
+        "engine_device_gb_per_s": info.get("engine_device_gb_per_s"),
+        "disk_busy_fraction": info.get("disk_busy_fraction"),
     }
 
 
@@ -347,6 +362,31 @@ def main(args: argparse.Namespace) -> int:
         return 1
 
 
+def assess(r: dict) -> dict:
+    """The rung against its bound: max(compute-only, useful bytes / raw). Bytes read on a
+    wrong guess are waste, not part of the bound. An efficiency above 1.0, or the engine's
+    own reads outrunning the raw figure, means the raw figure is wrong: it is reported as
+    a reference bug instead of a result."""
+    raw = r.get("raw_gb_per_s")
+    s = r["s_per_token"]
+    io_s = r["gb_read_per_token"] / raw if raw else 0.0
+    bound = max(r["compute_only_s_per_token"] or 0.0, io_s)
+    eff = io_s / s if raw and s else None
+    errors = []
+    if eff is not None and eff > 1.0:
+        errors.append(f"useful bytes / raw ({io_s:.3f} s) exceed the s/token ({s:.3f})")
+    engine_rate = r.get("engine_device_gb_per_s")
+    if raw and engine_rate and engine_rate > raw:
+        errors.append(f"the engine read {engine_rate:.2f} GB/s during decode, above the raw "
+                      f"{raw:.2f} GB/s")
+    r.update(io_s_per_token=io_s, bound_s_per_token=bound,
+             overlap_ratio=s / bound if bound and s else None,
+             efficiency=None if errors else eff,
+             reference_error=("reference bug: " + "; ".join(errors)
+                              + " -- the raw figure is too low") if errors else None)
+    return r
+
+
 def _main(args: argparse.Namespace) -> int:
     from engine.weights.planner import GB
     from engine.weights.streaming import CheckpointMap
@@ -376,16 +416,7 @@ def _main(args: argparse.Namespace) -> int:
     for b in budgets:
         _log(f"budget {b} ...")
         rungs.append(_spawn_rung(ck, b, args, None))
-    ladder = []
-    for r in rungs:
-        raw = r.get("raw_gb_per_s")
-        # A wrong guess's bytes are disk time too: the bound counts every byte read.
-        io_s = (r["gb_read_per_token"] + r["gb_unused_per_token"]) / raw if raw else 0.0
-        bound = max(r["compute_only_s_per_token"], io_s)
-        r["bound_s_per_token"] = bound
-        r["overlap_ratio"] = r["s_per_token"] / bound if bound else None
-        r["efficiency"] = io_s / r["s_per_token"] if raw and r["s_per_token"] else None
-        ladder.append(r)
+    ladder = [assess(r) for r in rungs]
     main_rung = next(r for r in ladder if r["budget"] == head)
     same_ids = all(r["ids"] == ladder[0]["ids"] for r in ladder)
     result = {
@@ -397,6 +428,10 @@ def _main(args: argparse.Namespace) -> int:
         "mb_per_s": main_rung["gb_read_per_token"] * 1000 / main_rung["s_per_token"],
         "raw_gb_per_s": main_rung.get("raw_gb_per_s"),
         "efficiency": main_rung["efficiency"],
+        "reference_error": main_rung["reference_error"],
+        "disk_busy_fraction": main_rung["disk_busy_fraction"],
+        "device_gb_per_s": main_rung["device_gb_per_s"],
+        "raw_best": main_rung["raw_best"],
         "compute_only_s_per_token": main_rung["compute_only_s_per_token"],
         "peak_rss_gb": main_rung["peak_rss_gb"],
         "rss_limit_gb": main_rung["budget_gb"] * 1.1 + main_rung["plan_overhead_gb"],
@@ -410,7 +445,9 @@ def _main(args: argparse.Namespace) -> int:
             "wait_trunk_s_per_token", "wait_experts_s_per_token", "pinned_layers",
             "ring_slots", "expert_slots", "true_hit_rate", "cpu_s_per_token", "peak_rss_gb",
             "plan_overhead_gb", "gb_unused_per_token", "guess_experts", "guess_recall",
-            "guess_precision")}
+            "guess_precision", "io_s_per_token", "reference_error", "raw_best",
+            "device_gb_per_s", "engine_device_gb_per_s", "disk_busy_fraction", "load_s",
+            "threads", "raw_sweep")}
             for r in ladder],
     }
     if args.json:
@@ -420,43 +457,51 @@ def _main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _f(x: float | None, spec: str, scale: float = 1.0) -> str:
+    return "-" if x is None else format(x * scale, spec)
+
+
 def render(res: dict[str, Any]) -> str:
+    best = res.get("raw_best") or {}
+    eff = res.get("efficiency")
     lines = [
         f"checkpoint {res['checkpoint_gb']:.2f} GB, budget {res['budget_gb']:.2f} GB "
         f"(1/{res['checkpoint_gb'] / res['budget_gb']:.1f})",
         f"  s/token {res['s_per_token']:.3f}   GB read/token {res['gb_read_per_token']:.3f}   "
-        f"achieved {res['mb_per_s']:.0f} MB/s   raw O_DIRECT {res['raw_gb_per_s'] * 1000:.0f} "
-        f"MB/s   efficiency {res['efficiency']:.2f}",
+        f"achieved {res['mb_per_s']:.0f} MB/s   raw {_f(res['raw_gb_per_s'], '.0f', 1000)} "
+        f"MB/s (O_DIRECT, engine buffers, best at {best.get('request_bytes', 0) / 2**20:.2f} "
+        f"MiB x {best.get('queue_depth', '-')} in flight)",
+        f"  disk busy {_f(res.get('disk_busy_fraction'), '.0%')} of the decode, device "
+        f"{_f(res.get('device_gb_per_s'), '.0f', 1000)} MB/s (/proc/diskstats, every process)"
+        + (f"   efficiency {eff:.2f}" if eff is not None else ""),
         f"  compute-only {res['compute_only_s_per_token']:.3f} s/token   peak RSS "
         f"{res['peak_rss_gb']:.2f} GB (limit budget x 1.1 + fixed = {res['rss_limit_gb']:.2f})"
         f"   ids identical at every budget: {'yes' if res['ids_identical'] else 'NO'}",
     ]
     if res.get("pack_ratio_vs_cp") is not None:
-        lines.append(f"  pack {res['pack_mb_per_s']:.0f} MB/s vs plain copy "
+        lines.append(f"  pack {res['pack_mb_per_s']:.0f} MB/s vs cp + sync "
                      f"{res['cp_mb_per_s']:.0f} MB/s = {res['pack_ratio_vs_cp']:.2f}x")
     lines.append("")
-    lines.append(f"{'budget GB':>10} {'pinned':>6} {'s/token':>8} {'GB/token':>9} "
-                 f"{'compute':>8} {'I/O s':>7} {'bound s':>8} {'overlap':>7} {'effic.':>6} "
-                 f"{'raw MB/s':>8} {'peak RSS':>8} {'guesses':>13}")
+    lines.append(f"{'budget GB':>10} {'pinned':>6} {'s/token':>8} {'useful GB':>9} "
+                 f"{'wasted':>7} {'compute':>8} {'I/O s':>7} {'bound s':>8} {'overlap':>7} "
+                 f"{'effic.':>6} {'raw MB/s':>8} {'busy':>5} {'peak RSS':>8}")
+    errors = []
     for r in res["ladder"]:
-        raw = r.get("raw_gb_per_s")
-        eff = r.get("efficiency")
-        io_s = (r["gb_read_per_token"] + r["gb_unused_per_token"]) / raw if raw else 0.0
-        guesses = "off"
-        if r.get("guess_experts"):
-            guesses = (f"{r['guess_recall'] or 0:.0%} used, +{r['gb_unused_per_token']:.3f}"
-                       if r.get("guess_recall") is not None else "on")
+        if r.get("reference_error"):
+            errors.append(f"  {r['budget_gb']:.2f} GB: {r['reference_error']}")
         lines.append(
             f"{r['budget_gb']:>10.2f} {r['pinned_layers']:>6} {r['s_per_token']:>8.3f} "
-            f"{r['gb_read_per_token']:>9.3f} {r['compute_only_s_per_token']:>8.3f} "
-            f"{io_s:>7.3f} {r['bound_s_per_token']:>8.3f} {r['overlap_ratio']:>7.2f} "
-            f"{(f'{eff:.2f}' if eff is not None else '-'):>6} "
-            f"{(f'{raw * 1000:.0f}' if raw else '-'):>8} {r['peak_rss_gb']:>8.2f} {guesses:>13}")
-    lines.append("compute = compute-only s/token of a fully resident twin decoded in alternation "
-                 "with the streamed one; I/O s = GB/token (plus unused guessed bytes) / raw; "
-                 "bound = max of the two; overlap = s/token / bound (1.0 = I/O fully hidden); "
-                 "guesses = share of the experts read that a guess had started, + GB/token "
-                 "read on wrong guesses")
+            f"{r['gb_read_per_token']:>9.3f} {r['gb_unused_per_token']:>7.3f} "
+            f"{r['compute_only_s_per_token']:>8.3f} {r['io_s_per_token']:>7.3f} "
+            f"{r['bound_s_per_token']:>8.3f} {_f(r['overlap_ratio'], '.2f'):>7} "
+            f"{('BUG' if r.get('reference_error') else _f(r['efficiency'], '.2f')):>6} "
+            f"{_f(r.get('raw_gb_per_s'), '.0f', 1000):>8} "
+            f"{_f(r.get('disk_busy_fraction'), '.0%'):>5} {r['peak_rss_gb']:>8.2f}")
+    lines += errors
+    lines.append("useful GB = read per token and used; wasted = read on wrong guesses; compute = "
+                 "s/token of the engine without a memory flag, decoded in alternation with the "
+                 "streamed one; I/O s = useful GB / raw; bound = max of the two; overlap = "
+                 "s/token / bound; busy = the device's share of the decode with I/O in flight")
     return "\n".join(lines)
 
 

@@ -238,6 +238,16 @@ class StreamingSource:
             batch = self.pool.submit(lay.reads(self.files, buf), (TRUNK_PRIORITY, i))
             self._pinned[i] = _Pinned(buf, batch)
         self._schedule(0, in_use=False, first=True)
+        # When the plan holds every expert, read them all once up front, each layer's in
+        # file order right behind its trunk layer, instead of on the critical path after
+        # each router decides. A layer's reads are adopted when it first asks for experts.
+        self._preload: dict[int, list[tuple[int, int, Batch]]] = {}
+        if plan.expert_slots >= g.n_experts * g.moe_layers:
+            for L in (i for i in range(self.n) if self.config.is_moe(i)):
+                ids = list(range(g.n_experts))
+                got = self._read_experts(L, ids, self.cache.reserve(len(ids), L),
+                                         priority=(TRUNK_PRIORITY, L, 1))
+                self._preload[L] = [(e, slot, batch) for e, (slot, batch) in got.items()]
 
     # ---- trunk -------------------------------------------------------------------------
 
@@ -353,6 +363,7 @@ class StreamingSource:
         bad = [e for e in wanted if not 0 <= e < self.config.num_experts]
         if bad:
             raise CheckpointError(f"expert {bad[0]} of layer {layer} does not exist.")
+        self._adopt_preload(layer)
         self._retire_guesses(layer, wanted)
         cap = max(1, self.cache.free_for_reuse)
         view: _ExpertsAtOnce | _ExpertGroups
@@ -413,9 +424,23 @@ class StreamingSource:
         self._c["expert_misses"] += len(missing)
         return got
 
-    def _read_experts(self, layer: int, ids: list[int],
-                      slots: list[int]) -> dict[int, tuple[int, Batch]]:
-        """Issue the reads of `ids` into their reserved `slots`, sorted by file offset."""
+    def _adopt_preload(self, layer: int) -> None:
+        """The up-front reads of `layer`'s experts become cached experts (a failed one is
+        simply not cached: it is read on demand like any miss)."""
+        for e, slot, batch in self._preload.pop(layer, ()):
+            try:
+                self._wait_expert(batch)
+            except ReadError:
+                self.cache.discard(slot)
+            else:
+                self.cache.publish(slot, (layer, e))
+                self._c["expert_bytes"] += self.map.expert_layout(layer, e).payload
+            self.cache.unpin(slot)
+
+    def _read_experts(self, layer: int, ids: list[int], slots: list[int],
+                      priority: tuple | None = None) -> dict[int, tuple[int, Batch]]:
+        """Issue the reads of `ids` into their reserved `slots`, sorted by file offset;
+        urgent unless a `priority` is given."""
         cache = self.cache
         layouts = [self.map.expert_layout(layer, e) for e in ids]
         order = sorted(range(len(ids)),
@@ -435,7 +460,8 @@ class StreamingSource:
             lay, slot = layouts[k], slots[k]
             self._expert_seq += 1
             batch = self.pool.submit(lay.reads(self.files, cache.buffer(slot)),
-                                     (EXPERT_PRIORITY, self._expert_seq), chunk=EXPERT_CHUNK)
+                                     priority or (EXPERT_PRIORITY, self._expert_seq),
+                                     chunk=EXPERT_CHUNK if priority is None else None)
             got[ids[k]] = (slot, batch)
         return got
 
@@ -526,6 +552,11 @@ class StreamingSource:
         if self._closed:
             return
         self._closed = True
+        for batches in self._preload.values():
+            for _, _, batch in batches:
+                batch.cancel()
+                batch.finished()  # no read may still be writing into the arena
+        self._preload.clear()
         self._unadopted.update(self._guesses)
         self._reap_guesses(block=True)
         self.pool.close()

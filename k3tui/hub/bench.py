@@ -1,11 +1,12 @@
-"""`k3tui bench download`: k3tui's download loop vs `hf_hub_download`, same run, same hub.
+"""`k3tui bench download`: k3tui's downloader vs `snapshot_download`, same run, same hub.
 
 A loopback fake hub (a subprocess, LFS files redirected to a "CDN" port like the real Hub)
-serves a few hundred MB of random data. Both clients fetch every file, one file at a time
-by default, alternating order over the rounds; the best wall time of each is compared.
-k3tui also hashes (sha256) and fsyncs what it writes; hf_hub_download (HTTP path) checks
-only the size. Printed: throughput ratio (k3tui / hf, target >= 1.0) and k3tui's CPU
-seconds per GB (process CPU time: client threads only, the hub runs elsewhere).
+serves a few hundred MB of random data, unthrottled and then with a per-connection cap.
+Both clients fetch the snapshot with their default parallelism, alternating order over
+the rounds; the best wall time of each is compared. k3tui also hashes (sha256) and fsyncs
+what it writes; snapshot_download (HTTP path) checks only the size. Printed: throughput
+ratio (k3tui / snapshot_download, target >= 1.0) and k3tui's CPU seconds per GB (process
+CPU time: client threads only, the hub runs elsewhere).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import shutil
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = "bench/model"
@@ -45,9 +45,11 @@ def _make_source(src: Path, total_mb: int, n_files: int) -> list[Path]:
     return paths
 
 
-def _start_hub(src: Path) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "k3tui.hub.fakehub", str(src), "--repo", REPO,
-                             "--cdn"], stdout=subprocess.PIPE, text=True)
+def _start_hub(src: Path, throttle_mbps: float = 0.0) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "k3tui.hub.fakehub", str(src), "--repo", REPO, "--cdn"]
+    if throttle_mbps:
+        cmd += ["--throttle-mbps", str(throttle_mbps)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline().split()
     if not line or line[0] != "endpoint":
         proc.kill()
@@ -61,16 +63,62 @@ def _timed(fn) -> tuple[float, float]:
     return time.perf_counter() - w0, time.process_time() - c0
 
 
+def _compare(src: Path, paths: list[Path], base: Path, rounds: int,
+             throttle_mbps: float) -> dict:
+    """Both clients with their default parallelism on one hub, alternating order."""
+    hub, endpoint = _start_hub(src, throttle_mbps)
+    os.environ["HF_ENDPOINT"] = endpoint
+    try:
+        from huggingface_hub import snapshot_download
+
+        from k3tui.hub import Options, download, fetch_snapshot
+
+        snap = fetch_snapshot(REPO, token=False)
+
+        def run_hf(dest: Path) -> None:
+            snapshot_download(REPO, revision=snap.commit, local_dir=dest, endpoint=endpoint,
+                              token=False)
+
+        def run_k3(dest: Path) -> None:
+            res = download(snap, dest, opts=Options(token=None), log=lambda m: None)
+            if not res.ok:
+                raise RuntimeError(f"k3tui download failed: {res.error}")
+
+        results: dict[str, list[tuple[float, float]]] = {"hf": [], "k3tui": []}
+        runners = {"hf": run_hf, "k3tui": run_k3}
+        for r in range(rounds):
+            for who in (("hf", "k3tui") if r % 2 == 0 else ("k3tui", "hf")):
+                dest = base / f"out-{who}"
+                shutil.rmtree(dest, ignore_errors=True)
+                results[who].append(_timed(lambda run=runners[who], d=dest: run(d)))
+                for f in paths:
+                    if (dest / f.name).stat().st_size != f.stat().st_size:
+                        raise RuntimeError(f"{who} produced a wrong-size {f.name}")
+                shutil.rmtree(dest, ignore_errors=True)
+    finally:
+        hub.terminate()
+        hub.wait(10)
+    total = sum(q.stat().st_size for q in paths)
+    hf_s = min(w for w, _ in results["hf"])
+    k3_s = min(w for w, _ in results["k3tui"])
+    return {"throttle_mb_s_per_connection": throttle_mbps or None, "hf_s": hf_s,
+            "k3tui_s": k3_s, "hf_mb_s": total / hf_s / 1e6, "k3tui_mb_s": total / k3_s / 1e6,
+            "ratio_vs_hf": hf_s / k3_s,
+            "cpu_s_per_gb": min(c for _, c in results["k3tui"]) / (total / 1e9),
+            "hf_cpu_s_per_gb": min(c for _, c in results["hf"]) / (total / 1e9)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="k3tui bench download", description=__doc__.split("\n")[0])
     p.add_argument("--size-mb", type=int, default=400, help="total MB served (default 400)")
     p.add_argument("--files", type=int, default=4, help="number of files (default 4)")
-    p.add_argument("--workers", type=int, default=1, help="files in parallel, both clients")
-    p.add_argument("--rounds", type=int, default=2, help="rounds (best time counts)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds (best time counts)")
+    p.add_argument("--throttle-mbps", type=float, default=50.0,
+                   help="per-connection cap of the throttled run (0: unthrottled only)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     a = p.parse_args(argv)
-    if a.size_mb < 1 or a.files < 1 or a.rounds < 1 or a.workers < 1:
-        p.error("--size-mb, --files, --rounds and --workers must be positive")
+    if a.size_mb < 1 or a.files < 1 or a.rounds < 1 or a.throttle_mbps < 0:
+        p.error("--size-mb, --files and --rounds must be positive, --throttle-mbps >= 0")
 
     # huggingface_hub reads these at import: plain HTTP path, quiet, no telemetry call
     for k in ("HF_HUB_DISABLE_XET", "HF_HUB_DISABLE_TELEMETRY", "HF_HUB_DISABLE_PROGRESS_BARS"):
@@ -80,68 +128,24 @@ def main(argv: list[str] | None = None) -> int:
     base = get_paths().bench_dir / "download"
     src = base / "src"
     paths = _make_source(src, a.size_mb, a.files)
-    total = sum(q.stat().st_size for q in paths)
-    hub, endpoint = _start_hub(src)
-    os.environ["HF_ENDPOINT"] = endpoint
-    try:
-        from huggingface_hub import hf_hub_download
-
-        from k3tui.hub import Options, download, fetch_snapshot
-
-        snap = fetch_snapshot(REPO, token=False)
-
-        def run_hf(dest: Path) -> None:
-            def one(name: str) -> None:
-                hf_hub_download(REPO, name, revision=snap.commit, local_dir=dest,
-                                endpoint=endpoint, token=False)
-            with ThreadPoolExecutor(a.workers) as pool:
-                list(pool.map(one, [f.name for f in snap.files]))
-
-        def run_k3(dest: Path) -> None:
-            res = download(snap, dest, workers=a.workers, opts=Options(token=None),
-                           log=lambda m: None)
-            if not res.ok:
-                raise RuntimeError(f"k3tui download failed: {res.error}")
-
-        results: dict[str, list[tuple[float, float]]] = {"hf": [], "k3tui": []}
-        runners = {"hf": run_hf, "k3tui": run_k3}
-        for r in range(a.rounds):
-            order = ("hf", "k3tui") if r % 2 == 0 else ("k3tui", "hf")
-            for who in order:
-                dest = base / f"out-{who}"
-                shutil.rmtree(dest, ignore_errors=True)
-                results[who].append(_timed(lambda run=runners[who], d=dest: run(d)))
-                for f in paths:
-                    got = dest / f.name
-                    if got.stat().st_size != f.stat().st_size:
-                        raise RuntimeError(f"{who} produced a wrong-size {f.name}")
-                shutil.rmtree(dest, ignore_errors=True)
-    finally:
-        hub.terminate()
-        hub.wait(10)
-
-    hf_s = min(w for w, _ in results["hf"])
-    k3_s = min(w for w, _ in results["k3tui"])
-    gb = total / 1e9
-    out = {
-        "bytes": total, "files": a.files, "workers": a.workers, "rounds": a.rounds,
-        "hf_s": round(hf_s, 3), "k3tui_s": round(k3_s, 3),
-        "hf_mb_s": round(total / hf_s / 1e6, 1), "k3tui_mb_s": round(total / k3_s / 1e6, 1),
-        "ratio_vs_hf": round(hf_s / k3_s, 3),
-        "cpu_s_per_gb": round(min(c for _, c in results["k3tui"]) / gb, 3),
-        "hf_cpu_s_per_gb": round(min(c for _, c in results["hf"]) / gb, 3),
-        "k3tui_hashes_sha256": True,
-    }
+    runs = [_compare(src, paths, base, a.rounds, t)
+            for t in ([0.0, a.throttle_mbps] if a.throttle_mbps else [0.0])]
+    out = {"bytes": sum(q.stat().st_size for q in paths), "files": a.files,
+           "rounds": a.rounds, "reference": "huggingface_hub.snapshot_download",
+           "k3tui_hashes_sha256": True, **runs[0], "runs": runs}
     if a.json:
         print(json.dumps(out))
-    else:
-        print(f"served {total / 1e6:,.0f} MB in {a.files} files from a loopback hub "
-              f"(CDN redirect), {a.workers} file(s) at a time, best of {a.rounds}")
-        print(f"  hf_hub_download : {out['hf_mb_s']:8.1f} MB/s  "
-              f"{out['hf_cpu_s_per_gb']:.2f} CPU s/GB  (size check only)")
-        print(f"  k3tui download  : {out['k3tui_mb_s']:8.1f} MB/s  "
-              f"{out['cpu_s_per_gb']:.2f} CPU s/GB  (sha256 + fsync + resumable)")
-        print(f"  ratio_vs_hf {out['ratio_vs_hf']:.2f}  (k3tui throughput / hf; target >= 1.0)")
+        return 0
+    print(f"served {out['bytes'] / 1e6:,.0f} MB in {a.files} files from a loopback hub "
+          f"(CDN redirect), both clients at their default parallelism, best of {a.rounds}")
+    for r in runs:
+        cap = r["throttle_mb_s_per_connection"]
+        print(f"  {'unthrottled' if not cap else f'{cap:g} MB/s per connection'}:")
+        print(f"    snapshot_download: {r['hf_mb_s']:8.1f} MB/s  "
+              f"{r['hf_cpu_s_per_gb']:.2f} CPU s/GB  (size check only)")
+        print(f"    k3tui download   : {r['k3tui_mb_s']:8.1f} MB/s  "
+              f"{r['cpu_s_per_gb']:.2f} CPU s/GB  (sha256 + fsync + resumable)")
+        print(f"    ratio_vs_hf {r['ratio_vs_hf']:.2f}  (k3tui throughput / hf; target >= 1.0)")
     return 0
 
 

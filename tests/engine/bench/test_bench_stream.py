@@ -30,8 +30,18 @@ def test_stream_bench_json_keys(tmp_path):
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout)
     for key in ("checkpoint_gb", "budget_gb", "s_per_token", "gb_read_per_token",
-                "raw_gb_per_s", "efficiency", "peak_rss_gb", "pack_ratio_vs_cp", "ladder"):
+                "raw_gb_per_s", "peak_rss_gb", "pack_ratio_vs_cp", "ladder", "raw_best"):
         assert res[key] is not None, key
+    # An efficiency is only ever printed against a reference the decode did not beat.
+    assert (res["efficiency"] is None) == (res["reference_error"] is not None)
+    assert res["efficiency"] is None or res["efficiency"] <= 1.0
+    # raw is the best of a sweep that includes the engine's own demand reads (1 MiB chunks
+    # at the plan's reader count) and the best it found
+    head = res["ladder"][0]
+    sweep = {(r["request_bytes"], r["queue_depth"]): r["gb_per_s"] for r in head["raw_sweep"][0]}
+    assert (1 << 20, head["threads"]) in sweep
+    assert head["raw_gb_per_s"] == max(g for s in head["raw_sweep"] for g in
+                                       (r["gb_per_s"] for r in s))
     assert res["ids_identical"] is True
     assert len(res["ladder"]) == 3  # two budgets + everything resident
     for rung in res["ladder"]:
@@ -54,3 +64,26 @@ def test_stream_bench_json_keys(tmp_path):
     assert res["ladder"][-1]["gb_read_per_token"] == 0  # resident: nothing read
     assert res["ladder"][0]["gb_read_per_token"] > 0
     assert not (tmp_path / "work" / "scratch" / "trunk").exists()  # pack output cleaned up
+
+
+def test_stream_bench_reports_a_raw_figure_below_the_decode_as_a_bug():
+    """A decode that read its useful bytes faster than 'raw' proves raw wrong: no
+    efficiency is printed, the rung says reference bug."""
+    from engine.bench.stream import assess, render
+
+    rung = {"budget": "1", "budget_gb": 1.0, "s_per_token": 0.2, "gb_read_per_token": 0.5,
+            "gb_unused_per_token": 0.1, "compute_only_s_per_token": 0.07,
+            "raw_gb_per_s": 2.0, "engine_device_gb_per_s": 2.4, "pinned_layers": 0,
+            "disk_busy_fraction": 1.0, "peak_rss_gb": 1.0}
+    r = assess(dict(rung))
+    assert r["efficiency"] is None and "reference bug" in r["reference_error"]
+    assert r["bound_s_per_token"] == pytest.approx(0.25)  # useful bytes only: 0.5 / 2.0
+    res = {"checkpoint_gb": 6.0, "budget_gb": 1.0, "s_per_token": 0.2,
+           "gb_read_per_token": 0.5, "mb_per_s": 2500, "raw_gb_per_s": 2.0,
+           "raw_best": {"request_bytes": 1 << 20, "queue_depth": 8}, "efficiency": None,
+           "compute_only_s_per_token": 0.07, "peak_rss_gb": 1.0, "rss_limit_gb": 1.7,
+           "ids_identical": True, "ladder": [r]}
+    text = render(res)
+    assert "reference bug" in text and "efficiency 1.25" not in text
+    ok = assess(dict(rung, raw_gb_per_s=4.0, engine_device_gb_per_s=3.0))
+    assert ok["reference_error"] is None and ok["efficiency"] == pytest.approx(0.625)

@@ -244,3 +244,19 @@ def test_stream_experts_fetched_from_several_threads(small):
         st = src.stats()
         payload = src.map.expert_layout(1, 0).payload
         assert round(st["gb_read_experts"] * GB) == st["expert_misses"] * payload
+
+
+def test_stream_plan_holding_everything_loads_it_up_front(small):
+    """At the top rung no expert is read on the critical path: every expert is read once,
+    before the first token, and the ids are the resident engine's."""
+    g = CheckpointMap(small).geometry()
+    full = (g.trunk_bytes + g.all_experts_bytes) / GB
+    with source(small, budget_gb=full) as src:
+        assert src.plan.expert_slots >= g.n_experts * g.moe_layers
+        toks = list(generate(load_model(small, src), PROMPT, GenParams(max_tokens=6)))
+        later = toks[1:]
+        assert sum(t.stats.expert_misses for t in later) == 0
+        assert sum(t.stats.gb_read_experts for t in later) == 0
+        assert src.stats()["gb_read_experts"] * GB == pytest.approx(
+            g.n_experts * g.moe_layers * g.expert_bytes)
+    assert [t.id for t in toks] == greedy(small, ResidentSource(small), n=6)
