@@ -99,6 +99,7 @@ class Plan:
     source: str = "budget"  # how the numbers were chosen: budget, preset NAME, trunk/cache
     notes: list[str] = field(default_factory=list)
     guess_experts: bool = False  # read the next layer's likely experts before its router
+    snapshot_bytes: int = 0  # the server's kept conversation states (serve --snapshot-gb)
 
     @property
     def pinned_bytes(self) -> int:
@@ -122,7 +123,7 @@ class Plan:
         """The fixed part outside the budget: tables, state, KV for the context, runtime."""
         g = self.geometry
         return (g.model_bytes + g.state_bytes + g.kv_bytes_per_token * self.context
-                + g.scratch_bytes + RUNTIME_BYTES)
+                + g.scratch_bytes + RUNTIME_BYTES + self.snapshot_bytes)
 
     @property
     def streamed_trunk_bytes(self) -> int:
@@ -151,6 +152,7 @@ class Plan:
             f"{f(g.state_bytes + g.kv_bytes_per_token * self.context)}, scratch+runtime "
             f"{f(g.scratch_bytes + RUNTIME_BYTES)}",
             f"  reader threads: {self.threads}",
+            *([self.snapshot_line()] if self.snapshot_bytes else []),
             "  expert read-ahead: "
             + (
                 "on (each layer's likely experts are read while its attention computes)"
@@ -163,8 +165,18 @@ class Plan:
         lines += [f"  note: {x}" for x in self.notes]
         return "\n".join(lines)
 
+    def snapshot_line(self) -> str:
+        g = self.geometry
+        one = g.state_bytes + g.kv_bytes_per_token * self.context
+        n = self.snapshot_bytes // one
+        return (f"  conversation snapshots: {fmt_bytes(self.snapshot_bytes)} (--snapshot-gb), "
+                f"{n} of {fmt_bytes(one)} at {self.context} tokens"
+                + ("" if n else "; too small for one at full context, so long conversations "
+                   "are prefilled cold"))
+
     def as_dict(self) -> dict[str, Any]:
         return {
+            "snapshot_gb": self.snapshot_bytes / GB,
             "budget_gb": self.budget_bytes / GB,
             "overhead_gb": self.overhead_bytes / GB,
             "pinned_layers": len(self.pinned),
@@ -288,6 +300,7 @@ def make_plan(
     facts: MemoryFacts | None = None,
     check_memory: bool = True,
     guess_experts: str = "auto",
+    snapshot_gb: float = 0.0,
 ) -> Plan:
     """Split a budget (or preset, or trunk/cache pair) into pinned layers, ring and slots."""
     g = geometry
@@ -322,6 +335,7 @@ def make_plan(
         context=context,
         facts=facts,
         source=source,
+        snapshot_bytes=int(max(snapshot_gb, 0.0) * GB),
     )
     plan.guess_experts = _wants_guesses(plan, guess_experts)
     if guess_experts == "on" and not plan.guess_experts:
@@ -487,4 +501,5 @@ def plan_from_args(
         threads=getattr(args, "threads", 0) or 0,
         context=context,
         guess_experts=getattr(args, "guess_experts", "auto") or "auto",
+        snapshot_gb=getattr(args, "snapshot_gb", None) or 0.0,
     )
