@@ -441,8 +441,8 @@ def load_engine(
     snapshots, note = _snapshot_store(model, getattr(args, "snapshot_gb", 0.0) or 0.0, n_ctx)
 
     def gen(prompt_ids, params, cancel=None, logits_hook=None):
-        resume = snapshots.take(prompt_ids) if snapshots else None
-        keep = snapshots.put if snapshots else None
+        resume = snapshots.take(prompt_ids) if snapshots is not None else None
+        keep = snapshots.put if snapshots is not None else None
         run = generate(model, prompt_ids, params, cancel=cancel, logits_hook=logits_hook,
                        resume=resume, keep=keep)
         with contextlib.closing(run):  # closed now, not when collected: it keeps the state
@@ -462,7 +462,7 @@ def load_engine(
             "meta": {"n_layers": getattr(cfg, "num_hidden_layers", None), "n_vocab_model": vocab},
             "prompt_reuse": {
                 "on": snapshots is not None,
-                "snapshot_gb": snapshots.budget / 1e9 if snapshots else 0.0,
+                "snapshot_gb": snapshots.budget / 1e9 if snapshots is not None else 0.0,
                 "note": note,
             },
         },
