@@ -41,8 +41,9 @@ def test_srv_follow_up_resumes_prompt_and_reply(demo):
     first = ask(demo, msgs)
     t1 = first["timings"]
     assert t1["cache_n"] == 0 and first["k3"]["gb_read_prefill"] is not None
+    last = first
     for n, stream in enumerate((False, True)):
-        prev = first if n == 0 else last
+        prev = last
         reply = prev["choices"][0]["message"]
         msgs += [reply, {"role": "user", "content": f"And then {n}?"}]
         last = ask(demo, msgs, stream=stream)
