@@ -6,6 +6,8 @@
 * stream — I/O: the streaming source under memory budgets (engine/bench/stream.py).
 * serve — the HTTP server's cost per token against calling generate directly
   (engine/bench/serve.py).
+* chat — a 4-turn conversation, each turn cold vs resumed from the kept states
+  (engine/bench/chat.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ BENCHES = {
     "forward": "engine.bench.forward",
     "stream": "engine.bench.stream",
     "serve": "engine.bench.serve",
+    "chat": "engine.bench.chat",
 }
 
 
