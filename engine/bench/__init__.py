@@ -11,6 +11,8 @@
 * serve — the HTTP server's cost per token against calling generate directly
   (engine/bench/serve.py).
 * compact — the lossless compact trunk against the BF16 one (engine/bench/compact.py).
+* chat — a 4-turn conversation, each turn cold vs resumed from the kept states
+  (engine/bench/chat.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ BENCHES = {
     "compact": "engine.bench.compact",
     "parts": "engine.bench.parts",
     "slice": "engine.bench.slice",
+    "chat": "engine.bench.chat",
 }
 
 

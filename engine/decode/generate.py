@@ -12,6 +12,7 @@ import numpy as np
 
 from engine.decode.sampler import Sampler
 from engine.decode.stats import StatsMeter, TokenStats
+from engine.model.state import ModelState
 from engine.model.transformer import Cancelled, Model
 
 LogitsHook = Callable[[list[int], np.ndarray], np.ndarray]
@@ -36,35 +37,50 @@ class GenToken:
     prefill_seconds: float | None  # index 0 only: the prompt's forward pass
     stats: TokenStats = field(default_factory=TokenStats)
     stop: bool = False  # this id is one of params.stop_ids; it is the last token yielded
+    reused: int = 0  # index 0 only: prompt ids resumed from a snapshot, not prefilled
 
 
 def generate(model: Model, prompt_ids: Sequence[int], params: GenParams, *,
              cancel: threading.Event | None = None,
-             logits_hook: LogitsHook | None = None) -> Iterator[GenToken]:
+             logits_hook: LogitsHook | None = None,
+             resume: ModelState | None = None,
+             keep: Callable[[ModelState], None] | None = None) -> Iterator[GenToken]:
     """Yield generated tokens one by one. A stop id is yielded (flagged `stop`) and ends the
-    run; `cancel` is checked between tokens and between layers."""
+    run; `cancel` is checked between tokens and between layers.
+
+    `resume`: a state whose ids are a prefix of `prompt_ids` (the caller's own copy: it is
+    advanced); only the rest of the prompt is prefilled, and the first token says how many
+    ids were reused. `keep` is given the state right after the prompt and again when the run
+    ends (the ids it covers are in it), never a state a cancel left half-advanced."""
     if not prompt_ids:
         raise ValueError("generate needs at least one prompt id")
     sample = Sampler(params.temperature, params.top_k, params.top_p, params.seed)
     stops = set(int(s) for s in params.stop_ids)
     ids = [int(i) for i in prompt_ids]
     generated: list[int] = []
-    state = None if params.full_recompute else model.new_state()
+    state = None if params.full_recompute else _start(model, ids, resume)
+    reused = len(state.ids) if state is not None else 0
     meter = StatsMeter(model.source)
     start = last = time.perf_counter()
+    whole = False  # the state covers exactly the ids fed so far (no forward cut short)
     try:
         for index in range(params.max_tokens):
             if cancel is not None and cancel.is_set():
                 return
             t0 = time.perf_counter()
+            whole = False
             if params.full_recompute:
                 logits = model.forward(ids, model.new_state(), all_positions=False, cancel=cancel)[
                     -1
                 ]
             elif index == 0:
-                logits = model.prefill(ids, state, cancel=cancel)
+                rest = ids[reused:]
+                logits = model.prefill(rest, state, cancel=cancel) if rest else state.logits
+                if keep is not None:
+                    keep(state.snapshot())
             else:
                 logits = model.step(ids[-1], state, cancel=cancel)
+            whole = True
             compute = time.perf_counter() - t0
             if logits_hook is not None:
                 logits = logits_hook(list(generated), logits)
@@ -79,9 +95,24 @@ def generate(model: Model, prompt_ids: Sequence[int], params: GenParams, *,
                 prefill_seconds=compute if index == 0 else None,
                 stats=meter.delta(seconds, compute),
                 stop=token in stops,
+                reused=reused if index == 0 else 0,
             )
             last = time.perf_counter()
             if token in stops:
                 return
     except Cancelled:
         return
+    finally:
+        cancelled = cancel is not None and cancel.is_set()
+        if keep is not None and state is not None and whole and not cancelled:
+            keep(state.snapshot())  # trimmed: the latent cache grows by doubling
+
+
+def _start(model: Model, ids: list[int], resume: ModelState | None) -> ModelState:
+    """The state to prefill from: `resume` when it covers a prefix of `ids` (and, if it
+    covers all of them, has the logits to sample from), else a fresh one."""
+    if resume is not None:
+        n = len(resume.ids)
+        if resume.ids == ids[:n] and (n < len(ids) or resume.logits is not None):
+            return resume
+    return model.new_state()

@@ -18,7 +18,7 @@ from engine.weights.sysmem import current_rss, peak_rss
 K3_FIELDS = ("s_per_token", "gb_read", "mb_per_s", "true_hit_rate", "rss_gb", "budget_gb",
              "compute_s", "wait_trunk_s", "wait_experts_s")
 # Set on the last chunk of an answer only.
-K3_FINAL = ("reasoning_tokens", "note", "demo")
+K3_FINAL = ("reasoning_tokens", "gb_read_prefill", "note", "demo")
 # Present in `as_dict()` only when the source reports them.
 OPTIONAL = ("budget_gb", "experts_guessed", "experts_guessed_used", "gb_read_unused")
 
@@ -45,6 +45,7 @@ class TokenStats:
     gb_read_unused: float | None = None
     # the server's, on an answer's last chunk
     reasoning_tokens: int | None = None
+    gb_read_prefill: float | None = None  # GB the prompt's prefill read (after any reuse)
     note: str | None = None  # why an answer is empty (max_tokens ran out while reasoning)
     demo: str | None = None  # the demo model's notice
 

@@ -83,6 +83,7 @@ class Model:
         logits = head.linear(xn) if hasattr(head, "linear") else linear(xn, head)
         state.position += len(ids)
         state.ids.extend(int(i) for i in ids)
+        state.logits = logits[-1].copy()  # a row, not a view that keeps all T alive
         return logits
 
     def decoder_layer(

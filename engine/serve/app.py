@@ -71,6 +71,7 @@ PUBLIC_PATHS = ("/health", "/v1/health")
 LOADING_PATHS = PUBLIC_PATHS + ("/metrics",)
 MAX_BODY_MB = 4.0      # a long conversation is well under 1 MB of JSON
 READ_TIMEOUT = 10.0    # seconds a client may take for its request head, or stall in its body
+SNAPSHOT_GB = 2.0      # real model: ~3 kept states of ~0.63 GB (KDA state) + their latent cache
 
 
 def error_response(code: int, message: str, kind: str | None = None, *, close: bool = False,
@@ -278,6 +279,7 @@ class Service:
             "end_token_ids": list(self.template.end_ids()),
             "build_info": FINGERPRINT,
             "memory_plan": loaded.info.get("memory_plan"),
+            "prompt_reuse": loaded.info.get("prompt_reuse"),
             "budget_gb": loaded.budget_gb,
             "load_seconds": self.metrics.values["load_seconds"],
             "is_sleeping": False,
@@ -295,7 +297,11 @@ class Service:
         megabyte)."""
         req = parse_chat_request(body, self.reasoning_budget)
         try:
-            return req, self.template.render(req.messages, thinking=req.thinking, effort=req.effort)
+            kept = self.loaded.snapshots if self.loaded is not None else None
+            return req, self.template.render(
+                req.messages, thinking=req.thinking, effort=req.effort,
+                replies=kept.replies() if kept is not None else None,
+            )
         except TemplateError as exc:
             raise BadRequest(str(exc)) from exc
 
@@ -421,6 +427,7 @@ class Service:
         return replace(
             last or k3_record(None, self.loaded.budget_gb),
             reasoning_tokens=job.reasoning_tokens,
+            gb_read_prefill=job.gb_read_prefill,
             note=job.empty_answer_note(),
             demo=DEMO_NOTICE if self.steer_demo else None,
         ).k3()
@@ -571,6 +578,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--steer-demo",
         action="store_true",
         help="demo for random-weight models: readable words in a scripted think/answer shape",
+    )
+    parser.add_argument(
+        "--snapshot-gb",
+        type=float,
+        default=SNAPSHOT_GB,
+        metavar="X",
+        help="GB of conversation states kept between turns, so a follow-up prefills only "
+        f"what is new (0 = off; default {SNAPSHOT_GB:g}; the memory plan counts it)",
     )
     parser.add_argument("--debug-load-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--debug-token-delay", type=float, default=0.0, help=argparse.SUPPRESS)

@@ -9,6 +9,7 @@ metrics, and emits typed events (engine/serve/protocol.py) for the response to w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import threading
@@ -19,12 +20,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psutil
 
 from engine.decode.stats import TokenStats
 from engine.decode.steer import NEG, DemoSteer, Forced, think_to_response
 from engine.errors import EngineError
 from engine.serve.protocol import ChatRequest, End, Event, Failed, Stopped, Token
+from engine.serve.snapshots import SnapshotStore
 from engine.text.chat_template import ChatTemplate, OutputParser
 from engine.text.tokenizer import Tokenizer
 
@@ -41,6 +44,7 @@ class Loaded:
     info: dict[str, Any] = field(default_factory=dict)  # for /props and /v1/models
     budget_gb: float | None = None
     source: Any = None
+    snapshots: SnapshotStore | None = None  # None: prompt reuse is off
 
 
 def _read_chars() -> int | None:
@@ -84,7 +88,8 @@ class Metrics:
         "requests_total": "chat completion requests accepted",
         "requests_cancelled_total": "generations stopped because the client went away",
         "requests_failed_total": "generations that ended with an error",
-        "prompt_tokens_total": "prompt tokens processed",
+        "prompt_tokens_total": "prompt tokens prefilled",
+        "prompt_tokens_reused_total": "prompt tokens resumed from a kept conversation state",
         "prompt_seconds_total": "seconds spent in prefill",
         "tokens_predicted_total": "tokens generated (reasoning included)",
         "tokens_predicted_seconds_total": "seconds spent generating tokens",
@@ -165,14 +170,21 @@ class Job:
     predicted_s: float = 0.0
     content_chars: int = 0
     finish: str | None = None
+    generated: list[int] = field(default_factory=list)
+    cache_n: int = 0  # prompt ids resumed from a kept state (llama-server's cache_n)
+    gb_read_prefill: float | None = None
+
+    @property
+    def prefilled(self) -> int:
+        return len(self.prompt_ids) - self.cache_n
 
     def timings(self) -> dict[str, Any]:
         """llama-server's `timings` of this generation so far."""
         prompt_ms = self.prompt_s * 1000.0
         pred_ms = self.predicted_s * 1000.0
-        n_p, n = len(self.prompt_ids), self.completion_tokens
+        n_p, n = self.prefilled, self.completion_tokens
         return {
-            "cache_n": 0,
+            "cache_n": self.cache_n,
             "prompt_n": n_p,
             "prompt_ms": prompt_ms,
             "prompt_per_token_ms": prompt_ms / n_p if n_p else 0.0,
@@ -189,7 +201,7 @@ class Job:
             "completion_tokens": n,
             "prompt_tokens": n_p,
             "total_tokens": n_p + n,
-            "prompt_tokens_details": {"cached_tokens": 0},
+            "prompt_tokens_details": {"cached_tokens": self.cache_n},
             "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
         }
 
@@ -271,9 +283,12 @@ def _logits_hook(
 
 def _count(job: Job, t: Any, loaded: Loaded, metrics: Metrics) -> TokenStats:
     """Account one generated token in the job's timings and the metrics."""
-    if t.prefill_seconds is not None and job.completion_tokens == 0:
+    first = t.prefill_seconds is not None and job.completion_tokens == 0
+    if first:
         job.prompt_s = float(t.prefill_seconds)
-        metrics.add("prompt_tokens_total", len(job.prompt_ids))
+        job.cache_n = int(getattr(t, "reused", 0) or 0)
+        metrics.add("prompt_tokens_total", job.prefilled)
+        metrics.add("prompt_tokens_reused_total", job.cache_n)
         metrics.add("prompt_seconds_total", job.prompt_s)
     job.completion_tokens += 1
     # the first token's `seconds` includes the prefill, which timings count apart
@@ -282,6 +297,8 @@ def _count(job: Job, t: Any, loaded: Loaded, metrics: Metrics) -> TokenStats:
     metrics.add("tokens_predicted_total")
     metrics.add("tokens_predicted_seconds_total", seconds)
     k3 = k3_record(t, loaded.budget_gb)
+    if first:  # the first token's reads are the prefill's
+        job.gb_read_prefill = k3.gb_read
     if k3.gb_read:
         metrics.add("gb_read_total", k3.gb_read)
     metrics.set("last_s_per_token", float(t.seconds))
@@ -305,6 +322,7 @@ def _decode(
         if job.cancel.is_set():
             break
         k3 = _count(job, t, loaded, metrics)
+        job.generated.append(int(t.id))
         was_reasoning = text.parser.in_reasoning
         reasoning, content, hit = text.feed(int(t.id))
         if was_reasoning:
@@ -356,6 +374,8 @@ def run_job(
             metrics.add("requests_cancelled_total")
             emit(Stopped())
         else:
+            if loaded.snapshots is not None:  # its next turn renders this reply as these ids
+                loaded.snapshots.remember_reply(*template.reply(job.generated))
             emit(End(job.finish))
     except Exception as exc:  # noqa: BLE001 - reported to the client as an error chunk
         if job.cancel.is_set():
@@ -418,12 +438,18 @@ def load_engine(
     max_pos = getattr(cfg, "max_position_embeddings", None) or n_ctx
 
     delay = getattr(args, "debug_token_delay", 0.0)
+    snapshots, note = _snapshot_store(model, getattr(args, "snapshot_gb", 0.0) or 0.0, n_ctx)
 
     def gen(prompt_ids, params, cancel=None, logits_hook=None):
-        for token in generate(model, prompt_ids, params, cancel=cancel, logits_hook=logits_hook):
-            if delay:  # tests: a reply slow enough to stop or kill half-way on any machine
-                time.sleep(delay)
-            yield token
+        resume = snapshots.take(prompt_ids) if snapshots is not None else None
+        keep = snapshots.put if snapshots is not None else None
+        run = generate(model, prompt_ids, params, cancel=cancel, logits_hook=logits_hook,
+                       resume=resume, keep=keep)
+        with contextlib.closing(run):  # closed now, not when collected: it keeps the state
+            for token in run:
+                if delay:  # tests: a reply slow enough to stop or kill half-way on any machine
+                    time.sleep(delay)
+                yield token
 
     return Loaded(
         tok=tok,
@@ -434,9 +460,38 @@ def load_engine(
             "checkpoint": str(checkpoint),
             "memory_plan": _jsonable(memory_plan),
             "meta": {"n_layers": getattr(cfg, "num_hidden_layers", None), "n_vocab_model": vocab},
+            "prompt_reuse": {
+                "on": snapshots is not None,
+                "snapshot_gb": snapshots.budget / 1e9 if snapshots is not None else 0.0,
+                "note": note,
+            },
         },
         budget_gb=budget,
         source=source,
+        snapshots=snapshots,
+    )
+
+
+def _snapshot_store(model: Any, snapshot_gb: float, n_ctx: int) -> tuple[SnapshotStore | None, str]:
+    """The kept conversation states under `--snapshot-gb`, or None (reuse off) when the
+    budget cannot hold the state of even an empty conversation; and a sentence saying so."""
+    empty = model.new_state()
+    empty.logits = np.zeros(model.config.vocab_size, np.float32)
+    smallest = empty.nbytes()
+    budget = int(max(snapshot_gb, 0.0) * 1e9)
+    if budget < smallest:
+        return None, (
+            f"prompt reuse is off: --snapshot-gb {snapshot_gb:g} cannot hold one conversation "
+            f"state ({smallest / 1e9:.3g} GB before its latent cache), so every turn is "
+            "prefilled from the start; raise --snapshot-gb to turn it on"
+        )
+    cfg = model.config
+    per_token = sum(cfg.mla_latent_width * 4 for i in range(cfg.num_hidden_layers) if cfg.is_mla(i))
+    full = smallest + per_token * n_ctx
+    return SnapshotStore(budget), (
+        f"keeps up to {budget // smallest} conversation states "
+        f"({budget // full} at the full {n_ctx}-token context) in {budget / 1e9:.3g} GB, "
+        "least recently used dropped first"
     )
 
 

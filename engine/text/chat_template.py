@@ -37,7 +37,22 @@ class Control:
     name: str
 
 
-Segment = Union[str, Control]
+@dataclass(frozen=True)
+class Generated:
+    """An assistant turn's ids as the model generated them, used as they are: encoding the
+    same text again can split it differently, which would end the prefix a kept state
+    covers (engine/serve/snapshots.py)."""
+
+    ids: tuple[int, ...]
+
+
+Segment = Union[str, Control, Generated]
+# A reply's shape without ids: its text runs and control tokens, in order.
+ReplyKey = tuple[tuple[str, str], ...]
+
+
+def _key(segments: Iterable[Segment]) -> ReplyKey:
+    return tuple(("c", s.name) if isinstance(s, Control) else ("t", s) for s in segments)
 
 
 def _attr(value: str) -> str:
@@ -51,6 +66,9 @@ def _open(tag: str, attrs: Sequence[tuple[str, str]] = ()) -> list[Segment]:
 
 def _close(tag: str) -> list[Segment]:
     return [Control(CLOSE), tag, Control(SEP)]
+
+
+_CLOSING = _close("message") + [Control(END_OF_MSG)]  # how every message ends
 
 
 def _message(
@@ -93,8 +111,11 @@ def render_segments(
     thinking: bool = True,
     effort: str = "max",
     add_generation_prompt: bool = True,
+    replies: Mapping[ReplyKey, Sequence[int]] | None = None,
 ) -> list[Segment]:
-    """The conversation as text segments and control tokens, in order."""
+    """The conversation as text segments and control tokens, in order. An assistant turn
+    whose text is one of `replies` (what this model generated, by shape) is rendered
+    as those ids from the channel its generation prompt opened."""
     if thinking and effort not in EFFORTS:
         raise TemplateError(
             f"thinking effort {effort!r} is not supported by Kimi-K3; "
@@ -126,7 +147,11 @@ def render_segments(
                     _open("think") + ([reasoning] if reasoning.strip() else []) + _close("think")
                 )
             inner += _open("response") + body + _close("response")
-            out += _message("assistant", inner, attrs)
+            turn = _message("assistant", inner, attrs)
+            opened = len(_open("message", [("role", role), *attrs])) + 3  # + the first channel
+            closing = len(turn) - len(_CLOSING)
+            known = (replies or {}).get(_key(turn[opened:closing]))
+            out += turn[:opened] + [Generated(tuple(known))] + turn[closing:] if known else turn
         elif role == "tool":
             tool_index += 1
             tool = msg.get("name") or msg.get("tool_name")
@@ -144,7 +169,11 @@ def render_segments(
 
 def segments_to_text(segments: Iterable[Segment]) -> str:
     """Readable XTML (diagnostics only; token ids come from `ChatTemplate.render`)."""
-    return "".join(s.name if isinstance(s, Control) else s for s in segments)
+    return "".join(
+        s.name if isinstance(s, Control) else f"<{len(s.ids)} ids>" if isinstance(s, Generated)
+        else s
+        for s in segments
+    )
 
 
 class ChatTemplate:
@@ -159,16 +188,52 @@ class ChatTemplate:
         thinking: bool = True,
         effort: str = "max",
         add_generation_prompt: bool = True,
+        replies: Mapping[ReplyKey, Sequence[int]] | None = None,
     ) -> list[int]:
         segments = render_segments(
-            messages, thinking=thinking, effort=effort, add_generation_prompt=add_generation_prompt
+            messages, thinking=thinking, effort=effort,
+            add_generation_prompt=add_generation_prompt, replies=replies,
         )
         texts = [s for s in segments if isinstance(s, str)]
         encoded = iter(self.tok.encode_batch(texts))
         ids: list[int] = []
         for s in segments:
-            ids += [self.control_ids[s.name]] if isinstance(s, Control) else next(encoded)
+            if isinstance(s, Control):
+                ids.append(self.control_ids[s.name])
+            elif isinstance(s, Generated):
+                ids += s.ids
+            else:
+                ids += next(encoded)
         return ids
+
+    def reply(self, ids: Sequence[int]) -> tuple[ReplyKey, tuple[int, ...]]:
+        """A generated reply as `render(replies=…)` takes it: the shape of its text (text
+        runs decoded, control tokens apart, so text that merely spells a control token never
+        matches one) and its ids, both without the end the template renders for itself."""
+        ends = set(self.end_ids())
+        ids = [int(i) for i in ids]
+        while ids and ids[-1] in ends:
+            ids.pop()
+        key = self._shape(ids)
+        if key[-3:] == _key(_close("message")):  # the model closed the message itself
+            close = self.control_ids[CLOSE]
+            ids, key = ids[: len(ids) - 1 - ids[::-1].index(close)], key[:-3]
+        return key, tuple(ids)
+
+    def _shape(self, ids: Sequence[int]) -> ReplyKey:
+        names = {i: name for name, i in self.control_ids.items()}
+        parts: list[Segment] = []
+        run: list[int] = []
+        for i in [*ids, None]:
+            if i is None or i in names:
+                if run:
+                    parts.append(self.tok.decode(run))
+                    run = []
+                if i is not None:
+                    parts.append(Control(names[i]))
+            else:
+                run.append(int(i))
+        return _key(parts)
 
     def parser(self, *, thinking: bool = True) -> OutputParser:
         return OutputParser(self.tok, thinking=thinking)

@@ -100,6 +100,7 @@ class Plan:
     source: str = "budget"  # how the numbers were chosen: budget, preset NAME, trunk/cache
     notes: list[str] = field(default_factory=list)
     guess_experts: bool = False  # read the next layer's likely experts before its router
+    snapshot_bytes: int = 0  # the server's kept conversation states (serve --snapshot-gb)
     stream_tables: bool = False  # embedding rows on demand, head streamed (see tables.py)
 
     @property
@@ -124,6 +125,7 @@ class Plan:
             "kv_cache": g.kv_bytes_per_token * self.context,
             "scratch": g.scratch_bytes,
             "runtime": RUNTIME_BYTES,
+            "snapshots": self.snapshot_bytes,
         }
 
     @property
@@ -181,8 +183,9 @@ class Plan:
             f"{f(self.cache_bytes)} (top-{g.top_k} needs {g.min_expert_slots}; all "
             f"{g.n_experts * g.moe_layers} experts = {f(g.all_experts_bytes)})",
             "  fixed: " + ", ".join(f"{k.replace('_', ' ')} {f(v)}" for k, v in
-                                    list(self.terms().items())[3:]),
+                                    list(self.terms().items())[3:] if k != "snapshots"),
             f"  reader threads: {self.threads}",
+            *([self.snapshot_line()] if self.snapshot_bytes else []),
             "  expert read-ahead: "
             + (
                 "on (each layer's likely experts are read while its attention computes)"
@@ -195,8 +198,18 @@ class Plan:
         lines += [f"  note: {x}" for x in self.notes]
         return "\n".join(lines)
 
+    def snapshot_line(self) -> str:
+        g = self.geometry
+        one = g.state_bytes + g.kv_bytes_per_token * self.context
+        n = self.snapshot_bytes // one
+        return (f"  conversation snapshots: {fmt_bytes(self.snapshot_bytes)} (--snapshot-gb), "
+                f"{n} of {fmt_bytes(one)} at {self.context} tokens"
+                + ("" if n else "; too small for one at full context, so long conversations "
+                   "are prefilled cold"))
+
     def as_dict(self) -> dict[str, Any]:
         return {
+            "snapshot_gb": self.snapshot_bytes / GB,
             "budget_gb": self.budget_bytes / GB,
             "overhead_gb": self.overhead_bytes / GB,
             "pinned_layers": len(self.pinned),
@@ -324,6 +337,7 @@ def make_plan(
     facts: MemoryFacts | None = None,
     check_memory: bool = True,
     guess_experts: str = "auto",
+    snapshot_gb: float = 0.0,
 ) -> Plan:
     """Split a budget (or preset, or trunk/cache pair) into pinned layers, ring and slots."""
     g = geometry
@@ -358,6 +372,7 @@ def make_plan(
         context=context,
         facts=facts,
         source=source,
+        snapshot_bytes=int(max(snapshot_gb, 0.0) * GB),
     )
     plan.guess_experts = _wants_guesses(plan, guess_experts)
     _decide_tables(plan)
@@ -542,4 +557,5 @@ def plan_from_args(
         threads=getattr(args, "threads", 0) or 0,
         context=context,
         guess_experts=getattr(args, "guess_experts", "auto") or "auto",
+        snapshot_gb=getattr(args, "snapshot_gb", None) or 0.0,
     )

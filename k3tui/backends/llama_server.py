@@ -366,6 +366,8 @@ REASONS: dict[str, str] = {
     "--host": "loopback only: nothing else on the network can reach the server",
     "--port": "a port that was free just now (so it cannot clash with another server)",
     "--alias": "the model name the API reports",
+    "--cache-reuse": "reuse cached prompt chunks of 256+ tokens, so a follow-up prefills what "
+                     "is new",
     "--ctx-size": "set explicitly, so --fit cannot silently shrink the context",
     "--parallel": "one slot gets the whole context (auto would make 4 slots)",
     "--batch-size": "logical batch the plan sized for this machine",
@@ -392,6 +394,8 @@ MISSING_RISK: dict[str, str] = {
     "--reasoning-budget": "this llama-server has no --reasoning-budget: long reasoning can use "
                           "the whole max_tokens and leave the answer empty; update llama-server",
     "--load-mode": "this llama-server has no --load-mode; it memory-maps the model by default",
+    "--cache-reuse": "this llama-server has no --cache-reuse; it still reuses the cached "
+                     "prompt prefix (cache_prompt), only not shifted chunks",
 }
 LESSONS = ("--no-host", "--reasoning-budget")
 MANAGED = ("--model", "--alias", "--host", "--port", "--api-key", "--api-key-file")  # k3tui's
@@ -420,7 +424,8 @@ def split_args(args: Sequence[str]) -> list[tuple[str, str | None]]:
 
 
 # flags every launch gets, before the plan's (which win where they overlap)
-BASE_ARGS = ["--parallel", "1", "--no-warmup", "--metrics", "--load-mode", "mmap"]
+BASE_ARGS = ["--parallel", "1", "--no-warmup", "--metrics", "--load-mode", "mmap",
+             "--cache-reuse", "256"]
 
 
 @dataclass

@@ -154,6 +154,8 @@ class RunningBackend:
 
         kwargs.setdefault("api_key", self.api_key)
         kwargs.setdefault("model", self.model)
+        if self.kind == "llama-server":  # its prompt cache: a follow-up prefills what is new
+            kwargs["extra"] = {"cache_prompt": True, **(kwargs.get("extra") or {})}
         async for event in stream_chat(self.base_url, messages, **kwargs):
             if isinstance(event, BackendError):
                 event = await self._explain(event)

@@ -210,7 +210,12 @@ class ChatScreen(Screen):
         for m in self.k3app.history.messages(self.conversation_id or -1):
             if m.role == "assistant" and (m.status in ("streaming", "error") or not m.content):
                 continue
-            out.append({"role": m.role, "content": m.content})
+            msg = {"role": m.role, "content": m.content}
+            if m.role == "assistant" and m.reasoning:
+                # sent back as streamed, so the engine renders the turn as the ids it
+                # generated and resumes its kept state instead of prefilling it again
+                msg["reasoning_content"] = m.reasoning
+            out.append(msg)
         return out
 
     @property

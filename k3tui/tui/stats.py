@@ -59,6 +59,9 @@ class LatencySnapshot:
     p95_ms: float | None
     source: str                        # "backend" or "client"
     series: list[float]                # per-token ms, newest last
+    reused: int | None = None          # prompt tokens the backend resumed (llama's cache_n)
+    prompt_total: int | None = None    # reused + prefilled
+    prompt_ms: float | None = None
 
 
 class LatencyStats:
@@ -76,6 +79,7 @@ class LatencyStats:
         self.tokens = 0
         self.prompt_tokens: int | None = None
         self.prompt_ms: float | None = None
+        self.cache_n: int | None = None
         self._backend_total_ms = 0.0
         self._backend_count = 0
         self._series.clear()
@@ -107,6 +111,8 @@ class LatencyStats:
             self.prompt_ms = float(t["prompt_ms"])
         if t.get("prompt_n") is not None:
             self.prompt_tokens = int(t["prompt_n"])
+        if isinstance(t.get("cache_n"), int) and t["cache_n"] >= 0:
+            self.cache_n = t["cache_n"]
         usage = ev.usage or {}
         if self.prompt_tokens is None and usage.get("prompt_tokens") is not None:
             self.prompt_tokens = int(usage["prompt_tokens"])
@@ -129,5 +135,8 @@ class LatencyStats:
             mean = None
             if self.t_first is not None and self.t_last is not None and self.tokens > 1:
                 mean = (self.t_last - self.t_first) * 1000 / (self.tokens - 1)
+        total = (self.cache_n + self.prompt_tokens
+                 if self.cache_n is not None and self.prompt_tokens is not None else None)
         return LatencySnapshot(self.tokens, ttft, prefill, mean, percentile(series, 50),
-                               percentile(series, 95), source, series)
+                               percentile(series, 95), source, series, self.cache_n, total,
+                               self.prompt_ms)

@@ -50,6 +50,9 @@ class LatencyPane(Vertical):
             f"p50  {format_ms(snap.p50_ms):<9} p95 {format_ms(snap.p95_ms)}",
             f"prefill {_num(snap.prefill_tok_s, '.0f', ' tok/s'):<10} {snap.tokens} tokens",
         ]
+        if snap.reused is not None and snap.prompt_total is not None:
+            lines.append(f"reused {snap.reused} of {snap.prompt_total} prompt tokens, "
+                         f"prefill {format_ms(snap.prompt_ms)}")
         _set_text(self.query_one("#lat-text", Static), lines)
 
 

@@ -1,0 +1,78 @@
+"""Prompt reuse through a real `python -m engine serve`: a follow-up prefills only what
+is new (the previous prompt and the reply as generated are resumed), the response says so
+as llama-server does, and --snapshot-gb 0 turns it off with a note."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import httpx
+import pytest
+
+from tests.engine.serve.test_serve_process import CHAT, ServeProcess, small_ckpt  # noqa: F401
+
+
+def ask(srv, messages, stream=False):
+    body = {"messages": messages, "max_tokens": 200, "seed": 1, "stream": stream}
+    if not stream:
+        return httpx.post(srv.url + CHAT, json=body, timeout=120).json()
+    with httpx.stream("POST", srv.url + CHAT, json=body, timeout=120) as resp:
+        chunks = [json.loads(x[6:]) for x in resp.iter_lines() if x.startswith("data: {")]
+    final = chunks[-1]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    why = "".join(
+        c["choices"][0]["delta"].get("reasoning_content") or "" for c in chunks if c["choices"]
+    )
+    message = {"role": "assistant", "content": text, "reasoning_content": why}
+    return {**final, "choices": [{"message": message}], "usage": None}
+
+
+@pytest.fixture(scope="module")
+def demo(small_ckpt):  # noqa: F811
+    srv = ServeProcess(str(small_ckpt), "--port", "0", "--steer-demo")
+    yield srv
+    assert srv.stop() in (0, -signal.SIGTERM)
+
+
+def test_srv_follow_up_resumes_prompt_and_reply(demo):
+    assert httpx.get(demo.url + "/props").json()["prompt_reuse"]["on"] is True
+    msgs = [{"role": "user", "content": "Hello there"}]
+    first = ask(demo, msgs)
+    t1 = first["timings"]
+    assert t1["cache_n"] == 0 and first["k3"]["gb_read_prefill"] is not None
+    last = first
+    for n, stream in enumerate((False, True)):
+        prev = last
+        reply = prev["choices"][0]["message"]
+        msgs += [reply, {"role": "user", "content": f"And then {n}?"}]
+        last = ask(demo, msgs, stream=stream)
+        t, t_prev = last["timings"], prev["timings"]
+        # everything the previous turn consumed: its prompt and its reply but the end id
+        assert t["cache_n"] == t_prev["cache_n"] + t_prev["prompt_n"] + t_prev["predicted_n"] - 1
+        assert 0 < t["prompt_n"] < 60  # only the new user turn and the template around it
+        assert "gb_read_prefill" in last["k3"]
+    assert last["choices"][0]["message"]["content"]
+
+
+def test_srv_follow_up_without_reasoning_still_resumes_the_prompt(demo):
+    msgs = [{"role": "user", "content": "Tell me more"}]
+    first = ask(demo, msgs)
+    reply = {"role": "assistant", "content": first["choices"][0]["message"]["content"]}
+    second = ask(demo, msgs + [reply, {"role": "user", "content": "Why?"}])
+    # the think channel renders empty now, so the reply's state no longer fits: the prompt's
+    assert second["timings"]["cache_n"] == first["timings"]["prompt_n"]
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == second["timings"]["cache_n"]
+
+
+def test_srv_snapshot_gb_zero_turns_reuse_off(small_ckpt):  # noqa: F811
+    srv = ServeProcess(str(small_ckpt), "--port", "0", "--steer-demo", "--snapshot-gb", "0")
+    try:
+        reuse = httpx.get(srv.url + "/props").json()["prompt_reuse"]
+        assert reuse["on"] is False and "--snapshot-gb" in reuse["note"]
+        msgs = [{"role": "user", "content": "Hello there"}]
+        first = ask(srv, msgs)
+        msgs += [first["choices"][0]["message"], {"role": "user", "content": "More?"}]
+        assert ask(srv, msgs)["timings"]["cache_n"] == 0
+    finally:
+        srv.stop()
