@@ -71,7 +71,7 @@ def test_real_laptop_streams_the_tables_to_stay_under_8_gb():
     plan = plan_for("real", "laptop")
     terms = plan.terms()
     assert set(terms) == {"pinned_weights", "ring", "expert_slots", "model_tables",
-                          "kda_state", "kv_cache", "scratch", "runtime"}
+                          "kda_state", "kv_cache", "scratch", "runtime", "snapshots"}
     assert plan.stream_tables and plan.forecast_rss_bytes < 8 * GB
     assert abs(terms["kda_state"] - 464.6e6) < 1e6  # spec 1.4: 69 KDA layers
     assert "stay on disk" in plan.describe()
