@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.bench_stream import default_workdir
+from engine.bench.stream import default_workdir
 
 PROMPT = [3, 7, 11, 5, 9, 200, 17]
 
