@@ -6,7 +6,10 @@
   weights per second, and the memory bandwidth (a numpy copy) measured in the same run.
 * Decode: the same budgets with the BF16 trunk and the compact one, interleaved (BF16,
   c12, BF16, c12 …), each reporting s/token, trunk bytes read per token and pinned layers;
-  the ids must match (they are compared).
+  the ids must match (they are compared). Beside them the disk's own speed for that
+  plan's reads (sampled right after), the bytes read ÷ that speed (the I/O bound of a
+  token) and the time compute waited on the trunk: where s/token is well above the I/O
+  bound the disk is not what bounds it, and fewer bytes cannot make a token faster.
 The default checkpoint is synthesised `medium` in --workdir (reused). A separate
 subcommand so `bench stream` can change without it.
 """
@@ -95,6 +98,7 @@ def kernel_section(rows: int = 7168, cols: int = 2048, reps: int = 5) -> dict[st
 
 
 def _decode(ck: Path, trunk: Path, budget_gb: float, tokens: int) -> dict[str, Any]:
+    from engine.bench.stream import raw_throughput
     from engine.decode.generate import GenParams, generate
     from engine.model.transformer import load_model
     from engine.weights.planner import GB, make_plan
@@ -106,10 +110,18 @@ def _decode(ck: Path, trunk: Path, budget_gb: float, tokens: int) -> dict[str, A
         model = load_model(ck, src)
         toks = list(generate(model, PROMPT, GenParams(max_tokens=tokens)))
         steady = toks[1:]
+
+        def per_token(field):
+            return sum(getattr(t.stats, field) or 0.0 for t in steady) / len(steady)
+
+        gb = per_token("gb_read_trunk") + per_token("gb_read_experts")
+        # the disk's speed for this plan's reads, through the same pool, right after
+        disk = raw_throughput(src, np.random.default_rng(0), passes=2)["raw_gb_per_s"]
         return {"ids": [t.id for t in toks], "pinned": len(plan.pinned),
                 "s_per_token": sum(t.seconds for t in steady) / len(steady),
-                "trunk_gb_per_token":
-                    sum(t.stats.gb_read_trunk or 0.0 for t in steady) / len(steady),
+                "trunk_gb_per_token": per_token("gb_read_trunk"),
+                "wait_trunk_s": per_token("wait_trunk_s"),
+                "disk_gb_s": disk, "io_bound_s": gb * GB / 1e9 / disk,
                 "streamed_trunk_gb": plan.streamed_trunk_bytes / GB}
 
 
@@ -168,5 +180,8 @@ def main(args: argparse.Namespace) -> int:
               f"MB/token "
               f"(x{r['bytes_ratio']:.2f}), {b['s_per_token']:.3f} -> {c['s_per_token']:.3f} "
               f"s/token (x{r['time_ratio']:.2f}), ids equal: {r['ids_equal']}")
+        print(f"  disk {b['disk_gb_s']:.2f} / {c['disk_gb_s']:.2f} GB/s: bytes read / disk "
+              f"{b['io_bound_s']:.3f} -> {c['io_bound_s']:.3f} s/token; waited on the trunk "
+              f"{b['wait_trunk_s']:.3f} -> {c['wait_trunk_s']:.3f} s/token")
     print(f"load average at the end {' '.join(result['loadavg_end'])}")
     return 0

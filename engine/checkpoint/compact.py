@@ -8,8 +8,8 @@ part sequentially per row:
   exponent table u8[16] | sign+mantissa u8[R, C] | codes u8[R, C/2] | row_ptr i64[R+1] |
   exc_col i32[E] | exc_val u16[E]
 trunk.json carries E ("exceptions") per tensor; everything read back is checked
-(row_ptr monotone from 0 to E, columns in range, the table's unused slot zero) before a
-kernel may index with it.
+(row_ptr monotone from 0 to E, columns in range and increasing within a row, the table's
+unused slot zero) before a kernel may index with it.
 """
 
 from __future__ import annotations
@@ -85,6 +85,13 @@ def to_bytes(m: CompactMatrix) -> bytes:
     return out.tobytes()
 
 
+def _sorted_per_row(ptr: np.ndarray, cols: np.ndarray) -> bool:
+    """Each row's exception columns strictly increase (the kernel patches them in order)."""
+    starts = np.zeros(cols.size, bool)
+    starts[ptr[:-1][ptr[:-1] < cols.size]] = True
+    return not np.any((np.diff(cols) <= 0) & ~starts[1:])
+
+
 def from_bytes(raw: np.ndarray, shape: tuple[int, int], n_exc: int, name: str) -> CompactMatrix:
     """Views of a c12 tensor's bytes (raw uint8, as read), checked so no index points out."""
     got = {}
@@ -93,7 +100,8 @@ def from_bytes(raw: np.ndarray, shape: tuple[int, int], n_exc: int, name: str) -
         got[part] = raw[off:off + n].view(dtype).reshape(shp)
     ptr, cols = got["row_ptr"], got["exc_col"]
     if got["table"][EXCEPTION] != 0 or ptr[0] != 0 or ptr[-1] != n_exc \
-            or np.any(np.diff(ptr) < 0) or np.any((cols < 0) | (cols >= shape[1])):
+            or np.any(np.diff(ptr) < 0) or np.any((cols < 0) | (cols >= shape[1])) \
+            or not _sorted_per_row(ptr, cols):
         raise CheckpointError(
             f"the compact trunk's tensor {name} is corrupt (its exception index points "
             "outside the matrix); re-pack the trunk."

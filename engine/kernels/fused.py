@@ -240,6 +240,61 @@ def _mxfp4_matmul(packed, scale, xe, xo, out, scales):
 _BF16_CHAINS = 4  # independent 16-lane accumulators: enough to hide the FMA latency
 
 
+def _emit_bf16_dot(builder, cols, xrow, chunk_bits, col_bits, prefetch):
+    """Σ_j W[j]·x[j] over `cols` columns in the BF16 row dot's order (see _bf16_row_dot),
+    the weights given as float32 bits (BF16 bits << 16): chunk_bits(j) → <16 x i32> for
+    columns j..j+15 and col_bits(j) → i32 for column j, both called in increasing j;
+    prefetch(j0) before each 64-column block. Any source of the same bits gives the same
+    float32."""
+    ity = cols.type
+    accs = [
+        cgutils.alloca_once_value(builder, ir.Constant(_VF, None)) for _ in range(_BF16_CHAINS)
+    ]
+
+    def chunk(j, acc):  # 16 columns from column j
+        wf = builder.bitcast(chunk_bits(j), _VF)
+        xf = builder.load(builder.bitcast(builder.gep(xrow, [j]), _VF.as_pointer()), align=4)
+        builder.store(_vfma(builder, wf, xf, builder.load(acc)), acc)
+
+    block = ir.Constant(ity, _LANES * _BF16_CHAINS)
+    with cgutils.for_range(builder, builder.udiv(cols, block)) as loop:
+        j0 = builder.mul(loop.index, block)
+        prefetch(j0)
+        for c, acc in enumerate(accs):
+            chunk(builder.add(j0, ir.Constant(ity, c * _LANES)), acc)
+    done = builder.mul(builder.udiv(cols, block), block)
+    lanes16 = ir.Constant(ity, _LANES)
+    n_chunks = builder.udiv(builder.sub(cols, done), lanes16)
+    with cgutils.for_range(builder, n_chunks) as loop:
+        chunk(builder.add(done, builder.mul(loop.index, lanes16)), accs[0])
+    v = builder.fadd(
+        builder.fadd(builder.load(accs[0]), builder.load(accs[1])),
+        builder.fadd(builder.load(accs[2]), builder.load(accs[3])),
+    )
+    total = cgutils.alloca_once_value(builder, _lane_sum(builder, v))
+    rest = builder.add(done, builder.mul(n_chunks, lanes16))
+    fma1 = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fma.f32"
+    )
+    with cgutils.for_range(builder, builder.sub(cols, rest)) as loop:
+        j = builder.add(rest, loop.index)
+        wf = builder.bitcast(col_bits(j), _F32)
+        builder.store(
+            builder.call(fma1, [wf, builder.load(builder.gep(xrow, [j])), builder.load(total)]),
+            total,
+        )
+    return builder.load(total)
+
+
+def _prefetch_ahead(builder, row, j0, nbytes: int, distance: int) -> None:
+    """Prefetch the `nbytes` (whole cache lines) at byte j0 + distance of `row`."""
+    prefetch = _prefetch_fn(builder)
+    base = builder.bitcast(row, ir.IntType(8).as_pointer())
+    for c in range(0, nbytes, 64):
+        ahead = builder.add(j0, ir.Constant(j0.type, distance + c))
+        builder.call(prefetch, [builder.gep(base, [ahead]), *_PREFETCH_READ_L1])
+
+
 @intrinsic
 def _bf16_row_dot(typingctx, w, r, x, t):
     """Σ_j W[r, j]·x[t, j] for a BF16 row (uint16 bits, widened exactly by a 16-bit shift).
@@ -251,64 +306,29 @@ def _bf16_row_dot(typingctx, w, r, x, t):
     def codegen(context, builder, signature, args):
         wv, r, xv, t = args
         wty, _, xty, _ = signature.args
-        ity = r.type
-        zero = ir.Constant(ity, 0)
+        zero = ir.Constant(r.type, 0)
         warr = context.make_array(wty)(context, builder, wv)
         cols = cgutils.unpack_tuple(builder, warr.shape, 2)[1]
         wrow = cgutils.get_item_pointer(context, builder, wty, warr, [r, zero])
         xrow = cgutils.get_item_pointer(
             context, builder, xty, context.make_array(xty)(context, builder, xv), [t, zero]
         )
-        accs = [
-            cgutils.alloca_once_value(builder, ir.Constant(_VF, None)) for _ in range(_BF16_CHAINS)
-        ]
-        prefetch = _prefetch_fn(builder)
 
-        def chunk(j, acc):  # 16 columns from column j
+        def chunk_bits(j):  # widened exactly by a 16-bit shift
             bits = builder.load(
                 builder.bitcast(builder.gep(wrow, [j]), _VI16.as_pointer()), align=2
             )
-            wf = builder.bitcast(builder.shl(builder.zext(bits, _VI32), _splat(_VI32, 16)), _VF)
-            xf = builder.load(builder.bitcast(builder.gep(xrow, [j]), _VF.as_pointer()), align=4)
-            builder.store(_vfma(builder, wf, xf, builder.load(acc)), acc)
+            return builder.shl(builder.zext(bits, _VI32), _splat(_VI32, 16))
 
-        block = ir.Constant(ity, _LANES * _BF16_CHAINS)
-        with cgutils.for_range(builder, builder.udiv(cols, block)) as loop:
-            j0 = builder.mul(loop.index, block)
-            for c in (0, 32):  # two cache lines of bits per block
-                ahead = builder.add(j0, ir.Constant(ity, PREFETCH_BYTES // 2 + c))
-                pf = builder.bitcast(builder.gep(wrow, [ahead]), ir.IntType(8).as_pointer())
-                builder.call(prefetch, [pf, *_PREFETCH_READ_L1])
-            for c, acc in enumerate(accs):
-                chunk(builder.add(j0, ir.Constant(ity, c * _LANES)), acc)
-        done = builder.mul(builder.udiv(cols, block), block)
-        lanes16 = ir.Constant(ity, _LANES)
-        n_chunks = builder.udiv(builder.sub(cols, done), lanes16)
-        with cgutils.for_range(builder, n_chunks) as loop:
-            chunk(builder.add(done, builder.mul(loop.index, lanes16)), accs[0])
-        v = builder.fadd(
-            builder.fadd(builder.load(accs[0]), builder.load(accs[1])),
-            builder.fadd(builder.load(accs[2]), builder.load(accs[3])),
-        )
-        total = cgutils.alloca_once_value(builder, _lane_sum(builder, v))
-        rest = builder.add(done, builder.mul(n_chunks, lanes16))
-        fma1 = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fma.f32"
-        )
-        with cgutils.for_range(builder, builder.sub(cols, rest)) as loop:
-            j = builder.add(rest, loop.index)
-            wf = builder.bitcast(
-                builder.shl(
-                    builder.zext(builder.load(builder.gep(wrow, [j])), ir.IntType(32)),
-                    ir.Constant(ir.IntType(32), 16),
-                ),
-                _F32,
-            )
-            builder.store(
-                builder.call(fma1, [wf, builder.load(builder.gep(xrow, [j])), builder.load(total)]),
-                total,
-            )
-        return builder.load(total)
+        def col_bits(j):
+            bits = builder.zext(builder.load(builder.gep(wrow, [j])), ir.IntType(32))
+            return builder.shl(bits, ir.Constant(ir.IntType(32), 16))
+
+        def prefetch(j0):  # two cache lines of bits per 64-column block
+            _prefetch_ahead(builder, wrow, builder.mul(j0, ir.Constant(j0.type, 2)), 128,
+                            PREFETCH_BYTES)
+
+        return _emit_bf16_dot(builder, cols, xrow, chunk_bits, col_bits, prefetch)
 
     return sig, codegen
 

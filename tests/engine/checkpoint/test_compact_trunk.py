@@ -180,6 +180,54 @@ def test_compact_corrupt_exception_index_never_reaches_the_kernel():
         from_bytes(raw, bits.shape, n, "w")
 
 
+def test_compact_unsorted_exceptions_are_refused():
+    """The kernel patches a row's exceptions in column order: bytes listing them out of
+    order (or twice) would decode differently there than in numpy, so they are refused."""
+    rng = np.random.default_rng(4)
+    bits = hard_weights(rng)["random_bits"]
+    m = encode(bits)
+    row = int(np.argmax(np.diff(m.row_ptr) >= 2))
+    lo = int(m.row_ptr[row])
+    for cols in (m.exc_col[[lo + 1, lo]], m.exc_col[[lo, lo]]):
+        exc_col = m.exc_col.copy()
+        exc_col[lo:lo + 2] = cols
+        raw = np.frombuffer(to_bytes(CompactMatrix(m.exp_bits, m.sm, m.codes, m.row_ptr,
+                                                   exc_col, m.exc_val)), np.uint8)
+        with pytest.raises(CheckpointError, match="corrupt .* re-pack the trunk"):
+            from_bytes(raw, bits.shape, exc_col.size, "w")
+    from_bytes(np.frombuffer(to_bytes(m), np.uint8), bits.shape, m.exc_col.size, "w")
+
+
+def test_compact_every_exponent_lookup_gives_the_same_bits():
+    """vpermd (AVX-512), pshufb (SSSE3) and the select tree (any CPU) decode alike: each
+    one's kernel against the BF16 kernel, on exception-heavy rows and odd widths."""
+    numba = pytest.importorskip("numba")
+    fc = pytest.importorskip("engine.kernels.fused_compact")
+    rng = np.random.default_rng(5)
+    needs = {fc._lookup_vpermd: "avx512f", fc._lookup_pshufb: "ssse3", fc._lookup_select: None}
+    tried = 0
+    for lookup, feature in needs.items():
+        if feature and not fc._host_has(feature):
+            continue
+        dot = fc._make_c12_row_dot(lookup)
+
+        @numba.njit
+        def matmul(e, s, c, p, ec, ev, x, out):
+            for r in range(s.shape[0]):
+                for t in range(x.shape[0]):
+                    out[t, r] = dot(e, s, c, p, ec, ev, r, x, t)
+
+        for bits in (*hard_weights(rng, 40, 232).values(), bf16(rng.standard_normal((9, 98)))):
+            m = encode(bits)
+            x = rng.standard_normal((2, bits.shape[1])).astype(np.float32)
+            got = np.empty((2, bits.shape[0]), np.float32)
+            matmul(*fc._parts(m), x, got)
+            want = kernels.linear(x, bits)
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+        tried += 1
+    assert tried >= 1
+
+
 def test_compact_k3tui_pack_flag(packed, tmp_path):
     ck, _, _, _ = packed
     env = dict(os.environ, K3TUI_HOME=str(tmp_path / "home"))
