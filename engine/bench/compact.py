@@ -98,7 +98,7 @@ def kernel_section(rows: int = 7168, cols: int = 2048, reps: int = 5) -> dict[st
 
 
 def _decode(ck: Path, trunk: Path, budget_gb: float, tokens: int) -> dict[str, Any]:
-    from engine.bench.stream import raw_throughput
+    from engine.bench.stream import reference_raw
     from engine.decode.generate import GenParams, generate
     from engine.model.transformer import load_model
     from engine.weights.planner import GB, make_plan
@@ -116,7 +116,7 @@ def _decode(ck: Path, trunk: Path, budget_gb: float, tokens: int) -> dict[str, A
 
         gb = per_token("gb_read_trunk") + per_token("gb_read_experts")
         # the disk's speed for this plan's reads, through the same pool, right after
-        disk = raw_throughput(src, np.random.default_rng(0), passes=2)["raw_gb_per_s"]
+        disk = reference_raw(cmap, plan, np.random.default_rng(0))["raw_gb_per_s"]
         return {"ids": [t.id for t in toks], "pinned": len(plan.pinned),
                 "s_per_token": sum(t.seconds for t in steady) / len(steady),
                 "trunk_gb_per_token": per_token("gb_read_trunk"),
