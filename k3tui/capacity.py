@@ -28,6 +28,7 @@ from typing import Any
 
 from k3tui.errors import K3Error
 from k3tui.plan import GGUF_BYTES, SAFETENSORS_BYTES
+from k3tui.units import GB
 
 HOURS_PER_DAY = 8.0
 TARGET_UTILISATION = 0.7
@@ -35,8 +36,8 @@ TARGET_UTILISATION = 0.7
 # real draw while decoding is lower, so power and energy figures are upper bounds.
 WATTS_PER_MACHINE = 240.0
 # Every machine keeps a whole checkpoint: the safetensors release (bundled engine).
-CHECKPOINT_GB = round(SAFETENSORS_BYTES / 1e9, 1)  # 1,560.9 GB, as `k3tui plan` says
-GGUF_GB = GGUF_BYTES / 1e9  # the IQ1_S GGUF llama-server runs (579.5 GB = 539.7 GiB)
+CHECKPOINT_GB = round(SAFETENSORS_BYTES / GB, 1)  # 1,560.9 GB, as `k3tui plan` says
+GGUF_GB = GGUF_BYTES / GB  # the IQ1_S GGUF llama-server runs (579.5 GB = 539.7 GiB)
 
 FORMULA = (
     "machines = ceil(users × requests_per_user_day × tokens_per_answer / tok_per_s"

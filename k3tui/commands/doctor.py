@@ -52,7 +52,8 @@ def _model_bytes_present(directory: Path, kind: str) -> int:
 def run_checks(target: str | None, measure: bool) -> tuple[list[Check], dict]:
     from k3tui.config import Config, config_exists, load_config
     from k3tui.paths import get_paths
-    from k3tui.plan import ISOLATION_NEXT, describe_machine, disk_size, fmt_gib, make_plan
+    from k3tui.plan import ISOLATION_NEXT, describe_machine, make_plan
+    from k3tui.units import disk_size, gib
     from k3tui.probe import probe_machine
 
     checks: list[Check] = []
@@ -82,7 +83,7 @@ def run_checks(target: str | None, measure: bool) -> tuple[list[Check], dict]:
     m = report.memory
     mem = lines["ram"]
     mem += f"; cgroup {m.cgroup_version}"
-    mem += "" if m.cgroup_limit_bytes is None else f" limit {fmt_gib(m.cgroup_limit_bytes)}"
+    mem += "" if m.cgroup_limit_bytes is None else f" limit {gib(m.cgroup_limit_bytes)}"
     mem += ("; PSI unavailable" if m.psi_some_avg10 is None
             else f"; pressure {m.psi_some_avg10:.1f}%")
     checks.append(Check("memory", "ok", mem))
@@ -92,7 +93,7 @@ def run_checks(target: str | None, measure: bool) -> tuple[list[Check], dict]:
                                  if cfg.model.kind != "gguf" else "")
     else:
         gpu_detail = "; ".join(
-            f"{x.name} ({'unified memory' if x.unified else fmt_gib(x.memory_total_bytes or 0)})"
+            f"{x.name} ({'unified memory' if x.unified else gib(x.memory_total_bytes or 0)})"
             for x in g.gpus)
         gpu_detail += f"; driver {g.driver_version}" if g.driver_version else ""
     checks.append(Check("gpu", "ok", gpu_detail))
@@ -128,7 +129,8 @@ def run_checks(target: str | None, measure: bool) -> tuple[list[Check], dict]:
 
 def _model_checks(cfg, model_dir: Path, have: int, explicit_dir: bool = False,
                   configured: bool = True) -> list[Check]:
-    from k3tui.plan import GGUF_BYTES, SAFETENSORS_BYTES, disk_size
+    from k3tui.plan import GGUF_BYTES, SAFETENSORS_BYTES
+    from k3tui.units import disk_size
 
     out: list[Check] = []
     kind = cfg.model.kind

@@ -4,13 +4,16 @@ A loopback fake hub (a subprocess, LFS files redirected to a "CDN" port like the
 serves a few hundred MB of random data. Both clients fetch every file, one file at a time
 by default, alternating order over the rounds; the best wall time of each is compared.
 k3tui also hashes (sha256) and fsyncs what it writes; hf_hub_download (HTTP path) checks
-only the size. Printed: throughput ratio (k3tui / hf, target >= 1.0) and k3tui's CPU
-seconds per GB (process CPU time: client threads only, the hub runs elsewhere).
+only the size. Every round, both clients' files are compared byte for byte with the source
+(outside the timing): a fast client that fetched the wrong bytes fails the bench. Printed:
+throughput ratio (k3tui / hf, target >= 1.0) and k3tui's CPU seconds per GB (process CPU
+time: client threads only, the hub runs elsewhere).
 """
 
 from __future__ import annotations
 
 import argparse
+import filecmp
 import json
 import os
 import shutil
@@ -19,6 +22,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from k3tui.units import GB, MB
 
 REPO = "bench/model"
 
@@ -68,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=1, help="files in parallel, both clients")
     p.add_argument("--rounds", type=int, default=2, help="rounds (best time counts)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--keep", action="store_true",
+                   help="keep the last round's downloads (out-hf/, out-k3tui/ in the bench folder)")
     a = p.parse_args(argv)
     if a.size_mb < 1 or a.files < 1 or a.rounds < 1 or a.workers < 1:
         p.error("--size-mb, --files, --rounds and --workers must be positive")
@@ -112,21 +119,21 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(dest, ignore_errors=True)
                 results[who].append(_timed(lambda run=runners[who], d=dest: run(d)))
                 for f in paths:
-                    got = dest / f.name
-                    if got.stat().st_size != f.stat().st_size:
-                        raise RuntimeError(f"{who} produced a wrong-size {f.name}")
-                shutil.rmtree(dest, ignore_errors=True)
+                    if not filecmp.cmp(f, dest / f.name, shallow=False):
+                        raise RuntimeError(f"{who} produced a {f.name} unlike the source")
+                if not (a.keep and r == a.rounds - 1):
+                    shutil.rmtree(dest, ignore_errors=True)
     finally:
         hub.terminate()
         hub.wait(10)
 
     hf_s = min(w for w, _ in results["hf"])
     k3_s = min(w for w, _ in results["k3tui"])
-    gb = total / 1e9
+    gb = total / GB
     out = {
         "bytes": total, "files": a.files, "workers": a.workers, "rounds": a.rounds,
         "hf_s": round(hf_s, 3), "k3tui_s": round(k3_s, 3),
-        "hf_mb_s": round(total / hf_s / 1e6, 1), "k3tui_mb_s": round(total / k3_s / 1e6, 1),
+        "hf_mb_s": round(total / hf_s / MB, 1), "k3tui_mb_s": round(total / k3_s / MB, 1),
         "ratio_vs_hf": round(hf_s / k3_s, 3),
         "cpu_s_per_gb": round(min(c for _, c in results["k3tui"]) / gb, 3),
         "hf_cpu_s_per_gb": round(min(c for _, c in results["hf"]) / gb, 3),
@@ -135,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         print(json.dumps(out))
     else:
-        print(f"served {total / 1e6:,.0f} MB in {a.files} files from a loopback hub "
+        print(f"served {total / MB:,.0f} MB in {a.files} files from a loopback hub "
               f"(CDN redirect), {a.workers} file(s) at a time, best of {a.rounds}")
         print(f"  hf_hub_download : {out['hf_mb_s']:8.1f} MB/s  "
               f"{out['hf_cpu_s_per_gb']:.2f} CPU s/GB  (size check only)")

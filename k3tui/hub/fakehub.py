@@ -30,6 +30,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from k3tui.units import MB, MiB
+
 
 @dataclass
 class Fault:
@@ -100,7 +102,7 @@ class _Server(ThreadingHTTPServer):
 class FakeHub:
     def __init__(self, root: Path | str, repo_id: str, *, cdn: bool = False,
                  gated_token: str | None = None, noaccess_tokens: tuple[str, ...] = (),
-                 lfs_min: int = 1 << 20, host: str = "127.0.0.1", port: int = 0):
+                 lfs_min: int = MiB, host: str = "127.0.0.1", port: int = 0):
         self.root, self.repo_id, self.cdn = Path(root), repo_id, cdn
         self.gated_token, self.noaccess_tokens = gated_token, set(noaccess_tokens)
         self.lfs_min = lfs_min
@@ -381,7 +383,7 @@ class FakeHub:
                 fault.event.wait()          # then send the rest as if nothing happened
                 fh.seek(start + sent)
                 while sent < count:
-                    block = fh.read(min(1 << 20, count - sent))
+                    block = fh.read(min(MiB, count - sent))
                     sock.sendall(block)
                     sent += len(block)
                 return sent
@@ -410,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     hub = FakeHub(a.folder, a.repo, cdn=a.cdn, port=a.port)
     if a.throttle_mbps:
-        hub.throttle_bps = a.throttle_mbps * 1e6
+        hub.throttle_bps = a.throttle_mbps * MB
     print(f"endpoint {hub.endpoint}", flush=True)
     try:
         while True:

@@ -25,13 +25,7 @@ from k3tui.hub.transfer import (
     Options,
     is_disk_full,
 )
-
-GB = 1e9
-
-
-def gb(n: float) -> str:
-    return f"{n / GB:,.2f} GB" if n >= GB else f"{n / 1e6:,.1f} MB"
-
+from k3tui.units import GiB, MiB, transfer_size
 
 def free_bytes(path: Path) -> int:
     """Free space of the filesystem that holds `path` (or its nearest existing parent)."""
@@ -43,7 +37,7 @@ def free_bytes(path: Path) -> int:
 
 def space_margin(need: int) -> int:
     """Room to leave free: 5% of what remains, at least 1 MB, at most 1 GiB."""
-    return max(1 << 20, min(1 << 30, need // 20))
+    return max(MiB, min(GiB, need // 20))
 
 
 @dataclass
@@ -73,20 +67,22 @@ class DownloadPlan:
     def describe(self) -> str:
         s = self.snapshot
         lines = [f"{s.repo} @ {s.commit[:12]} ({s.revision}): {len(s.files)} files, "
-                 f"{gb(s.total_bytes)} → {self.target}",
+                 f"{transfer_size(s.total_bytes)} → {self.target}",
                  f"  complete: {len(self.complete)}   to check: {len(self.to_check)}   "
                  f"partial: {len(self.partial)}   "
                  f"missing: {len(self.missing) - len(self.partial)}",  # partials are in missing
-                 f"  to download: {gb(self.remaining_bytes)}   free: {gb(self.free)}"]
+                 f"  to download: {transfer_size(self.remaining_bytes)}   "
+                 f"free: {transfer_size(self.free)}"]
         return "\n".join(lines)
 
     def refuse_if_short(self) -> None:
         if self.short_of_space:
             need = self.remaining_bytes + self.margin
             raise K3Error(
-                f"Not enough space in {self.target}: {gb(self.remaining_bytes)} still to "
-                f"download plus a {gb(self.margin)} margin, but only {gb(self.free)} free.",
-                f"free {gb(need - self.free)} or choose another --dir", 2)
+                f"Not enough space in {self.target}: {transfer_size(self.remaining_bytes)} "
+                f"still to download plus a {transfer_size(self.margin)} margin, but only "
+                f"{transfer_size(self.free)} free.",
+                f"free {transfer_size(need - self.free)} or choose another --dir", 2)
 
 
 CHECKS = ("size", "stat", "hash")
@@ -131,9 +127,10 @@ def disk_full_error(target: Path, remaining: int, resume: str = "k3tui download"
     --include…), shown so nobody has to reconstruct it from memory."""
     free = free_bytes(target)
     return K3Error(
-        f"The disk holding {target} is full ({gb(free)} free, {gb(remaining)} still to "
-        "download); the partial files are kept.",
-        f"free at least {gb(remaining + space_margin(remaining) - free)} there, then rerun "
+        f"The disk holding {target} is full ({transfer_size(free)} free, "
+        f"{transfer_size(remaining)} still to download); the partial files are kept.",
+        f"free at least {transfer_size(remaining + space_margin(remaining) - free)} there, "
+        "then rerun "
         f"`{resume}`: it resumes where it stopped (another --dir would start over)")
 
 

@@ -31,8 +31,9 @@ from k3tui.errors import K3Error
 from k3tui.hub.progress import Progress
 from k3tui.hub.remote import RemoteFile, RepoSnapshot, explain, is_transient, redact
 from k3tui.hub.store import LocalStore, drop_page_cache, expected_digest, hash_file, new_hasher
+from k3tui.units import KB, MiB
 
-CHUNK_BYTES = 1 << 20             # unit of writing, hence the most a kill can make us re-fetch
+CHUNK_BYTES = MiB  # unit of writing, hence the most a kill can make us re-fetch
 DROP_CACHE_EVERY = 64 << 20       # start writeback / drop cache of written ranges this often
 SIDECAR_EVERY_S = 2.0
 
@@ -366,7 +367,7 @@ class FileFetch:
                 if now - window_t >= self.opts.low_speed_s:
                     rate = window_bytes / (now - window_t)
                     if rate < self.opts.low_speed_bps:      # a trickle never times out
-                        raise _BadResponse(f"too slow ({rate / 1e3:,.1f} kB/s for "
+                        raise _BadResponse(f"too slow ({rate / KB:,.1f} kB/s for "
                                            f"{now - window_t:.0f} s); reconnecting")
                     window_t, window_bytes = now, 0
                 if skip:

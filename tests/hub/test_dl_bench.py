@@ -7,15 +7,27 @@ import subprocess
 import sys
 
 
-def test_dl_bench_download_json_keys():
-    p = subprocess.run([sys.executable, "-m", "k3tui", "bench", "download", "--json",
+def test_dl_bench_both_clients_fetch_the_source_bytes():
+    """What a broken bench would get wrong: the bytes it reports are the source's, and what
+    each client wrote is byte-identical to the source (the timings themselves cannot be
+    checked, only that each client took some)."""
+    from k3tui.paths import get_paths
+
+    p = subprocess.run([sys.executable, "-m", "k3tui", "bench", "download", "--json", "--keep",
                         "--size-mb", "24", "--files", "2", "--rounds", "1"],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout.strip().splitlines()[-1])
-    assert out["bytes"] == 24_000_000 and out["files"] == 2
-    assert out["ratio_vs_hf"] > 0 and out["cpu_s_per_gb"] > 0
-    assert abs(out["ratio_vs_hf"] - out["hf_s"] / out["k3tui_s"]) < 0.01
+    base = get_paths().bench_dir / "download"
+    sources = sorted((base / "src").iterdir())
+    assert out["bytes"] == sum(f.stat().st_size for f in sources) == 24_000_000
+    assert out["files"] == len(sources) == 2
+    for who in ("hf", "k3tui"):
+        assert sorted(f.name for f in (base / f"out-{who}").iterdir()
+                      if f.is_file()) == [f.name for f in sources]
+        for f in sources:
+            assert (base / f"out-{who}" / f.name).read_bytes() == f.read_bytes(), (who, f.name)
+    assert out["hf_s"] > 0 and out["k3tui_s"] > 0
 
 
 def test_dl_core_modules_import_no_ui(tmp_path):

@@ -19,9 +19,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, ProgressBar, Static
 
 from k3tui.textsafe import clean
-
-GB = 1e9
-
+from k3tui.units import GB, MB
 
 def read_jobs(kind: str) -> list[dict[str, Any]]:
     """All job states of `kind`, newest first (via k3tui.jobs when it exists)."""
@@ -62,7 +60,7 @@ def format_eta(seconds: float | None) -> str:
 def overall_line(state: dict[str, Any]) -> Text:
     done = (state.get("done_bytes") or 0) / GB
     total = (state.get("total_bytes") or 0) / GB
-    rate = (state.get("rate_bps") or 0) / 1e6
+    rate = (state.get("rate_bps") or 0) / MB
     status = clean(str(state.get("status", "?")))
     text = Text(no_wrap=True, overflow="ellipsis")
     text.append(f"{status:<9}", style="bold")
