@@ -101,7 +101,7 @@ def _prepare_remote(cfg: Any) -> Launchable:
 
 def _prepare_llama(cfg: Any, model: Path, host: str, port: int, force: bool, report: Any,
                    seams: dict[str, Any]) -> Launchable:
-    from k3tui.plan import make_plan
+    from k3tui.planning.plan import make_plan
 
     ls = cfg.llama_server
     if report is None:

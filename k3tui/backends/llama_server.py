@@ -773,7 +773,7 @@ def prepare(model: Path, *, binary: str = "", plan_args: Sequence[str] = (),
                                     name=f"k3tui-llama-server-{os.getpid()}-{tag}")
     if unified and limit.method == "none" and limit.limit_bytes:
         # the DGX Spark lockup: unconfined page cache + GPU on one memory
-        from k3tui.plan import ISOLATION_NEXT
+        from k3tui.planning.plan import ISOLATION_NEXT
 
         if not force:
             raise K3Error(f"llama-server cannot be confined to {gib(limit.limit_bytes)} "

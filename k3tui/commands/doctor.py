@@ -52,7 +52,7 @@ def _model_bytes_present(directory: Path, kind: str) -> int:
 def run_checks(target: str | None, measure: bool) -> tuple[list[Check], dict]:
     from k3tui.config import Config, config_exists, load_config
     from k3tui.paths import get_paths
-    from k3tui.plan import ISOLATION_NEXT, describe_machine, make_plan
+    from k3tui.planning.plan import ISOLATION_NEXT, describe_machine, make_plan
     from k3tui.units import disk_size, gib
     from k3tui.probe import probe_machine
 
@@ -129,7 +129,7 @@ def run_checks(target: str | None, measure: bool) -> tuple[list[Check], dict]:
 
 def _model_checks(cfg, model_dir: Path, have: int, explicit_dir: bool = False,
                   configured: bool = True) -> list[Check]:
-    from k3tui.plan import GGUF_BYTES, SAFETENSORS_BYTES
+    from k3tui.planning.plan import GGUF_BYTES, SAFETENSORS_BYTES
     from k3tui.units import disk_size
 
     out: list[Check] = []
@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         data["ok"] = not failed
         print(json.dumps(data, indent=2))
     else:
-        from k3tui.plan import fit_to_width
+        from k3tui.planning.plan import fit_to_width
 
         width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None
         print(fit_to_width(format_checks(checks, data["machine"]["description"]), width))

@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where the checkpoint would go (default: the config's model dir)")
     parser.add_argument("--json", action="store_true", help="print JSON (machine + plan)")
     try:
-        from k3tui.capacity import add_capacity_arguments
+        from k3tui.planning.capacity import add_capacity_arguments
     except ImportError:  # capacity sizing not installed yet: keep the flags, refuse in run()
         g = parser.add_argument_group("cluster sizing")
         g.add_argument("--users", type=int)
@@ -38,14 +38,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "users", None) is not None or getattr(args, "recipe", None):
         try:
-            from k3tui.capacity import main as capacity_main
+            from k3tui.planning.capacity import main as capacity_main
         except ImportError:
             raise K3Error("cluster sizing (`--users`) is not built yet.",
                           "plan one machine: `k3tui plan --machine dgx-spark`", 2) from None
         return capacity_main(args)
 
     from k3tui.config import config_exists, load_config
-    from k3tui.plan import format_plan, make_plan, recommend_model_kind
+    from k3tui.planning.plan import format_plan, make_plan, recommend_model_kind
     from k3tui.probe import load_report, probe_machine
 
     cfg = load_config() if config_exists() else None
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         import shutil
         import sys
 
-        from k3tui.plan import fit_to_width
+        from k3tui.planning.plan import fit_to_width
 
         width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None
         print(fit_to_width(format_plan(plan, report), width))

@@ -430,7 +430,7 @@ def test_rmt_engine_server_with_api_key(tmp_path):
 def test_rmt_sizing_from_a_real_llama_server_response(llama, tmp_path):
     import httpx
 
-    from k3tui.capacity import throughput_from_bench
+    from k3tui.planning.capacity import throughput_from_bench
 
     resp = httpx.post(llama + "/v1/chat/completions", timeout=60,
                       headers={"Authorization": f"Bearer {KEY}"},

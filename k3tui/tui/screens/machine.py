@@ -13,7 +13,7 @@ from textual.widgets import Footer, Static
 def machine_summary() -> str:
     """The same text `k3tui plan` prints, for the configured (or recommended) model kind."""
     try:
-        from k3tui.plan import format_plan, make_plan, recommend_model_kind
+        from k3tui.planning.plan import format_plan, make_plan, recommend_model_kind
         from k3tui.probe import probe_machine
     except ImportError:
         return "The machine probe is not available in this version (run `k3tui doctor`)."

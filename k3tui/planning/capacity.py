@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from k3tui.errors import K3Error
-from k3tui.plan import GGUF_BYTES, SAFETENSORS_BYTES
+from k3tui.planning.plan import GGUF_BYTES, SAFETENSORS_BYTES
 from k3tui.units import GB
 
 HOURS_PER_DAY = 8.0
@@ -330,7 +330,7 @@ def render_text(s: Sizing) -> str:
 
 
 def render_routes() -> str:
-    from k3tui.recipes import ROUTES, summary
+    from k3tui.planning.recipes import ROUTES, summary
 
     lines = ["Routes beyond one machine (k3tui connects to them as a remote backend):"]
     lines += [f"  {route:<7} {summary(route)}" for route in ROUTES]
@@ -416,7 +416,7 @@ def _recipe_params(args: argparse.Namespace, route: str) -> dict[str, float]:
 
 
 def _recipe_json(route: str, params: dict[str, float]) -> dict[str, Any]:
-    from k3tui.recipes import recipe
+    from k3tui.planning.recipes import recipe
 
     r = recipe(route, **params)
     return {
@@ -440,7 +440,7 @@ def main(args: argparse.Namespace) -> int:
     users = getattr(args, "users", None)
     params = _recipe_params(args, recipe) if recipe else {}
     if recipe and users is None:
-        from k3tui.recipes import render
+        from k3tui.planning.recipes import render
 
         if getattr(args, "json", False):
             print(json.dumps({"recipe": _recipe_json(recipe, params)}, indent=2))
@@ -498,7 +498,7 @@ def main(args: argparse.Namespace) -> int:
     print(render_text(sizing))
     print()
     if recipe:
-        from k3tui.recipes import render
+        from k3tui.planning.recipes import render
 
         print(render(recipe, **params))
     else:
