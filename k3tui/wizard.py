@@ -105,7 +105,7 @@ def _configure(base: Config, kind: str, model_dir: str, plan: Plan | None) -> Co
 
 def _endpoint_checker() -> Callable[..., Any] | None:
     try:
-        from k3tui.backends.remote import check_endpoint
+        from k3tui.backends.endpoint import check_endpoint
     except ImportError:
         return None
     return check_endpoint
@@ -113,7 +113,7 @@ def _endpoint_checker() -> Callable[..., Any] | None:
 
 def _llama_binary(configured: str) -> str | None:
     try:
-        from k3tui.backends.llama_server import find_binary
+        from k3tui.backends.llama.binary import find_binary
     except ImportError:
         return None
     try:
@@ -494,7 +494,7 @@ def _checked_remote(cfg: Config, force: bool, checker: Callable[..., Any] | None
     if checker is None:
         result.notes.append("not tested: the remote client is not installed")
         return result
-    from k3tui.backends.remote import resolve_api_key
+    from k3tui.backends.endpoint import resolve_api_key
 
     key, source = resolve_api_key(cfg.remote.api_key_env)
     check = checker(cfg.remote.url, key, cfg.remote.verify_tls)

@@ -126,7 +126,7 @@ def _first_model(url: str, api_key: str | None) -> str | None:
 def _remote_session(cfg: Any, base: Session) -> Session:
     """The configured endpoint: its key from the named variable or the one `k3tui setup`
     stored, and its TLS policy."""
-    from k3tui.backends.remote import resolve_api_key, tls_verify
+    from k3tui.backends.endpoint import resolve_api_key, tls_verify
 
     api_key, _ = resolve_api_key(cfg.remote.api_key_env)
     return _point_at(base, cfg.remote.url, api_key, cfg.remote.model or None,

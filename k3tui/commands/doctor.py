@@ -163,7 +163,7 @@ def _model_checks(cfg, model_dir: Path, have: int, explicit_dir: bool = False,
                              "k3tui pack"))
     if cfg.backend.kind == "llama-server":
         try:
-            from k3tui.backends.llama_server import find_binary
+            from k3tui.backends.llama.binary import find_binary
         except ImportError:
             out.append(Check("llama-server", "warn", "llama-server support is not installed",
                              "update k3tui"))

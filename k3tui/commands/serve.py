@@ -40,7 +40,7 @@ def _config():
 
 def run(args: argparse.Namespace) -> int:
     from k3tui.backends.launch import prepare_launch
-    from k3tui.backends.llama_server import exit_story
+    from k3tui.backends.llama.server import exit_story
 
     cfg = _config()
     kind = args.backend or _kind_of(args.model) or cfg.backend.kind

@@ -376,7 +376,7 @@ def format_plan(plan: Plan, report: MachineReport) -> str:
         out.append(f"Preset:  {plan.preset_reason}")
         out.append(f"Threads: {plan.threads}")
     if plan.backend == "llama-server":
-        from k3tui.backends.llama_server import planned_command
+        from k3tui.backends.llama.command import planned_command
 
         iso = getattr(report, "isolation", None)
         method = getattr(iso, "method", "none") or "none"

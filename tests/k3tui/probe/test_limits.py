@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from k3tui.backends import llama_server as ls
+from k3tui.backends.llama import server
 from k3tui.probe.env import ProbeEnv
 from k3tui.probe.isolation import check_systemd_scope
 
@@ -36,7 +36,7 @@ def test_probe_and_launcher_reach_the_same_verdict_in_the_same_words(answer, tmp
     env = ProbeEnv()
     monkeypatch.setattr(env, "run", answer)
     probe_ok, probe_why = check_systemd_scope(env)
-    limit = ls.choose_memory_limit(int(21.2 * GIB), runner=answer, cgroup_dir=tmp_path / "no")
+    limit = server.choose_memory_limit(int(21.2 * GIB), runner=answer, cgroup_dir=tmp_path / "no")
     assert (limit.method == "systemd-run") is probe_ok
     if not probe_ok:
         assert probe_why in limit.detail
@@ -45,7 +45,7 @@ def test_probe_and_launcher_reach_the_same_verdict_in_the_same_words(answer, tmp
 def test_a_limit_the_kernel_rounds_to_whole_pages_still_applies(tmp_path):
     limit_bytes = int(21.2 * GIB)  # what a plan asks for is rarely page-aligned
     assert limit_bytes % PAGE
-    limit = ls.choose_memory_limit(limit_bytes, runner=kernel_answer("{limit}\n"),
+    limit = server.choose_memory_limit(limit_bytes, runner=kernel_answer("{limit}\n"),
                                    cgroup_dir=tmp_path / "no")
     assert limit.method == "systemd-run" and limit.limit_bytes == limit_bytes
     assert limit.prefix[:6] == ["systemd-run", "--user", "--scope", "--quiet", "-p",
