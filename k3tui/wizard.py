@@ -18,7 +18,7 @@ from typing import Any, Callable, TextIO
 
 from k3tui.config import Config, save_config, save_credential
 from k3tui.errors import K3Error
-from k3tui.hub.remote import hub_token_source
+from k3tui.hub.metadata import hub_token_source
 from k3tui.paths import get_paths
 from k3tui.planning.plan import (GGUF_BYTES, MODEL_LABELS, PRESETS, SAFETENSORS_BYTES, Plan,
                         describe_machine, make_plan, recommend_model_kind,

@@ -72,7 +72,7 @@ def resume_command(repo: str, revision: str, target: Path, include: list[str],
 
 
 def _defaults(args: argparse.Namespace) -> tuple[str, str, Path, list[str]]:
-    from k3tui.hub.remote import check_repo_id
+    from k3tui.hub.metadata import check_repo_id
     from k3tui.paths import get_paths
 
     cfg = None
@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         return attach(job_id)
 
     from k3tui.hub import fetch_snapshot, plan_download
-    from k3tui.hub.remote import check_access
+    from k3tui.hub.metadata import check_access
 
     print(f"Checking {repo} ({revision}) on the Hub…", flush=True)
     snap = fetch_snapshot(repo, revision, include)

@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 
 from k3tui.errors import K3Error
 from k3tui.hub.progress import Progress
-from k3tui.hub.remote import RemoteFile, RepoSnapshot, explain, is_transient, redact
+from k3tui.hub.metadata import RemoteFile, RepoSnapshot, explain, is_transient, redact
 from k3tui.hub.store import LocalStore, drop_page_cache, expected_digest, hash_file, new_hasher
 from k3tui.units import KB, MiB
 
@@ -78,7 +78,8 @@ class Options:
 
     @classmethod
     def from_env(cls, **kw) -> Options:
-        """Test and power-user knobs: K3TUI_DL_TIMEOUT_S, K3TUI_DL_BACKOFF_S, K3TUI_DL_MAX_FAILURES."""
+        """Test and power-user knobs: K3TUI_DL_TIMEOUT_S, K3TUI_DL_BACKOFF_S,
+        K3TUI_DL_MAX_FAILURES."""
         env = os.environ
         if "K3TUI_DL_TIMEOUT_S" in env:
             kw.setdefault("timeout_s", float(env["K3TUI_DL_TIMEOUT_S"]))
@@ -300,7 +301,8 @@ class FileFetch:
                     raise HubRefused(explain(exc, self.snap.repo, self.snap.revision,
                                              self.opts.token or False)) from None
                 failures = 1 if self.have > before else failures + 1
-                what = f"{type(exc).__name__}: {redact(str(exc).splitlines()[0] if str(exc) else '')}"
+                first = str(exc).splitlines()[0] if str(exc) else ""
+                what = f"{type(exc).__name__}: {redact(first)}"
                 self.log(f"{self.rf.name}: {what} at byte {self.have:,}; "
                          f"retry {failures}/{self.opts.max_failures}")
                 self.progress.error(f"{self.rf.name}: {what}")

@@ -329,7 +329,7 @@ def test_setup_and_download_agree_on_which_token_counts(tmp_path, monkeypatch):
     setup says it uses that login instead of offering to replace the stored one (a new one
     pasted there would change nothing)."""
     from k3tui.config import save_credential
-    from k3tui.hub.remote import hub_token
+    from k3tui.hub.metadata import hub_token
 
     save_credential("hf_token", "hf_stored")
     login = tmp_path / "login-token"

@@ -1,7 +1,7 @@
 """The token `k3tui setup` stores is used when neither HF_TOKEN nor `hf auth login` has one."""
 
 from k3tui.config import save_credential
-from k3tui.hub.remote import hub_token
+from k3tui.hub.metadata import hub_token
 
 
 def test_dl_hub_token_falls_back_to_the_wizard_credential():
@@ -17,7 +17,7 @@ def test_dl_hf_token_variable_wins(monkeypatch):
 
 
 def test_dl_login_token_wins_over_the_stored_one_and_says_so(tmp_path, monkeypatch):
-    from k3tui.hub.remote import hub_token_source, token_origin
+    from k3tui.hub.metadata import hub_token_source, token_origin
 
     save_credential("hf_token", "hf_wizard_secret")
     login = tmp_path / "token"

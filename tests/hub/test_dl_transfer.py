@@ -13,7 +13,7 @@ from dl_helpers import BIG, REPO_ID, SMALL
 from k3tui.errors import K3Error
 from k3tui.hub import CHUNK_BYTES, Options, download, fetch_snapshot, plan_download, transfer
 from k3tui.hub.fakehub import Fault
-from k3tui.hub.remote import check_access
+from k3tui.hub.metadata import check_access
 from k3tui.hub.store import LocalStore
 
 FAST = dict(backoff_s=0.02, timeout_s=10.0)   # generous: the box is shared and busy

@@ -1,4 +1,5 @@
-"""What the Hub says about a repo: files, sizes, hashes, the pinned commit, access.
+"""What the Hub says about a repo: files, sizes, hashes, the pinned commit, access, and the
+one order in which Hugging Face tokens count (`hub_tokens`).
 
 huggingface_hub does what it is good at here (URLs, auth headers, typed errors); the bytes
 are fetched by `k3tui.hub.transfer`. Every call carries a timeout: `model_info` without one
