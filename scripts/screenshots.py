@@ -31,7 +31,7 @@ async def main(out: Path) -> None:
     home = Path(tempfile.mkdtemp(prefix="k3shots-"))
     os.environ["K3TUI_HOME"] = str(home)
     from k3tui.paths import get_paths
-    from k3tui.tui import scenes
+    from k3tui.testing import scenes
     from k3tui.tui.screens.jobs import JobsScreen
 
     out.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from dl_helpers import BIG, REPO_ID, SMALL
 
-from k3tui.hub.fakehub import FakeHub
+from k3tui.testing.fakehub import FakeHub
 
 
 @pytest.fixture
