@@ -103,19 +103,15 @@ def _configure(base: Config, kind: str, model_dir: str, plan: Plan | None) -> Co
     return cfg
 
 
-def _endpoint_checker() -> Callable[..., Any] | None:
-    try:
-        from k3tui.backends.endpoint import check_endpoint
-    except ImportError:
-        return None
+def _endpoint_checker() -> Callable[..., Any]:
+    from k3tui.backends.endpoint import check_endpoint
+
     return check_endpoint
 
 
 def _llama_binary(configured: str) -> str | None:
-    try:
-        from k3tui.backends.llama.binary import find_binary
-    except ImportError:
-        return None
+    from k3tui.backends.llama.binary import find_binary
+
     try:
         return str(find_binary(configured))
     except K3Error:

@@ -147,12 +147,8 @@ def _config_session(cfg: Any) -> Session:
     s.info.model = os.path.basename(str(cfg.model.dir).rstrip("/")) or cfg.model.repo
     if cfg.backend.kind == "bundled":
         s.info.preset = cfg.engine.preset
-    try:
-        from k3tui.backends import launch as launch_mod
-    except ImportError as exc:
-        raise K3Error("This version cannot start a backend yet (k3tui.backends.launch is "
-                      "missing).", "start a server yourself and use `k3tui chat --url URL`") \
-            from exc
+    from k3tui.backends import launch as launch_mod
+
     s.starter = lambda on_progress: launch_mod.launch(cfg, on_progress=on_progress)
     return s
 

@@ -162,18 +162,14 @@ def _model_checks(cfg, model_dir: Path, have: int, explicit_dir: bool = False,
             out.append(Check("trunk", "warn", "the trunk is not packed yet (streaming needs it)",
                              "k3tui pack"))
     if cfg.backend.kind == "llama-server":
+        from k3tui.backends.llama.binary import find_binary
+
         try:
-            from k3tui.backends.llama.binary import find_binary
-        except ImportError:
-            out.append(Check("llama-server", "warn", "llama-server support is not installed",
-                             "update k3tui"))
-        else:
-            try:
-                binary = find_binary(cfg.llama_server.binary)
-                out.append(Check("llama-server", "ok", f"binary {binary}"))
-            except K3Error as exc:
-                out.append(Check("llama-server", "fail", exc.message,
-                                 exc.next_step or "k3tui setup"))
+            binary = find_binary(cfg.llama_server.binary)
+            out.append(Check("llama-server", "ok", f"binary {binary}"))
+        except K3Error as exc:
+            out.append(Check("llama-server", "fail", exc.message,
+                             exc.next_step or "k3tui setup"))
     return out
 
 

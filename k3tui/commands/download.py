@@ -75,14 +75,9 @@ def _defaults(args: argparse.Namespace) -> tuple[str, str, Path, list[str]]:
     from k3tui.hub.metadata import check_repo_id
     from k3tui.paths import get_paths
 
-    cfg = None
-    try:
-        from k3tui.config import config_exists, load_config
+    from k3tui.config import config_exists, load_config
 
-        if config_exists():
-            cfg = load_config()
-    except ImportError:
-        pass
+    cfg = load_config() if config_exists() else None
     model = cfg.model if cfg is not None else None
     repo = args.repo or (model.repo if model is not None else None)
     if not repo:

@@ -25,10 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _config():
-    try:
-        from k3tui.config import config_exists, load_config
-    except ImportError:
-        return None
+    from k3tui.config import config_exists, load_config
+
     return load_config() if config_exists() else None
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from k3tui.errors import K3Error
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,26 +21,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", metavar="PATH",
                         help="where the checkpoint would go (default: the config's model dir)")
     parser.add_argument("--json", action="store_true", help="print JSON (machine + plan)")
-    try:
-        from k3tui.planning.capacity import add_capacity_arguments
-    except ImportError:  # capacity sizing not installed yet: keep the flags, refuse in run()
-        g = parser.add_argument_group("cluster sizing")
-        g.add_argument("--users", type=int)
-        g.add_argument("--requests-per-user-day", type=float)
-        g.add_argument("--tokens-per-answer", type=float)
-        g.add_argument("--tok-per-s", type=float)
-        g.add_argument("--from-bench", metavar="FILE")
-    else:
-        add_capacity_arguments(parser)
+    from k3tui.planning.capacity import add_capacity_arguments
+
+    add_capacity_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "users", None) is not None or getattr(args, "recipe", None):
-        try:
-            from k3tui.planning.capacity import main as capacity_main
-        except ImportError:
-            raise K3Error("cluster sizing (`--users`) is not built yet.",
-                          "plan one machine: `k3tui plan --machine dgx-spark`", 2) from None
+        from k3tui.planning.capacity import main as capacity_main
+
         return capacity_main(args)
 
     from k3tui.config import config_exists, load_config

@@ -15,7 +15,6 @@ from k3tui.units import GB, GiB, disk_size, gib
 SAFETENSORS_BYTES = 1_560_936_091_448  # 96 shards
 TRUNK_PACK_BYTES = 113_490_000_000  # 93 trunk runs (108.81 GB) + embed/lm_head (4.70 GB)
 GGUF_BYTES = 579_500_000_000  # Kimi-K3 IQ1_S, 34 files
-GGUF_FILES = 34
 
 MODEL_LABELS = {
     "safetensors": "Kimi-K3 safetensors (1,560.9 GB in 96 files)",
