@@ -145,7 +145,8 @@ class RunningBackend:
         while self.on_stop:
             self.on_stop.pop()()
 
-    async def chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> AsyncIterator[StreamEvent]:
+    async def chat(self, messages: list[dict[str, Any]],
+                   **kwargs: Any) -> AsyncIterator[StreamEvent]:
         """`stream_chat` against this backend; a dead process turns errors into its story."""
         from k3tui.backends.openai_stream import stream_chat
 

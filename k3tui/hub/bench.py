@@ -51,8 +51,8 @@ def _make_source(src: Path, total_mb: int, n_files: int) -> list[Path]:
 
 
 def _start_hub(src: Path) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "k3tui.testing.fakehub", str(src), "--repo", REPO,
-                             "--cdn"], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "k3tui.testing.fakehub", str(src),
+                             "--repo", REPO, "--cdn"], stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline().split()
     if not line or line[0] != "endpoint":
         proc.kill()

@@ -174,7 +174,8 @@ def make_old_binary(tmp_path: Path) -> Path:
     script.write_text(f"""#!/bin/sh
 REAL={real}
 case "$1" in
-  --help) "$REAL" --help 2>&1 | grep -v -E -- '--load-mode|--cpu-moe|--no-host|--reasoning-budget'; exit 0;;
+  --help) "$REAL" --help 2>&1 | \
+grep -v -E -- '--load-mode|--cpu-moe|--no-host|--reasoning-budget'; exit 0;;
   --version) echo "version: 5000 (build 5000, commit 0ldb1d)"; exit 0;;
 esac
 for a in "$@"; do

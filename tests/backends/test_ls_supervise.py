@@ -103,7 +103,8 @@ def fake_nvidia_smi(tmp_path: Path, apps: str) -> Path:
     script.write_text(f"""#!/bin/sh
 case "$1" in
   --query-gpu=addressing_mode) echo "ATS";;
-  --query-gpu=*) echo "0, NVIDIA GB10, GPU-1234, 0000000F:01:00.0, [N/A], [N/A], [N/A], 580.95.05, 12.1";;
+  --query-gpu=*) echo "0, NVIDIA GB10, GPU-1234, 0000000F:01:00.0, [N/A], [N/A], [N/A], \
+580.95.05, 12.1";;
   --query-compute-apps=*) printf '%s' "{apps}";;
 esac
 """)

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from fnd_helpers import env_for
-from k3tui.planning.plan import (DRIVER_RESERVE_BYTES, PRESETS, SAFETENSORS_BYTES, make_plan, pick_preset,
-                        recommend_model_kind)
+from k3tui.planning.plan import (DRIVER_RESERVE_BYTES, PRESETS, SAFETENSORS_BYTES, make_plan,
+                                 pick_preset, recommend_model_kind)
 from k3tui.probe import list_profiles, load_report, probe_machine
 
 GB, GiB = 1000**3, 1024**3
