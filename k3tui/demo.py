@@ -18,6 +18,7 @@ from typing import Any
 
 from k3tui.errors import K3Error
 from k3tui.paths import get_paths
+from k3tui.units import GB
 
 DEMO_LABEL = "demo model — random weights, not Kimi-K3"
 DEMO_SEED = 0
@@ -34,7 +35,7 @@ def model_bytes(folder: Path) -> int:
 
 def budget_gb(folder: Path) -> float:
     """About a third of the weights: enough to run, small enough that experts stream."""
-    return round(max(model_bytes(folder) / 3 / 1e9, 0.005), 4)
+    return round(max(model_bytes(folder) / 3 / GB, 0.005), 4)
 
 
 def ensure_model(on_progress: Callable[[str], None] | None = None) -> Path:

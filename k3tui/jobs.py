@@ -61,12 +61,15 @@ def _write_state(state: dict) -> None:
 
 def _read_raw(job_id: str) -> dict:
     try:
-        return json.loads(state_path(job_id).read_text())
+        state = json.loads(state_path(job_id).read_text())
     except FileNotFoundError:
         raise K3Error(f"There is no job {job_id}.", "list jobs with `k3tui jobs`", 2) from None
-    except ValueError:   # a concurrent writer uses os.replace, so this is a damaged file
+    except (OSError, ValueError):   # a concurrent writer uses os.replace: this is damage
+        state = None
+    if not isinstance(state, dict):
         raise K3Error(f"The state file of job {job_id} is damaged.",
-                      f"look at its log in {jobs_dir()}") from None
+                      f"look at its log in {jobs_dir()}")
+    return state
 
 
 # -- the target lock -----------------------------------------------------------------------
@@ -128,11 +131,6 @@ def lock_target(target_key: str, command: str, *, job_id: str | None = None,
     _write_holder(fd, pid=os.getpid(), command=command, job=job_id,
                   home=str(get_paths().root))
     return fd
-
-
-def holds_inherited_lock() -> bool:
-    """True inside a job process: the parent passed us the target lock."""
-    return ENV_LOCK in os.environ
 
 
 # -- starting and inspecting jobs ----------------------------------------------------------
@@ -213,7 +211,7 @@ def list_jobs() -> list[dict]:
             out.append(read_state(p.stem))
         except K3Error:
             continue
-    return sorted(out, key=lambda s: s.get("started", 0), reverse=True)
+    return sorted(out, key=lambda s: s.get("started") or 0, reverse=True)
 
 
 def resolve_id(prefix: str | None) -> str:

@@ -15,8 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-GB = 1e9
-MB = 1e6
+from k3tui.units import GB, MB, KiB
 
 
 @dataclass(frozen=True)
@@ -164,7 +163,7 @@ class Monitor:
         try:
             for line in (self._proc / "meminfo").read_text().splitlines():
                 if line.startswith("Cached:"):
-                    return int(line.split()[1]) * 1024 / GB
+                    return int(line.split()[1]) * KiB / GB
         except (OSError, ValueError, IndexError):
             pass
         return None

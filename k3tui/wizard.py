@@ -16,14 +16,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
-from k3tui.config import Config, load_credentials, save_config, save_credential
+from k3tui.config import Config, save_config, save_credential
 from k3tui.errors import K3Error
+from k3tui.hub.metadata import hub_token_source
 from k3tui.paths import get_paths
-from k3tui.plan import (GGUF_BYTES, MODEL_LABELS, PRESETS, SAFETENSORS_BYTES, Plan,
-                        describe_machine, disk_size, make_plan, recommend_model_kind,
+from k3tui.planning.plan import (GGUF_BYTES, MODEL_LABELS, PRESETS, SAFETENSORS_BYTES, Plan,
+                        describe_machine, make_plan, recommend_model_kind,
                         usable_bytes)
 from k3tui.probe.report import MachineReport
 from k3tui.probe.storage import StorageInfo
+from k3tui.units import GB, GiB, disk_size, gib
 
 CANCELLED = "Setup cancelled: no changes were made."
 GGUF_REPO = "unsloth/Kimi-K3-GGUF"  # where the IQ1_S quant is expected; editable in the config
@@ -74,27 +76,6 @@ class SetupResult:
                        "meanwhile)"]
 
 
-def hf_token_source() -> str | None:
-    """Where an existing Hugging Face login lives, without importing huggingface_hub."""
-    if os.environ.get("HF_TOKEN"):
-        return "the HF_TOKEN environment variable"
-    if load_credentials().get("hf_token"):
-        return f"{get_paths().credentials_file}"
-    candidates = []
-    if os.environ.get("HF_TOKEN_PATH"):
-        candidates.append(Path(os.environ["HF_TOKEN_PATH"]))
-    if os.environ.get("HF_HOME"):
-        candidates.append(Path(os.environ["HF_HOME"]) / "token")
-    candidates.append(Path.home() / ".cache" / "huggingface" / "token")
-    for p in candidates:
-        try:
-            if p.is_file() and p.read_text().strip():
-                return f"your `hf auth login` token ({p})"
-        except OSError:
-            continue
-    return None
-
-
 def _default_dir(cfg: Config, kind: str) -> str:
     if cfg.model.dir and cfg.model.kind == kind:
         return cfg.model.dir
@@ -122,19 +103,15 @@ def _configure(base: Config, kind: str, model_dir: str, plan: Plan | None) -> Co
     return cfg
 
 
-def _endpoint_checker() -> Callable[..., Any] | None:
-    try:
-        from k3tui.backends.remote import check_endpoint
-    except ImportError:
-        return None
+def _endpoint_checker() -> Callable[..., Any]:
+    from k3tui.backends.endpoint import check_endpoint
+
     return check_endpoint
 
 
 def _llama_binary(configured: str) -> str | None:
-    try:
-        from k3tui.backends.llama_server import find_binary
-    except ImportError:
-        return None
+    from k3tui.backends.llama.binary import find_binary
+
     try:
         return str(find_binary(configured))
     except K3Error:
@@ -341,14 +318,13 @@ class Wizard:
         return result
 
     def ask_token(self, result: SetupResult) -> None:
-        source = hf_token_source()
-        stored = str(get_paths().credentials_file)
-        if source and source != stored:
-            self.say(f"Hugging Face: using the existing login from {source}.")
+        source = hub_token_source()  # the token downloads send: the only one worth replacing
+        if source and not source.stored_by_setup:
+            self.say(f"Hugging Face: using the existing login from {source.where}.")
             return
         if source:   # k3tui's own stored token: the only place to replace it is here
             token = self.password(f"Hugging Face token (Enter keeps the one stored in "
-                                  f"{stored}; paste a new one to replace it):").strip()
+                                  f"{source.where}; paste a new one to replace it):").strip()
         else:
             token = self.password("Hugging Face token (Enter to skip; needed only if the "
                                   "repo is gated for you):").strip()
@@ -363,7 +339,7 @@ class Wizard:
         else:
             self.say("llama-server flags:  " + " ".join(plan.llama_server_args))
             if plan.memory_limit_bytes is not None:
-                self.say(f"Memory limit:        {plan.memory_limit_bytes / 2**30:.1f} GiB "
+                self.say(f"Memory limit:        {gib(plan.memory_limit_bytes)} "
                          f"({plan.memory_limit_reason})")
         for f in plan.findings:
             if f.code not in ("disk_space", "disk_space_trunk") and f.level != "info":
@@ -394,7 +370,7 @@ class Wizard:
             if not self.confirm("Use these llama-server settings?", default=True):
                 cfg.llama_server.reasoning_budget = int(self._ask_float(
                     "Reasoning budget (tokens):", cfg.llama_server.reasoning_budget))
-                limit = (plan.memory_limit_bytes or 0) / 2**30
+                limit = (plan.memory_limit_bytes or 0) / GiB
                 cfg.llama_server.memory_limit_gb = self._ask_float(
                     "Memory limit for llama-server (GiB):", round(limit, 1))
 
@@ -476,10 +452,10 @@ def oversized_preset(name: str, plan: Plan, report: MachineReport) -> str | None
     """A warning when a named preset other than the recommended one peaks above the memory
     usable here (the plan already warns about its own pick)."""
     chosen, usable = PRESETS.get(name), usable_bytes(report)
-    if chosen is None or chosen.name == plan.preset or chosen.peak_rss_gb * 1e9 <= usable:
+    if chosen is None or chosen.name == plan.preset or chosen.peak_rss_gb * GB <= usable:
         return None
     return (f"warn: the {chosen.name} preset peaks at ~{chosen.peak_rss_gb:g} GB but "
-            f"{usable / 1e9:.1f} GB is usable here: expect swapping (recommended: "
+            f"{usable / GB:.1f} GB is usable here: expect swapping (recommended: "
             f"{plan.preset}; `k3tui config set engine.preset {plan.preset}`)")
 
 
@@ -514,7 +490,7 @@ def _checked_remote(cfg: Config, force: bool, checker: Callable[..., Any] | None
     if checker is None:
         result.notes.append("not tested: the remote client is not installed")
         return result
-    from k3tui.backends.remote import resolve_api_key
+    from k3tui.backends.endpoint import resolve_api_key
 
     key, source = resolve_api_key(cfg.remote.api_key_env)
     check = checker(cfg.remote.url, key, cfg.remote.verify_tls)

@@ -4,7 +4,7 @@
     python scripts/screenshots.py [OUT_DIR]      # default: screenshots/
 
 Each scene is the real ChatApp with a scripted stream, a fake clock and fixed I/O samples
-(k3tui/tui/scenes.py), so the pictures are reproducible.
+(k3tui/testing/scenes.py), so the pictures are reproducible.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ async def main(out: Path) -> None:
     home = Path(tempfile.mkdtemp(prefix="k3shots-"))
     os.environ["K3TUI_HOME"] = str(home)
     from k3tui.paths import get_paths
-    from k3tui.tui import scenes
+    from k3tui.testing import scenes
     from k3tui.tui.screens.jobs import JobsScreen
 
     out.mkdir(parents=True, exist_ok=True)

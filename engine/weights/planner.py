@@ -8,7 +8,7 @@ layer is read while the current one computes), and gives what is left to expert 
 never fewer than top-k + 1. The plan is printed as a forecast before anything is
 allocated, and refused, with the numbers, when it cannot fit.
 
-Memory facts come from engine.sysmem: MemAvailable and the smallest cgroup limit over the
+Memory facts come from engine.weights.sysmem: MemAvailable and the smallest cgroup limit over the
 process's cgroup and its ancestors, the same reader k3tui's probe uses.
 """
 

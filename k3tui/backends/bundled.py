@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from k3tui.backends.llama_server import wait_ready
+from k3tui.backends.llama.server import wait_ready
 from k3tui.backends.running import ProgressCallback, RunningBackend
 from k3tui.errors import K3Error
 from k3tui.paths import get_paths, private_open

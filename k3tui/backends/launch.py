@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from k3tui.backends import bundled, llama_server
+from k3tui.backends import bundled
+from k3tui.backends.llama import command, server
 from k3tui.backends.running import LoadProgress, ProgressCallback, RunningBackend
 from k3tui.errors import K3Error
+from k3tui.units import GiB
 
-GIB = 2**30
 API_KEY_CREDENTIAL = "server_api_key"
 
 
@@ -28,7 +29,7 @@ class Launchable:
     summary: str
     run: Callable[[ProgressCallback | None], RunningBackend] = field(repr=False)
     command: list[str] = field(default_factory=list)  # full argv incl. any limit wrapper
-    prepared: Any = None  # llama_server.Prepared for llama-server launches
+    prepared: Any = None  # server.Prepared for llama-server launches
     details: str = ""     # the summary without the warnings (shown beside them)
     warnings: list[str] = field(default_factory=list)
 
@@ -41,7 +42,7 @@ class Launchable:
 
 def _api_key(host: str) -> str | None:
     """Loopback needs no key; anything wider gets a stored (or new) one."""
-    if host in llama_server.LOOPBACK:
+    if host in command.LOOPBACK:
         return None
     from k3tui.config import load_credentials, save_credential
 
@@ -88,7 +89,7 @@ def _prepare_remote(cfg: Any) -> Launchable:
     if not url:
         raise K3Error("The remote backend has no URL.", "set `url` in [remote], or run "
                       "`k3tui setup`")
-    from k3tui.backends.remote import resolve_api_key
+    from k3tui.backends.endpoint import resolve_api_key
 
     key, _ = resolve_api_key(cfg.remote.api_key_env)  # the variable, else the stored key
 
@@ -101,7 +102,7 @@ def _prepare_remote(cfg: Any) -> Launchable:
 
 def _prepare_llama(cfg: Any, model: Path, host: str, port: int, force: bool, report: Any,
                    seams: dict[str, Any]) -> Launchable:
-    from k3tui.plan import make_plan
+    from k3tui.planning.plan import make_plan
 
     ls = cfg.llama_server
     if report is None:
@@ -111,15 +112,15 @@ def _prepare_llama(cfg: Any, model: Path, host: str, port: int, force: bool, rep
                                check_isolation=False)  # the launch checks isolation itself
     plan = make_plan(report, "gguf", ctx_size=ls.ctx_size, reasoning_budget=ls.reasoning_budget)
     own_limit = ls.memory_limit_gb > 0
-    limit = int(ls.memory_limit_gb * GIB) if own_limit else plan.memory_limit_bytes
+    limit = int(ls.memory_limit_gb * GiB) if own_limit else plan.memory_limit_bytes
     # plan's blockers, less what the launch decides itself: the user's own limit replaces
     # the computed one, and whether a limit applies is checked by really applying it
     skip = {"no_isolation"} | ({"memory_limit_too_small"} if own_limit else set())
     notes = refuse_or_warn([f for f in plan.launch_blockers if f.code not in skip], force)
     if seams.pop("profile", False):
-        seams["limit"] = llama_server.assumed_limit(report, limit)
+        seams["limit"] = server.assumed_limit(report, limit)
     gpu_present = bool(getattr(getattr(report, "gpu", None), "present", False))
-    prepared = llama_server.prepare(
+    prepared = server.prepare(
         model, binary=ls.binary, plan_args=plan.llama_server_args, memory_limit_bytes=limit,
         ctx_size=ls.ctx_size, reasoning_budget=ls.reasoning_budget,
         n_gpu_layers=ls.n_gpu_layers if gpu_present else None,
@@ -131,7 +132,7 @@ def _prepare_llama(cfg: Any, model: Path, host: str, port: int, force: bool, rep
     summary = prepared.describe() + reason
 
     def run(on_progress: ProgressCallback | None) -> RunningBackend:
-        return llama_server.start(prepared, on_progress=on_progress)
+        return server.start(prepared, on_progress=on_progress)
 
     return Launchable("llama-server", summary, run,
                       prepared.limit.wrap(prepared.command.argv), prepared,

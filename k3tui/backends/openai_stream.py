@@ -299,7 +299,7 @@ async def stream_chat(base_url: str, messages: list[dict[str, Any]], *,
                         return
                     await asyncio.sleep(LOADING_POLL_S)
         except httpx.ConnectError as exc:
-            from k3tui.backends.remote import describe_transport_error, ssl_error
+            from k3tui.backends.endpoint import describe_transport_error, ssl_error
 
             if ssl_error(exc) is not None:  # not a dead server: say why
                 yield BackendError(*describe_transport_error(exc, server_root(base_url)))

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from k3tui.backends.events import BackendError, StreamEvent
+from k3tui.units import KiB, gib, memory_size
 
 STOP_GRACE_S = 10.0
 
@@ -37,19 +38,15 @@ class LoadProgress:
     def line(self) -> str:
         parts = [f"loading {self.elapsed_s:5.1f} s"]
         if self.read_bytes is not None:
-            read = f"read {_size(self.read_bytes)}"
+            read = f"read {memory_size(self.read_bytes, 2, 0)}"
             if self.total_bytes:
-                read += f" of {_size(self.total_bytes)}"
+                read += f" of {memory_size(self.total_bytes, 2, 0)}"
             parts.append(read)
         if self.rss_bytes is not None:
-            parts.append(f"RSS {_size(self.rss_bytes)}")
+            parts.append(f"RSS {memory_size(self.rss_bytes, 2, 0)}")
         if self.message:
             parts.append(self.message)
         return ", ".join(parts)
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 ProgressCallback = Callable[[LoadProgress], None]
@@ -62,7 +59,7 @@ def tail_lines(path: Path | None, n: int = 20) -> str:
     with open(path, "rb") as fh:
         fh.seek(0, 2)
         size = fh.tell()
-        fh.seek(max(0, size - 64 * 1024))
+        fh.seek(max(0, size - 64 * KiB))
         text = fh.read().decode("utf-8", "replace")
     return "\n".join(text.splitlines()[-n:])
 
@@ -70,7 +67,7 @@ def tail_lines(path: Path | None, n: int = 20) -> str:
 def describe_exit(returncode: int, *, memory_limit_bytes: int | None = None) -> str:
     """Why a process ended, in words a user can act on."""
     if returncode == -signal.SIGKILL:
-        limit = (f" (the memory limit was {memory_limit_bytes / 2**30:.1f} GiB)"
+        limit = (f" (the memory limit was {gib(memory_limit_bytes)})"
                  if memory_limit_bytes else "")
         return ("was killed with SIGKILL, most likely by the out-of-memory killer"
                 f"{limit}; k3tui does not restart it")
@@ -148,7 +145,8 @@ class RunningBackend:
         while self.on_stop:
             self.on_stop.pop()()
 
-    async def chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> AsyncIterator[StreamEvent]:
+    async def chat(self, messages: list[dict[str, Any]],
+                   **kwargs: Any) -> AsyncIterator[StreamEvent]:
         """`stream_chat` against this backend; a dead process turns errors into its story."""
         from k3tui.backends.openai_stream import stream_chat
 

@@ -15,7 +15,8 @@ BENCHES = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("what", choices=[*BENCHES, "engine"],
-                        help="download, tui, or engine (passes the rest to `python -m engine bench`)")
+                        help="download, tui, or engine (passes the rest to "
+                             "`python -m engine bench`)")
     parser.add_argument("rest", nargs=argparse.REMAINDER, help="options for that benchmark")
 
 

@@ -11,6 +11,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from k3tui.errors import K3Error
+from k3tui.units import GB
 
 SMOKE_PROMPT = "Say hello in one short sentence."
 
@@ -77,7 +78,7 @@ class Session:
         self.info.log_path = str(running.log_path or "")
         limit = getattr(running, "memory_limit_bytes", None)
         if limit and not self.info.budget_gb:
-            self.info.budget_gb = limit / 1e9  # llama-server's enforced memory limit
+            self.info.budget_gb = limit / GB  # llama-server's enforced memory limit
 
     def alive(self) -> bool:
         return self.running is None or self.running.alive()
@@ -125,7 +126,7 @@ def _first_model(url: str, api_key: str | None) -> str | None:
 def _remote_session(cfg: Any, base: Session) -> Session:
     """The configured endpoint: its key from the named variable or the one `k3tui setup`
     stored, and its TLS policy."""
-    from k3tui.backends.remote import resolve_api_key, tls_verify
+    from k3tui.backends.endpoint import resolve_api_key, tls_verify
 
     api_key, _ = resolve_api_key(cfg.remote.api_key_env)
     return _point_at(base, cfg.remote.url, api_key, cfg.remote.model or None,
@@ -146,12 +147,8 @@ def _config_session(cfg: Any) -> Session:
     s.info.model = os.path.basename(str(cfg.model.dir).rstrip("/")) or cfg.model.repo
     if cfg.backend.kind == "bundled":
         s.info.preset = cfg.engine.preset
-    try:
-        from k3tui.backends import launch as launch_mod
-    except ImportError as exc:
-        raise K3Error("This version cannot start a backend yet (k3tui.backends.launch is "
-                      "missing).", "start a server yourself and use `k3tui chat --url URL`") \
-            from exc
+    from k3tui.backends import launch as launch_mod
+
     s.starter = lambda on_progress: launch_mod.launch(cfg, on_progress=on_progress)
     return s
 

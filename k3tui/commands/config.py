@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
                     and getattr(cfg.engine, key) > 0 and cfg.engine.preset != "custom")
         other = "cache_gb" if key == "trunk_gb" else "trunk_gb"
         if switched:  # explicit sizes are only used by the custom preset, which needs both
-            from k3tui.plan import PRESETS
+            from k3tui.planning.plan import PRESETS
 
             named = PRESETS.get(cfg.engine.preset)
             if named is not None and not getattr(cfg.engine, other):

@@ -52,7 +52,8 @@ def _model_bytes_present(directory: Path, kind: str) -> int:
 def run_checks(target: str | None, measure: bool) -> tuple[list[Check], dict]:
     from k3tui.config import Config, config_exists, load_config
     from k3tui.paths import get_paths
-    from k3tui.plan import ISOLATION_NEXT, describe_machine, disk_size, fmt_gib, make_plan
+    from k3tui.planning.plan import ISOLATION_NEXT, describe_machine, make_plan
+    from k3tui.units import disk_size, gib
     from k3tui.probe import probe_machine
 
     checks: list[Check] = []
@@ -82,7 +83,7 @@ def run_checks(target: str | None, measure: bool) -> tuple[list[Check], dict]:
     m = report.memory
     mem = lines["ram"]
     mem += f"; cgroup {m.cgroup_version}"
-    mem += "" if m.cgroup_limit_bytes is None else f" limit {fmt_gib(m.cgroup_limit_bytes)}"
+    mem += "" if m.cgroup_limit_bytes is None else f" limit {gib(m.cgroup_limit_bytes)}"
     mem += ("; PSI unavailable" if m.psi_some_avg10 is None
             else f"; pressure {m.psi_some_avg10:.1f}%")
     checks.append(Check("memory", "ok", mem))
@@ -92,7 +93,7 @@ def run_checks(target: str | None, measure: bool) -> tuple[list[Check], dict]:
                                  if cfg.model.kind != "gguf" else "")
     else:
         gpu_detail = "; ".join(
-            f"{x.name} ({'unified memory' if x.unified else fmt_gib(x.memory_total_bytes or 0)})"
+            f"{x.name} ({'unified memory' if x.unified else gib(x.memory_total_bytes or 0)})"
             for x in g.gpus)
         gpu_detail += f"; driver {g.driver_version}" if g.driver_version else ""
     checks.append(Check("gpu", "ok", gpu_detail))
@@ -128,7 +129,8 @@ def run_checks(target: str | None, measure: bool) -> tuple[list[Check], dict]:
 
 def _model_checks(cfg, model_dir: Path, have: int, explicit_dir: bool = False,
                   configured: bool = True) -> list[Check]:
-    from k3tui.plan import GGUF_BYTES, SAFETENSORS_BYTES, disk_size
+    from k3tui.planning.plan import GGUF_BYTES, SAFETENSORS_BYTES
+    from k3tui.units import disk_size
 
     out: list[Check] = []
     kind = cfg.model.kind
@@ -160,18 +162,14 @@ def _model_checks(cfg, model_dir: Path, have: int, explicit_dir: bool = False,
             out.append(Check("trunk", "warn", "the trunk is not packed yet (streaming needs it)",
                              "k3tui pack"))
     if cfg.backend.kind == "llama-server":
+        from k3tui.backends.llama.binary import find_binary
+
         try:
-            from k3tui.backends.llama_server import find_binary
-        except ImportError:
-            out.append(Check("llama-server", "warn", "llama-server support is not installed",
-                             "update k3tui"))
-        else:
-            try:
-                binary = find_binary(cfg.llama_server.binary)
-                out.append(Check("llama-server", "ok", f"binary {binary}"))
-            except K3Error as exc:
-                out.append(Check("llama-server", "fail", exc.message,
-                                 exc.next_step or "k3tui setup"))
+            binary = find_binary(cfg.llama_server.binary)
+            out.append(Check("llama-server", "ok", f"binary {binary}"))
+        except K3Error as exc:
+            out.append(Check("llama-server", "fail", exc.message,
+                             exc.next_step or "k3tui setup"))
     return out
 
 
@@ -200,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
         data["ok"] = not failed
         print(json.dumps(data, indent=2))
     else:
-        from k3tui.plan import fit_to_width
+        from k3tui.planning.plan import fit_to_width
 
         width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None
         print(fit_to_width(format_checks(checks, data["machine"]["description"]), width))

@@ -72,17 +72,12 @@ def resume_command(repo: str, revision: str, target: Path, include: list[str],
 
 
 def _defaults(args: argparse.Namespace) -> tuple[str, str, Path, list[str]]:
-    from k3tui.hub.remote import check_repo_id
+    from k3tui.hub.metadata import check_repo_id
     from k3tui.paths import get_paths
 
-    cfg = None
-    try:
-        from k3tui.config import config_exists, load_config
+    from k3tui.config import config_exists, load_config
 
-        if config_exists():
-            cfg = load_config()
-    except ImportError:
-        pass
+    cfg = load_config() if config_exists() else None
     model = cfg.model if cfg is not None else None
     repo = args.repo or (model.repo if model is not None else None)
     if not repo:
@@ -132,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         return attach(job_id)
 
     from k3tui.hub import fetch_snapshot, plan_download
-    from k3tui.hub.remote import check_access
+    from k3tui.hub.metadata import check_access
 
     print(f"Checking {repo} ({revision}) on the Hub…", flush=True)
     snap = fetch_snapshot(repo, revision, include)

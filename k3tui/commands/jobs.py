@@ -6,6 +6,9 @@ import argparse
 import sys
 import time
 
+from k3tui import units
+from k3tui.units import transfer_size
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", nargs="?", default="list",
@@ -43,10 +46,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _gb(n: float | None) -> str:
-    return "?" if n is None else f"{n / 1e9:,.2f} GB" if n >= 1e9 else f"{n / 1e6:,.1f} MB"
-
-
 def _eta(s: float | None) -> str:
     if s is None:
         return "--"
@@ -58,9 +57,9 @@ def summary_line(state: dict) -> str:
     total, done = state.get("total_bytes") or 0, state.get("done_bytes") or 0
     pct = f"{100 * done / total:.1f}%" if total else "--"
     rate = state.get("rate_bps") or 0.0
-    bits = [f"{pct}  {_gb(done)} / {_gb(total)}"]
+    bits = [f"{pct}  {transfer_size(done)} / {transfer_size(total)}"]
     if state.get("status") == "running":
-        bits.append(f"{rate / 1e6:,.1f} MB/s  ETA {_eta(state.get('eta_s'))}")
+        bits.append(f"{units.rate(rate)}  ETA {_eta(state.get('eta_s'))}")
         if state.get("stalled"):
             bits.append("STALLED (retrying)")
     if state.get("layer") is not None:
@@ -107,8 +106,8 @@ def render_state(state: dict, width: int = 80):
         table = Table.grid(padding=(0, 2))
         for f in busy[:8]:
             pct = 100 * f["done"] / f["size"] if f["size"] else 100.0
-            table.add_row(f["name"], f"{pct:5.1f}%", f"{_gb(f['done'])} / {_gb(f['size'])}",
-                          f["status"])
+            done_of = f"{transfer_size(f['done'])} / {transfer_size(f['size'])}"
+            table.add_row(f["name"], f"{pct:5.1f}%", done_of, f["status"])
         parts.append(table)
     if files:
         n_done = sum(f["status"] == "done" for f in files)

@@ -28,10 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _config():
-    try:
-        from k3tui.config import config_exists, load_config
-    except ImportError:
-        return None
+    from k3tui.config import config_exists, load_config
+
     return load_config() if config_exists() else None
 
 
@@ -136,9 +134,9 @@ def _conclude(summary: dict, out: Path, remember: bool, say) -> int:
     if summary.get("already_packed"):
         say(f"{out} already holds this checkpoint's trunk; nothing to do.")
     else:
-        from k3tui.hub.sync import gb
+        from k3tui.units import transfer_size
 
-        say(f"Packed {gb(summary['total_bytes'])} of trunk into {out} "
+        say(f"Packed {transfer_size(summary['total_bytes'])} of trunk into {out} "
             f"({summary['mb_per_s']:.0f} MB/s).")
     if remember:
         from k3tui.config import load_config, save_config

@@ -1,6 +1,6 @@
 """`k3tui plan`: what k3tui would run on this machine, or on a built-in machine profile.
 
-With `--users …` it sizes a cluster instead (k3tui/capacity.py).
+With `--users …` it sizes a cluster instead (k3tui/planning/capacity.py).
 """
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from k3tui.errors import K3Error
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,30 +21,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", metavar="PATH",
                         help="where the checkpoint would go (default: the config's model dir)")
     parser.add_argument("--json", action="store_true", help="print JSON (machine + plan)")
-    try:
-        from k3tui.capacity import add_capacity_arguments
-    except ImportError:  # capacity sizing not installed yet: keep the flags, refuse in run()
-        g = parser.add_argument_group("cluster sizing")
-        g.add_argument("--users", type=int)
-        g.add_argument("--requests-per-user-day", type=float)
-        g.add_argument("--tokens-per-answer", type=float)
-        g.add_argument("--tok-per-s", type=float)
-        g.add_argument("--from-bench", metavar="FILE")
-    else:
-        add_capacity_arguments(parser)
+    from k3tui.planning.capacity import add_capacity_arguments
+
+    add_capacity_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "users", None) is not None or getattr(args, "recipe", None):
-        try:
-            from k3tui.capacity import main as capacity_main
-        except ImportError:
-            raise K3Error("cluster sizing (`--users`) is not built yet.",
-                          "plan one machine: `k3tui plan --machine dgx-spark`", 2) from None
+        from k3tui.planning.capacity import main as capacity_main
+
         return capacity_main(args)
 
     from k3tui.config import config_exists, load_config
-    from k3tui.plan import format_plan, make_plan, recommend_model_kind
+    from k3tui.planning.plan import format_plan, make_plan, recommend_model_kind
     from k3tui.probe import load_report, probe_machine
 
     cfg = load_config() if config_exists() else None
@@ -69,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         import shutil
         import sys
 
-        from k3tui.plan import fit_to_width
+        from k3tui.planning.plan import fit_to_width
 
         width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None
         print(fit_to_width(format_plan(plan, report), width))

@@ -40,7 +40,7 @@ def _config():
 
 def run(args: argparse.Namespace) -> int:
     from k3tui.backends.launch import prepare_launch
-    from k3tui.backends.llama_server import exit_story
+    from k3tui.backends.llama.server import exit_story
 
     cfg = _config()
     kind = args.backend or _kind_of(args.model) or cfg.backend.kind
@@ -111,7 +111,7 @@ def _plan_without_model(args: argparse.Namespace) -> int:
     """`serve --dry-run --machine NAME` before any model is here: the plan for that machine,
     with a placeholder for the model path, instead of refusing."""
     from k3tui.config import config_exists
-    from k3tui.plan import format_plan, make_plan, recommend_model_kind
+    from k3tui.planning.plan import format_plan, make_plan, recommend_model_kind
     from k3tui.probe import load_report
 
     report = load_report(args.machine)

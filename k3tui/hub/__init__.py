@@ -6,7 +6,7 @@
 """
 
 from k3tui.hub.progress import ProgressEvent
-from k3tui.hub.remote import RemoteFile, RepoSnapshot, fetch_snapshot, hub_endpoint, hub_token
+from k3tui.hub.metadata import RemoteFile, RepoSnapshot, fetch_snapshot, hub_endpoint, hub_token
 from k3tui.hub.sync import DownloadPlan, DownloadResult, download, plan_download
 from k3tui.hub.transfer import CHUNK_BYTES, Options
 

@@ -20,12 +20,14 @@ import sys
 import time
 from pathlib import Path
 
+from k3tui.units import GB, MB
+
 REPO = "bench/model"
 
 
 def _make_source(src: Path, total_mb: int, n_files: int) -> list[Path]:
     """Random (incompressible) shards; reused across runs when the sizes match."""
-    size = total_mb * 1_000_000 // n_files
+    size = total_mb * MB // n_files
     src.mkdir(parents=True, exist_ok=True)
     want = {f"model-{i + 1:05d}-of-{n_files:05d}.safetensors" for i in range(n_files)}
     for old in src.iterdir():
@@ -46,7 +48,7 @@ def _make_source(src: Path, total_mb: int, n_files: int) -> list[Path]:
 
 
 def _start_hub(src: Path, throttle_mbps: float = 0.0) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "k3tui.hub.fakehub", str(src), "--repo", REPO, "--cdn"]
+    cmd = [sys.executable, "-m", "k3tui.testing.fakehub", str(src), "--repo", REPO, "--cdn"]
     if throttle_mbps:
         cmd += ["--throttle-mbps", str(throttle_mbps)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
@@ -102,10 +104,10 @@ def _compare(src: Path, paths: list[Path], base: Path, rounds: int,
     hf_s = min(w for w, _ in results["hf"])
     k3_s = min(w for w, _ in results["k3tui"])
     return {"throttle_mb_s_per_connection": throttle_mbps or None, "hf_s": hf_s,
-            "k3tui_s": k3_s, "hf_mb_s": total / hf_s / 1e6, "k3tui_mb_s": total / k3_s / 1e6,
+            "k3tui_s": k3_s, "hf_mb_s": total / hf_s / MB, "k3tui_mb_s": total / k3_s / MB,
             "ratio_vs_hf": hf_s / k3_s,
-            "cpu_s_per_gb": min(c for _, c in results["k3tui"]) / (total / 1e9),
-            "hf_cpu_s_per_gb": min(c for _, c in results["hf"]) / (total / 1e9)}
+            "cpu_s_per_gb": min(c for _, c in results["k3tui"]) / (total / GB),
+            "hf_cpu_s_per_gb": min(c for _, c in results["hf"]) / (total / GB)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--throttle-mbps", type=float, default=50.0,
                    help="per-connection cap of the throttled run (0: unthrottled only)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--keep", action="store_true",
+                   help="keep the last round's downloads (out-hf/, out-k3tui/ in the bench folder)")
     a = p.parse_args(argv)
     if a.size_mb < 1 or a.files < 1 or a.rounds < 1 or a.throttle_mbps < 0:
         p.error("--size-mb, --files and --rounds must be positive, --throttle-mbps >= 0")
@@ -136,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         print(json.dumps(out))
         return 0
-    print(f"served {out['bytes'] / 1e6:,.0f} MB in {a.files} files from a loopback hub "
+    print(f"served {out['bytes'] / MB:,.0f} MB in {a.files} files from a loopback hub "
           f"(CDN redirect), both clients at their default parallelism, best of {a.rounds}")
     for r in runs:
         cap = r["throttle_mb_s_per_connection"]

@@ -28,7 +28,7 @@ import threading
 from pathlib import Path
 
 from k3tui.errors import K3Error
-from k3tui.hub.remote import RemoteFile
+from k3tui.hub.metadata import RemoteFile
 
 HASH_BLOCK = 8 << 20
 

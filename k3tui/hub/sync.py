@@ -3,6 +3,7 @@ of workers fetching files with `transfer.FileFetch`, reporting `ProgressEvent`s.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import shutil
 import threading
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from k3tui.errors import K3Error
 from k3tui.hub.progress import Progress, ProgressEvent, Ticker
-from k3tui.hub.remote import RemoteFile, RepoSnapshot, http
+from k3tui.hub.metadata import RemoteFile, RepoSnapshot, http
 from k3tui.hub.store import LocalStore, UnsafeName, expected_digest, hash_file, new_hasher
 from k3tui.hub.transfer import (
     Cancelled,
@@ -25,13 +26,7 @@ from k3tui.hub.transfer import (
     Options,
     is_disk_full,
 )
-
-GB = 1e9
-
-
-def gb(n: float) -> str:
-    return f"{n / GB:,.2f} GB" if n >= GB else f"{n / 1e6:,.1f} MB"
-
+from k3tui.units import GiB, MiB, transfer_size
 
 def free_bytes(path: Path) -> int:
     """Free space of the filesystem that holds `path` (or its nearest existing parent)."""
@@ -43,7 +38,7 @@ def free_bytes(path: Path) -> int:
 
 def space_margin(need: int) -> int:
     """Room to leave free: 5% of what remains, at least 1 MB, at most 1 GiB."""
-    return max(1 << 20, min(1 << 30, need // 20))
+    return max(MiB, min(GiB, need // 20))
 
 
 @dataclass
@@ -73,20 +68,22 @@ class DownloadPlan:
     def describe(self) -> str:
         s = self.snapshot
         lines = [f"{s.repo} @ {s.commit[:12]} ({s.revision}): {len(s.files)} files, "
-                 f"{gb(s.total_bytes)} → {self.target}",
+                 f"{transfer_size(s.total_bytes)} → {self.target}",
                  f"  complete: {len(self.complete)}   to check: {len(self.to_check)}   "
                  f"partial: {len(self.partial)}   "
                  f"missing: {len(self.missing) - len(self.partial)}",  # partials are in missing
-                 f"  to download: {gb(self.remaining_bytes)}   free: {gb(self.free)}"]
+                 f"  to download: {transfer_size(self.remaining_bytes)}   "
+                 f"free: {transfer_size(self.free)}"]
         return "\n".join(lines)
 
     def refuse_if_short(self) -> None:
         if self.short_of_space:
             need = self.remaining_bytes + self.margin
             raise K3Error(
-                f"Not enough space in {self.target}: {gb(self.remaining_bytes)} still to "
-                f"download plus a {gb(self.margin)} margin, but only {gb(self.free)} free.",
-                f"free {gb(need - self.free)} or choose another --dir", 2)
+                f"Not enough space in {self.target}: {transfer_size(self.remaining_bytes)} "
+                f"still to download plus a {transfer_size(self.margin)} margin, but only "
+                f"{transfer_size(self.free)} free.",
+                f"free {transfer_size(need - self.free)} or choose another --dir", 2)
 
 
 CHECKS = ("size", "stat", "hash")
@@ -131,146 +128,174 @@ def disk_full_error(target: Path, remaining: int, resume: str = "k3tui download"
     --include…), shown so nobody has to reconstruct it from memory."""
     free = free_bytes(target)
     return K3Error(
-        f"The disk holding {target} is full ({gb(free)} free, {gb(remaining)} still to "
-        "download); the partial files are kept.",
-        f"free at least {gb(remaining + space_margin(remaining) - free)} there, then rerun "
+        f"The disk holding {target} is full ({transfer_size(free)} free, "
+        f"{transfer_size(remaining)} still to download); the partial files are kept.",
+        f"free at least {transfer_size(remaining + space_margin(remaining) - free)} there, "
+        "then rerun "
         f"`{resume}`: it resumes where it stopped (another --dir would start over)")
 
 
 def download(snapshot: RepoSnapshot, target: Path, *, workers: int = 4,
-             opts: Options | None = None, on_progress: Callable[[ProgressEvent], None] | None = None,
+             opts: Options | None = None,
+             on_progress: Callable[[ProgressEvent], None] | None = None,
              stop: threading.Event | None = None, check: str = "size",
              log: Callable[[str], None] = print, max_hz: float = 10.0,
              resume: str = "k3tui download") -> DownloadResult:
     """Bring `target` to exactly `snapshot`'s files (size + digest checked), resumably.
     `resume` is the command a disk-full error tells the user to rerun."""
-    opts = opts or Options.from_env()
-    stop = stop or threading.Event()
-    store = LocalStore(target)
-    plan = plan_download(snapshot, target, check=check)     # checks every name first
-    store.ensure()
-    by_name = {f.name: f for f in snapshot.files}
-    progress = Progress([(f.name, f.size) for f in snapshot.files],
-                        stall_after_s=max(10.0, opts.timeout_s / 2))
-    for name in plan.complete:
-        progress.initial_bytes(name, by_name[name].size)
-        progress.status(name, "done")
-    for name, have in plan.partial.items():
-        progress.initial_bytes(name, have)
-    todo: queue.Queue[RemoteFile] = queue.Queue()
-    for name in plan.to_check + plan.missing:
-        todo.put(by_name[name])
-    result = DownloadResult(ok=False)
-    lock = threading.Lock()
-    active: set[FileFetch] = set()
-    httpx = http()
-    client = httpx.Client(timeout=httpx.Timeout(opts.timeout_s, connect=min(10.0, opts.timeout_s)),
-                          follow_redirects=True,
-                          limits=httpx.Limits(max_connections=2 * max(1, workers)))
+    sync = Sync(snapshot, Path(target), opts=opts or Options.from_env(),
+                stop=stop or threading.Event(), check=check, log=log, resume=resume)
+    return sync.run(workers=workers, on_progress=on_progress, max_hz=max_hz)
 
-    def check_on_disk(rf: RemoteFile) -> bool:
-        progress.status(rf.name, "verifying")
-        h = new_hasher(rf)
-        final = store.final(rf.name)
-        st = final.stat()
-        if st.st_size == rf.size:
-            hash_file(final, h, stop=stop)
-            if stop.is_set():
-                raise Cancelled()
-            if h.hexdigest() == expected_digest(rf):
-                store.record(rf.name, st.st_size, st.st_mtime_ns, expected_digest(rf),
-                             snapshot.commit)
-                progress.initial_bytes(rf.name, rf.size)
-                progress.status(rf.name, "done")
-                with lock:
-                    result.verified_now.append(rf.name)
-                return True
-        log(f"{rf.name}: the file on disk does not match the Hub (size or sha256); "
-            "fetching it again")
-        store.forget(rf.name)
-        final.unlink()
-        with lock:
-            result.replaced.append(rf.name)
-        return False
 
-    def fail(name: str, why: str, error: K3Error | None = None, halt: bool = False) -> None:
-        progress.status(name, "failed")
-        progress.error(why, retry=False)
-        log(why)
-        with lock:
-            result.failed.append(name)
-            if error is not None and result.error is None:
-                result.error = error
-        if halt:
-            stop.set()
+class Sync:
+    """One download: the plan, a queue of files, worker threads fetching them (or checking
+    the ones already on disk), and the result they fill in under one lock."""
 
-    def worker() -> None:
-        while not stop.is_set():
+    def __init__(self, snapshot: RepoSnapshot, target: Path, *, opts: Options,
+                 stop: threading.Event, check: str, log: Callable[[str], None], resume: str):
+        self.snapshot, self.target, self.opts, self.stop = snapshot, target, opts, stop
+        self.log, self.resume = log, resume
+        self.store = LocalStore(target)
+        self.plan = plan_download(snapshot, target, check=check)   # checks every name first
+        self.store.ensure()
+        self.by_name = {f.name: f for f in snapshot.files}
+        self.progress = Progress([(f.name, f.size) for f in snapshot.files],
+                                 stall_after_s=max(10.0, opts.timeout_s / 2))
+        for name in self.plan.complete:
+            self.progress.initial_bytes(name, self.by_name[name].size)
+            self.progress.status(name, "done")
+        for name, have in self.plan.partial.items():
+            self.progress.initial_bytes(name, have)
+        self.todo: queue.Queue[RemoteFile] = queue.Queue()
+        for name in self.plan.to_check + self.plan.missing:
+            self.todo.put(self.by_name[name])
+        self.result = DownloadResult(ok=False)
+        self.lock = threading.Lock()
+        self.active: set[FileFetch] = set()
+        self.client = None
+
+    def run(self, *, workers: int, on_progress: Callable[[ProgressEvent], None] | None,
+            max_hz: float) -> DownloadResult:
+        httpx = http()
+        timeout = httpx.Timeout(self.opts.timeout_s, connect=min(10.0, self.opts.timeout_s))
+        self.client = httpx.Client(timeout=timeout, follow_redirects=True,
+                                   limits=httpx.Limits(max_connections=2 * max(1, workers)))
+        try:
+            with Ticker(self.progress, on_progress or (lambda event: None), max_hz=max_hz):
+                self._run_workers(max(1, workers))
+        finally:
+            self.client.close()
+        return self._finish()
+
+    def _run_workers(self, workers: int) -> None:
+        threads = [threading.Thread(target=self._worker, name=f"dl-{i}", daemon=True)
+                   for i in range(workers)]
+        for t in threads:
+            t.start()
+        closed = False
+        for t in threads:
+            while t.is_alive():
+                t.join(0.2)        # keeps the main thread responsive to signals
+                if self.stop.is_set() and not closed:
+                    for fetch in list(self.active):
+                        fetch.abort()  # wakes reads stuck on a silent server
+                    closed = True
+
+    def _worker(self) -> None:
+        while not self.stop.is_set():
             try:
-                rf = todo.get_nowait()
+                rf = self.todo.get_nowait()
             except queue.Empty:
                 return
             try:
-                if rf.name in plan.to_check and check_on_disk(rf):
+                if rf.name in self.plan.to_check and self._check_on_disk(rf):
                     continue
-                fetch = FileFetch(rf, snapshot, store, progress, client, opts, stop, log)
-                active.add(fetch)
+                fetch = FileFetch(rf, self.snapshot, self.store, self.progress, self.client,
+                                  self.opts, self.stop, self.log)
+                self.active.add(fetch)
                 try:
-                    fetch.run(plan.partial.get(rf.name, 0))
+                    fetch.run(self.plan.partial.get(rf.name, 0))
                 finally:
-                    active.discard(fetch)
+                    self.active.discard(fetch)
             except Cancelled:
-                progress.status(rf.name, "pending")
+                self.progress.status(rf.name, "pending")
             except Exception as exc:
-                if isinstance(exc, DiskFull) or is_disk_full(exc):
-                    left = sum(f.size for f in snapshot.files) - progress.snapshot().done_bytes
-                    fail(rf.name, f"{rf.name}: disk full", disk_full_error(target, left, resume),
-                         halt=True)
-                elif isinstance(exc, HubRefused):
-                    fail(rf.name, f"{rf.name}: {exc.error.message}", exc.error, halt=True)
-                elif isinstance(exc, UnsafeName):     # a symlink appeared during the download
-                    fail(rf.name, exc.message, exc, halt=True)
-                elif isinstance(exc, CorruptAtHub):
-                    fail(rf.name, exc.error.message, exc.error)
-                elif isinstance(exc, FileFailed):
-                    fail(rf.name, str(exc))
-                elif isinstance(exc, OSError):
-                    fail(rf.name, f"{rf.name}: {exc}")
-                else:
-                    log(traceback.format_exc())
-                    fail(rf.name, f"{rf.name}: unexpected {type(exc).__name__}: {exc}")
+                self._failed(rf, exc)
 
-    emit = on_progress or (lambda event: None)
-    try:
-        with Ticker(progress, emit, max_hz=max_hz):
-            threads = [threading.Thread(target=worker, name=f"dl-{i}", daemon=True)
-                       for i in range(max(1, workers))]
-            for t in threads:
-                t.start()
-            closed = False
-            for t in threads:
-                while t.is_alive():
-                    t.join(0.2)        # keeps the main thread responsive to signals
-                    if stop.is_set() and not closed:
-                        for fetch in list(active):
-                            fetch.abort()  # wakes reads stuck on a silent server
-                        closed = True
-    finally:
-        client.close()
-    result.cancelled = stop.is_set() and result.error is None
-    if not result.failed and not result.cancelled:
-        for d in sorted((store.meta / "partial").rglob("*"), reverse=True):
-            if d.is_dir():
-                try:
-                    d.rmdir()          # only empty leftovers of nested file names
-                except OSError:
-                    pass
-    result.ok = not result.failed and not result.cancelled
-    if result.failed and result.error is None:
-        last = progress.errors[-1] if progress.errors else ""
-        result.error = K3Error(
-            f"{len(result.failed)} of {len(snapshot.files)} files could not be downloaded "
-            f"({', '.join(result.failed[:3])}{'…' if len(result.failed) > 3 else ''})"
-            + (f"; last error: {last.split(': ', 1)[-1]}" if last else "") + ".",
-            "rerun the same `k3tui download` command: finished and partial files are kept")
-    return result
+    def _check_on_disk(self, rf: RemoteFile) -> bool:
+        """A file already there: kept (and recorded) when its size and digest match."""
+        self.progress.status(rf.name, "verifying")
+        h = new_hasher(rf)
+        final = self.store.final(rf.name)
+        st = final.stat()
+        if st.st_size == rf.size:
+            hash_file(final, h, stop=self.stop)
+            if self.stop.is_set():
+                raise Cancelled()
+            if h.hexdigest() == expected_digest(rf):
+                self.store.record(rf.name, st.st_size, st.st_mtime_ns, expected_digest(rf),
+                                  self.snapshot.commit)
+                self.progress.initial_bytes(rf.name, rf.size)
+                self.progress.status(rf.name, "done")
+                with self.lock:
+                    self.result.verified_now.append(rf.name)
+                return True
+        self.log(f"{rf.name}: the file on disk does not match the Hub (size or sha256); "
+                 "fetching it again")
+        self.store.forget(rf.name)
+        final.unlink()
+        with self.lock:
+            self.result.replaced.append(rf.name)
+        return False
+
+    def _failed(self, rf: RemoteFile, exc: Exception) -> None:
+        """One file's failure, in words; the ones no other file can get past stop them all."""
+        if isinstance(exc, DiskFull) or is_disk_full(exc):
+            left = sum(f.size for f in self.snapshot.files) - self.progress.snapshot().done_bytes
+            self._fail(rf.name, f"{rf.name}: disk full",
+                       disk_full_error(self.target, left, self.resume), halt=True)
+        elif isinstance(exc, HubRefused):
+            self._fail(rf.name, f"{rf.name}: {exc.error.message}", exc.error, halt=True)
+        elif isinstance(exc, UnsafeName):     # a symlink appeared during the download
+            self._fail(rf.name, exc.message, exc, halt=True)
+        elif isinstance(exc, CorruptAtHub):
+            self._fail(rf.name, exc.error.message, exc.error)
+        elif isinstance(exc, FileFailed):
+            self._fail(rf.name, str(exc))
+        elif isinstance(exc, OSError):
+            self._fail(rf.name, f"{rf.name}: {exc}")
+        else:
+            self.log(traceback.format_exc())
+            self._fail(rf.name, f"{rf.name}: unexpected {type(exc).__name__}: {exc}")
+
+    def _fail(self, name: str, why: str, error: K3Error | None = None,
+              halt: bool = False) -> None:
+        self.progress.status(name, "failed")
+        self.progress.error(why, retry=False)
+        self.log(why)
+        with self.lock:
+            self.result.failed.append(name)
+            if error is not None and self.result.error is None:
+                self.result.error = error
+        if halt:
+            self.stop.set()
+
+    def _finish(self) -> DownloadResult:
+        result = self.result
+        result.cancelled = self.stop.is_set() and result.error is None
+        if not result.failed and not result.cancelled:
+            for d in sorted((self.store.meta / "partial").rglob("*"), reverse=True):
+                if d.is_dir():
+                    with contextlib.suppress(OSError):
+                        d.rmdir()          # only empty leftovers of nested file names
+        result.ok = not result.failed and not result.cancelled
+        if result.failed and result.error is None:
+            last = self.progress.errors[-1] if self.progress.errors else ""
+            n, shown = len(result.failed), ", ".join(result.failed[:3])
+            result.error = K3Error(
+                f"{n} of {len(self.snapshot.files)} files could not be downloaded "
+                f"({shown}{'…' if n > 3 else ''})"
+                + (f"; last error: {last.split(': ', 1)[-1]}" if last else "") + ".",
+                "rerun the same `k3tui download` command: finished and partial files are kept")
+        return result

@@ -29,10 +29,11 @@ from urllib.parse import urlsplit
 
 from k3tui.errors import K3Error
 from k3tui.hub.progress import Progress
-from k3tui.hub.remote import RemoteFile, RepoSnapshot, explain, is_transient, redact
+from k3tui.hub.metadata import RemoteFile, RepoSnapshot, explain, is_transient, redact
 from k3tui.hub.store import LocalStore, drop_page_cache, expected_digest, hash_file, new_hasher
+from k3tui.units import KB, MiB
 
-CHUNK_BYTES = 1 << 20             # unit of writing, hence the most a kill can make us re-fetch
+CHUNK_BYTES = MiB  # unit of writing, hence the most a kill can make us re-fetch
 DROP_CACHE_EVERY = 64 << 20       # start writeback / drop cache of written ranges this often
 SIDECAR_EVERY_S = 2.0
 
@@ -77,7 +78,8 @@ class Options:
 
     @classmethod
     def from_env(cls, **kw) -> Options:
-        """Test and power-user knobs: K3TUI_DL_TIMEOUT_S, K3TUI_DL_BACKOFF_S, K3TUI_DL_MAX_FAILURES."""
+        """Test and power-user knobs: K3TUI_DL_TIMEOUT_S, K3TUI_DL_BACKOFF_S,
+        K3TUI_DL_MAX_FAILURES."""
         env = os.environ
         if "K3TUI_DL_TIMEOUT_S" in env:
             kw.setdefault("timeout_s", float(env["K3TUI_DL_TIMEOUT_S"]))
@@ -299,7 +301,8 @@ class FileFetch:
                     raise HubRefused(explain(exc, self.snap.repo, self.snap.revision,
                                              self.opts.token or False)) from None
                 failures = 1 if self.have > before else failures + 1
-                what = f"{type(exc).__name__}: {redact(str(exc).splitlines()[0] if str(exc) else '')}"
+                first = str(exc).splitlines()[0] if str(exc) else ""
+                what = f"{type(exc).__name__}: {redact(first)}"
                 self.log(f"{self.rf.name}: {what} at byte {self.have:,}; "
                          f"retry {failures}/{self.opts.max_failures}")
                 self.progress.error(f"{self.rf.name}: {what}")
@@ -366,7 +369,7 @@ class FileFetch:
                 if now - window_t >= self.opts.low_speed_s:
                     rate = window_bytes / (now - window_t)
                     if rate < self.opts.low_speed_bps:      # a trickle never times out
-                        raise _BadResponse(f"too slow ({rate / 1e3:,.1f} kB/s for "
+                        raise _BadResponse(f"too slow ({rate / KB:,.1f} kB/s for "
                                            f"{now - window_t:.0f} s); reconnecting")
                     window_t, window_bytes = now, 0
                 if skip:

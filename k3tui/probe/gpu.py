@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from k3tui.probe.env import ProbeEnv
+from k3tui.units import MiB
 
-MIB = 1024 * 1024
 GPU_FIELDS = ["index", "name", "uuid", "pci.bus_id", "memory.total", "memory.used",
               "memory.free", "driver_version", "compute_cap"]
 UNKNOWN = {"[n/a]", "n/a", "[not supported]", "not supported", "[insufficient permissions]",
@@ -70,7 +70,7 @@ def _value(text: str) -> str | None:
 def _mib(text: str) -> int | None:
     v = _value(text)
     try:
-        return int(float(v) * MIB) if v is not None else None
+        return int(float(v) * MiB) if v is not None else None
     except ValueError:
         return None
 

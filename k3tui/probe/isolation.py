@@ -1,8 +1,7 @@
 """Can k3tui put a hard memory limit on a backend process?
 
-Two ways: a transient systemd user scope (only trusted when the limit reads back from inside
-the scope: user units silently ignore limits without memory delegation), or a writable
-cgroup v2 directory with the memory controller.
+Two ways: a transient systemd user scope (checked by `k3tui.probe.limits`, the same check the
+launcher makes), or a writable cgroup v2 directory with the memory controller.
 """
 
 from __future__ import annotations
@@ -12,10 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.weights.sysmem import CgroupInfo
+from k3tui.probe import limits
 from k3tui.probe.env import ProbeEnv
+from k3tui.units import MiB
 
-TEST_LIMIT = 256 * 1024 * 1024
-READ_BACK = 'cat /sys/fs/cgroup$(sed -n "s/^0:://p" /proc/self/cgroup)/memory.max'
+TEST_LIMIT = 256 * MiB
 
 
 @dataclass
@@ -27,18 +27,8 @@ class IsolationInfo:
 
 
 def check_systemd_scope(env: ProbeEnv) -> tuple[bool, str]:
-    res = env.run([*env.systemd_run, "--user", "--scope", "--quiet",
-                   "-p", f"MemoryMax={TEST_LIMIT}", "-p", "MemorySwapMax=0", "--",
-                   "sh", "-c", READ_BACK], timeout=min(env.timeout_s, 3.0))
-    if res is None:
-        return False, "systemd-run is not available"
-    if res.returncode != 0:
-        msg = (res.stderr or res.stdout).strip().splitlines()
-        return False, f"systemd-run --user --scope failed: {msg[-1] if msg else res.returncode}"
-    if res.stdout.strip() != str(TEST_LIMIT):
-        return False, (f"systemd-run ran, but the scope's memory.max read "
-                       f"{res.stdout.strip() or 'nothing'} (limits are silently ignored)")
-    return True, "systemd-run --user --scope applies MemoryMax (read back from the scope)"
+    return limits.check_systemd_scope(lambda argv: env.run(argv, timeout=min(env.timeout_s, 3.0)),
+                                      TEST_LIMIT, env.systemd_run)
 
 
 def check_cgroup_writable(env: ProbeEnv, cg: CgroupInfo) -> tuple[bool, str]:

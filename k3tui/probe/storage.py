@@ -18,6 +18,7 @@ from pathlib import Path
 
 from engine.weights.sysmem import Mount, read_mounts
 from k3tui.probe.env import ProbeEnv
+from k3tui.units import MB, GiB, MiB
 
 NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "virtiofs", "ceph", "glusterfs",
               "lustre", "gpfs", "beegfs", "afs", "sshfs"}
@@ -190,7 +191,7 @@ def probe_storage(env: ProbeEnv, target: str | Path, mounts: list[Mount] | None 
 
 # --- measuring (only with --measure) ---------------------------------------------------------
 
-BLOCK = 4 * 1024 * 1024
+BLOCK = 4 * MiB
 
 
 def _disk_read_bytes(env: ProbeEnv, device: str) -> int | None:
@@ -204,7 +205,7 @@ def _disk_read_bytes(env: ProbeEnv, device: str) -> int | None:
 def _write_test_file(path: Path, size: int) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        chunk = os.urandom(1024 * 1024) * 4  # incompressible enough, cheap
+        chunk = os.urandom(MiB) * 4  # incompressible enough, cheap
         done = 0
         while done < size:
             done += os.write(fd, chunk[: min(BLOCK, size - done)])
@@ -246,7 +247,7 @@ def _read_direct(path: Path, size: int, depth: int) -> float:
     return time.perf_counter() - t0
 
 
-def measure_storage(env: ProbeEnv, info: StorageInfo, size: int = 1024**3) -> StorageInfo:
+def measure_storage(env: ProbeEnv, info: StorageInfo, size: int = GiB) -> StorageInfo:
     """O_DIRECT read throughput at QD1 and QD8, confirmed against the disk's counters."""
     directory = Path(info.probed_path)
     if not info.o_direct:
@@ -263,15 +264,15 @@ def measure_storage(env: ProbeEnv, info: StorageInfo, size: int = 1024**3) -> St
             before = _disk_read_bytes(env, info.device) if info.device else None
             secs = _read_direct(path, size, depth)
             after = _disk_read_bytes(env, info.device) if info.device else None
-            rate = size / secs / 1e6
+            rate = size / secs / MB
             if depth == 1:
                 info.read_mb_s_qd1 = round(rate, 1)
             else:
                 info.read_mb_s_qd8 = round(rate, 1)
             if before is not None and after is not None:
                 moved = after - before
-                notes.append(f"QD{depth}: disk counters moved {moved / 2**20:.0f} MiB "
-                             f"of {size / 2**20:.0f} MiB read")
+                notes.append(f"QD{depth}: disk counters moved {moved / MiB:.0f} MiB "
+                             f"of {size / MiB:.0f} MiB read")
                 if moved < 0.9 * size:
                     notes.append(f"QD{depth} may have been served from a cache")
         info.measure_note = "; ".join(notes) or "disk counters not available for this device"

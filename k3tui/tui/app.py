@@ -37,7 +37,8 @@ from k3tui.backends.events import (
 from k3tui.history import History
 from k3tui.monitor import Monitor, Sample
 from k3tui.textsafe import clean
-from k3tui.tui.stats import LatencyStats, format_gb
+from k3tui.tui.stats import LatencyStats
+from k3tui.units import gb_amount
 from k3tui.tui.widgets.messages import AssistantMessage, UserMessage, code_blocks
 from k3tui.tui.widgets.panes import IOPane, LatencyPane
 from k3tui.tui.widgets.prompt import Prompt
@@ -70,7 +71,7 @@ class BackendInfo:
             parts.append((f"preset {self.preset}", ""))
         if self.budget_gb:   # llama-server's is the process's limit, the engine's a budget
             word = "limit" if self.kind == "llama-server" else "budget"
-            parts.append((f"{word} {format_gb(self.budget_gb)}", ""))
+            parts.append((f"{word} {gb_amount(self.budget_gb)}", ""))
         text = Text(" ", no_wrap=True, overflow="ellipsis")
         for i, (part, style) in enumerate(parts):
             if i:

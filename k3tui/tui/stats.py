@@ -30,15 +30,6 @@ def format_rate(ms_per_token: float | None) -> str:
     return f"{ms_per_token / 1000:.1f} s/token"
 
 
-def format_gb(gb: float | None) -> str:
-    """GB with one decimal, or MB below 1 GB (a demo budget of 0.021 GB reads as 21 MB)."""
-    if gb is None:
-        return "–"
-    if abs(gb) < 1:
-        return f"{gb * 1000:.0f} MB"
-    return f"{gb:.1f} GB"
-
-
 def format_ms(ms: float | None) -> str:
     if ms is None:
         return "–"

@@ -12,6 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_import_contracts_are_kept():
     lint = shutil.which("lint-imports") or str(Path(sys.executable).parent / "lint-imports")
-    out = subprocess.run([lint, "--no-cache"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([lint, "--no-cache"], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert "0 broken" in out.stdout

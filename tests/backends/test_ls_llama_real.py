@@ -17,7 +17,7 @@ import httpx
 import pytest
 from ls_helpers import free_port, real_binary, write_tiny_gguf
 
-from k3tui.backends import llama_server as ls
+from k3tui.backends.llama import binary, gguf, server
 from k3tui.backends.events import BackendError, ContentDelta, Finished, ReasoningDelta, TokenStats
 from k3tui.backends.openai_stream import stream_chat
 from k3tui.errors import K3Error
@@ -45,9 +45,9 @@ def started():
 def run_server(started, model, **kw):
     kw.setdefault("ctx_size", 4096)
     kw.setdefault("threads", 1)
-    prepared = ls.prepare(model, **kw)
+    prepared = server.prepare(model, **kw)
     progress = []
-    backend = ls.start(prepared, on_progress=progress.append)
+    backend = server.start(prepared, on_progress=progress.append)
     started.append(backend)
     return backend, prepared, progress
 
@@ -146,17 +146,17 @@ def test_ls_missing_or_short_shard_is_refused_before_launch(models, tmp_path):
     shard2 = Path(split[1])
     shard2.rename(tmp_path / "aside.bin")
     with pytest.raises(K3Error) as exc:
-        ls.prepare(Path(split[0]))
+        server.prepare(Path(split[0]))
     assert shard2.name in exc.value.message and "k3tui download" in exc.value.next_step
     (tmp_path / "aside.bin").rename(shard2)
     last = Path(split[2])
     with open(last, "r+b") as fh:
         fh.truncate(last.stat().st_size - 1000)
     with pytest.raises(K3Error) as exc:
-        ls.prepare(tmp_path)  # the folder works too: its first shard is found
+        server.prepare(tmp_path)  # the folder works too: its first shard is found
     assert last.name in exc.value.message and "incomplete" in exc.value.message
     # the complete split is accepted and -m names the first shard
-    assert ls.check_shards(models["split"][1]) == models["split"]
+    assert gguf.check_shards(models["split"][1]) == models["split"]
 
 
 def test_ls_crash_while_loading_reports_the_log_tail(models, started):
@@ -174,7 +174,8 @@ def make_old_binary(tmp_path: Path) -> Path:
     script.write_text(f"""#!/bin/sh
 REAL={real}
 case "$1" in
-  --help) "$REAL" --help 2>&1 | grep -v -E -- '--load-mode|--cpu-moe|--no-host|--reasoning-budget'; exit 0;;
+  --help) "$REAL" --help 2>&1 | \
+grep -v -E -- '--load-mode|--cpu-moe|--no-host|--reasoning-budget'; exit 0;;
   --version) echo "version: 5000 (build 5000, commit 0ldb1d)"; exit 0;;
 esac
 for a in "$@"; do
@@ -208,11 +209,11 @@ def test_ls_help_parser_reads_spellings_and_removed_flags():
             "--draft, --draft-n, --draft-max N       the argument has been removed. use x\n"
             "-lm,   --load-mode MODE                 model loading mode (default: auto)\n"
             "-m,    --model FNAME                    model path\n")
-    flags, canon, removed = ls.parse_help(text)
+    flags, canon, removed = binary.parse_help(text)
     assert {"-c", "--ctx-size", "-nkvo", "--load-mode", "-lm"} <= flags
     assert canon["-c"] == "--ctx-size" and canon["-lm"] == "--load-mode"
     assert "--draft" in removed and "--ctx-size" not in removed
-    real = ls.inspect_binary(real_binary())
+    real = binary.inspect_binary(real_binary())
     assert real.supports("--load-mode") and real.supports("--cpu-moe")
     assert not real.supports("--definitely-not-a-flag") and real.version.startswith("b1-")
 
@@ -270,11 +271,11 @@ def test_ls_cgroup_wrapper_execs_the_real_server_with_its_arguments(models, star
     def no_systemd(argv):
         return subprocess.CompletedProcess(argv, 1, stdout="", stderr="no user bus")
 
-    limit = ls.choose_memory_limit(3 * 2**30, runner=no_systemd, cgroup_dir=tmp_path,
+    limit = server.choose_memory_limit(3 * 2**30, runner=no_systemd, cgroup_dir=tmp_path,
                                    name="k3tui-cg")
-    prepared = ls.prepare(models["single"], ctx_size=2048, threads=1, limit=limit)
+    prepared = server.prepare(models["single"], ctx_size=2048, threads=1, limit=limit)
     assert prepared.limit.method == "cgroup"
-    backend = ls.start(prepared)
+    backend = server.start(prepared)
     started.append(backend)
     assert int((child / "cgroup.procs").read_text()) == backend.pid  # exec kept the pid
     assert httpx.get(backend.base_url + "/health").status_code == 200

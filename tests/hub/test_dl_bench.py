@@ -31,7 +31,7 @@ def test_dl_core_modules_import_no_ui(tmp_path):
     (tmp_path / "src" / "w.safetensors").write_bytes(b"x" * (2 << 20))
     code = f"""
 import os, sys
-from k3tui.hub.fakehub import FakeHub
+from k3tui.testing.fakehub import FakeHub
 hub = FakeHub({str(tmp_path / 'src')!r}, "acme/x", cdn=True)
 os.environ["HF_ENDPOINT"] = hub.endpoint
 import k3tui.jobs

@@ -1,6 +1,6 @@
 """Record the command-line flags a released SGLang or vLLM wheel accepts (run by hand).
 
-The recipes in `k3tui/recipes.py` name versions; `test_rmt_recipes.py` checks every flag
+The recipes in `k3tui/planning/recipes.py` name versions; `test_rmt_recipes.py` checks every flag
 they print against the lists this script wrote from those very wheels. Neither package
 can be imported here (they need torch and CUDA), so the flags are read from the source
 files in the wheel: argparse `add_argument("--x", …)` literals, and for config dataclasses

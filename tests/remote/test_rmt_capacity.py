@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from k3tui import capacity
+from k3tui.planning import capacity
 from k3tui.errors import K3Error
 
 # Table 8 of the study: 50 users at 0.37 tok/s, 8 h/day, 70 % utilisation.

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from k3tui import recipes
+from k3tui.planning import recipes
 
 DATA = Path(__file__).parent / "data"
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from k3tui.backends import remote
+from k3tui.backends import endpoint
 from k3tui.backends.events import BackendError, ContentDelta, Finished, ReasoningDelta
 
 HERE = Path(__file__).parent
@@ -64,26 +64,26 @@ def llama(tmp_path_factory):
 
 def test_rmt_llama_server_health_models_and_one_token(llama):
     for url in (llama, llama + "/", llama + "/v1"):
-        check = remote.check_endpoint(url, KEY)
+        check = endpoint.check_endpoint(url, KEY)
         assert check.ok, check.describe()
         assert check.health_ok is True and check.test_ok
         assert check.models == ["tiny"]
-        assert KEY not in check.describe() and remote.mask_key(KEY) in check.message
+        assert KEY not in check.describe() and endpoint.mask_key(KEY) in check.message
         assert check.warnings == []  # loopback http is fine
 
 
 def test_rmt_llama_server_wrong_and_missing_key(llama):
-    check = remote.check_endpoint(llama, WRONG)
+    check = endpoint.check_endpoint(llama, WRONG)
     assert not check.ok and not check.test_ok
     assert "refused the API key" in check.message and "401" in check.message
     assert WRONG not in check.describe() and "…9876" in check.message
     assert "api_key_env" in check.next_step
-    check = remote.check_endpoint(llama, None)
+    check = endpoint.check_endpoint(llama, None)
     assert not check.ok and "needs an API key" in check.message
 
 
 def test_rmt_llama_server_wrong_model_is_a_warning_not_a_failure(llama):
-    check = remote.check_endpoint(llama, KEY, model="kimi-k3")  # single-model server
+    check = endpoint.check_endpoint(llama, KEY, model="kimi-k3")  # single-model server
     assert check.ok and any("kimi-k3" in w for w in check.warnings)
 
 
@@ -115,7 +115,7 @@ async def test_rmt_llama_server_killed_in_the_middle_of_an_answer(tmp_path):
 
 def test_rmt_dead_endpoint_at_startup():
     with refused_port() as port:
-        check = remote.check_endpoint(f"http://127.0.0.1:{port}/v1", KEY)
+        check = endpoint.check_endpoint(f"http://127.0.0.1:{port}/v1", KEY)
     assert not check.ok and check.health_ok is None
     assert "Nothing answers" in check.message and "k3tui plan --recipe" in check.next_step
 
@@ -125,25 +125,25 @@ def test_rmt_unreadable_ca_file_is_one_sentence(tmp_path):
     bad.write_text("not a certificate")
     for ca in (str(tmp_path / "missing.pem"), str(bad)):
         with refused_port() as port:
-            check = remote.check_endpoint(f"https://127.0.0.1:{port}/v1", KEY, verify_tls=ca)
+            check = endpoint.check_endpoint(f"https://127.0.0.1:{port}/v1", KEY, verify_tls=ca)
         assert not check.ok and "CA certificate file" in check.message
         assert "PEM" in check.next_step
 
 
 def test_rmt_bad_urls_are_refused_before_any_request():
     for url in ("ftp://host/v1", "localhost:8000", ""):
-        check = remote.check_endpoint(url, KEY)
+        check = endpoint.check_endpoint(url, KEY)
         assert not check.ok and "not an http:// or https:// URL" in check.message
 
 
 def test_rmt_unsafe_transport_is_warned_before_sending():
     # Only loopback may be contacted here, so the warnings are checked without a request.
-    assert remote.transport_warnings("http://127.0.0.1:8080/v1") == []
-    assert remote.transport_warnings("http://localhost:8080") == []
-    assert remote.transport_warnings("http://[::1]:8080") == []
-    assert "unencrypted" in remote.transport_warnings("http://cluster.example:8000/v1")[0]
-    assert remote.transport_warnings("https://cluster.example/v1") == []
-    assert "verification is off" in remote.transport_warnings("https://h/v1", False)[0]
+    assert endpoint.transport_warnings("http://127.0.0.1:8080/v1") == []
+    assert endpoint.transport_warnings("http://localhost:8080") == []
+    assert endpoint.transport_warnings("http://[::1]:8080") == []
+    assert "unencrypted" in endpoint.transport_warnings("http://cluster.example:8000/v1")[0]
+    assert endpoint.transport_warnings("https://cluster.example/v1") == []
+    assert "verification is off" in endpoint.transport_warnings("https://h/v1", False)[0]
 
 
 async def test_rmt_stream_chat_dead_endpoint_at_startup():
@@ -227,7 +227,7 @@ def tls(tmp_path_factory):
 def test_rmt_tls_self_signed_certificate_is_refused_and_no_key_is_sent(tls):
     url, _certfile, log = tls
     before = log.read_text()
-    check = remote.check_endpoint(url, KEY)  # verification on by default
+    check = endpoint.check_endpoint(url, KEY)  # verification on by default
     assert not check.ok and not check.test_ok
     assert "certificate" in check.message and "not trusted" in check.message
     assert "self-signed" in check.message or "self signed" in check.message
@@ -241,16 +241,16 @@ def test_rmt_transport_errors_are_described_for_other_clients(tls):
     url, _certfile, _log = tls
     with pytest.raises(httpx.ConnectError) as info:
         httpx.get(url + "/models")
-    message, step = remote.describe_transport_error(info.value, "the cluster")
+    message, step = endpoint.describe_transport_error(info.value, "the cluster")
     assert "certificate of the cluster is not trusted" in message and "SSL_CERT_FILE" in step
     with refused_port() as port, pytest.raises(httpx.ConnectError) as info:
         httpx.get(f"http://127.0.0.1:{port}/")
-    assert "Nothing answers" in remote.describe_transport_error(info.value, "x")[0]
+    assert "Nothing answers" in endpoint.describe_transport_error(info.value, "x")[0]
 
 
 def test_rmt_tls_trusted_with_the_ca_file(tls):
     url, certfile, log = tls
-    check = remote.check_endpoint(url, KEY, verify_tls=str(certfile))
+    check = endpoint.check_endpoint(url, KEY, verify_tls=str(certfile))
     assert check.ok, check.describe()
     assert check.models == ["fake-k3"] and check.health_ok is True and check.warnings == []
     assert "request POST /v1/chat/completions key" in log.read_text()
@@ -259,21 +259,21 @@ def test_rmt_tls_trusted_with_the_ca_file(tls):
 
 def test_rmt_tls_verification_off_only_when_asked_and_warned(tls):
     url, _certfile, _log = tls
-    check = remote.check_endpoint(url, KEY, verify_tls=False)
+    check = endpoint.check_endpoint(url, KEY, verify_tls=False)
     assert check.ok and any("verification is off" in w for w in check.warnings)
 
 
 def test_rmt_tls_hostname_mismatch_is_refused(tmp_path):
     certfile, keyfile = _write_cert(tmp_path, "cluster.example")
     with fake_endpoint(tmp_path, certfile=certfile, keyfile=keyfile) as (url, _proc, _log):
-        check = remote.check_endpoint(url, KEY, verify_tls=str(certfile))
+        check = endpoint.check_endpoint(url, KEY, verify_tls=str(certfile))
     assert not check.ok and "not trusted" in check.message
     assert "mismatch" in check.message or "match" in check.message
 
 
 def test_rmt_https_to_a_plain_http_server_is_explained(tmp_path):
     with fake_endpoint(tmp_path) as (url, _proc, _log):
-        check = remote.check_endpoint(url.replace("http://", "https://"), KEY)
+        check = endpoint.check_endpoint(url.replace("http://", "https://"), KEY)
     assert not check.ok and "TLS handshake" in check.message and "http://" in check.next_step
 
 
@@ -284,7 +284,7 @@ async def test_rmt_endpoint_dies_in_the_middle_of_an_answer(tmp_path):
     with fake_endpoint(tmp_path, certfile=certfile, keyfile=keyfile, chunks=1000,
                        interval=0.05) as (url, proc, _log):
         events = []
-        async with remote.http_client(str(certfile), timeout=30) as client:
+        async with endpoint.http_client(str(certfile), timeout=30) as client:
             stream = stream_chat(url, [{"role": "user", "content": "hi"}], api_key=KEY,
                                  client=client)
             async for event in stream:
@@ -305,7 +305,7 @@ async def test_rmt_tls_endpoint_streams_a_whole_answer_with_the_key(tls):
     from k3tui.backends.openai_stream import stream_chat
 
     url, certfile, _log = tls
-    async with remote.http_client(str(certfile), timeout=30) as client:
+    async with endpoint.http_client(str(certfile), timeout=30) as client:
         events = [e async for e in stream_chat(url, [{"role": "user", "content": "hi"}],
                                                api_key=KEY, client=client)]
     assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == \
@@ -315,7 +315,7 @@ async def test_rmt_tls_endpoint_streams_a_whole_answer_with_the_key(tls):
 
 def test_rmt_redirect_is_explained_not_followed(tls):
     url, certfile, _log = tls
-    check = remote.check_endpoint(url.replace("/v1", "/old/v1"), KEY, verify_tls=str(certfile))
+    check = endpoint.check_endpoint(url.replace("/v1", "/old/v1"), KEY, verify_tls=str(certfile))
     assert not check.ok and "redirects /v1/models to /v1/models" in check.message
     assert check.health_ok is None  # /old/health does not exist: not a failure by itself
 
@@ -323,7 +323,7 @@ def test_rmt_redirect_is_explained_not_followed(tls):
 def test_rmt_private_ca_through_ssl_cert_file(tls, monkeypatch):
     url, certfile, _log = tls
     monkeypatch.setenv("SSL_CERT_FILE", str(certfile))  # what the refusal tells the user
-    check = remote.check_endpoint(url, KEY)
+    check = endpoint.check_endpoint(url, KEY)
     assert check.ok, check.describe()
 
 
@@ -367,7 +367,7 @@ def test_rmt_config_to_chat_with_the_wizard_stored_key(tls):
 
     url, certfile, _log = tls
     _remote_config(url)
-    save_credential(remote.CREDENTIAL_KEY, KEY)
+    save_credential(endpoint.CREDENTIAL_KEY, KEY)
     out = _chat_smoke(SSL_CERT_FILE=str(certfile))
     assert out.returncode == 0 and "word0 word1 word2" in out.stdout
 
@@ -378,14 +378,14 @@ def test_rmt_api_key_from_env_then_credentials_and_masked(monkeypatch):
     from k3tui.config import save_credential
 
     monkeypatch.delenv("RMT_TEST_KEY", raising=False)
-    assert remote.resolve_api_key("RMT_TEST_KEY") == (None, "")
-    path = save_credential(remote.CREDENTIAL_KEY, KEY)
+    assert endpoint.resolve_api_key("RMT_TEST_KEY") == (None, "")
+    path = save_credential(endpoint.CREDENTIAL_KEY, KEY)
     assert (path.stat().st_mode & 0o777) == 0o600
-    assert remote.resolve_api_key("RMT_TEST_KEY") == (KEY, "credentials.toml")
+    assert endpoint.resolve_api_key("RMT_TEST_KEY") == (KEY, "credentials.toml")
     monkeypatch.setenv("RMT_TEST_KEY", WRONG)
-    assert remote.resolve_api_key("RMT_TEST_KEY") == (WRONG, "$RMT_TEST_KEY")
-    assert remote.mask_key(KEY) == "…cdef" and remote.mask_key("short") == "………"
-    assert remote.mask_key(None) == "(none)"
+    assert endpoint.resolve_api_key("RMT_TEST_KEY") == (WRONG, "$RMT_TEST_KEY")
+    assert endpoint.mask_key(KEY) == "…cdef" and endpoint.mask_key("short") == "………"
+    assert endpoint.mask_key(None) == "(none)"
 
 
 # --- the bundled engine's own server ------------------------------------------------------------
@@ -406,15 +406,15 @@ def test_rmt_engine_server_with_api_key(tmp_path):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.1)
         url = f"http://127.0.0.1:{int(m[1])}/v1"
-        check = remote.check_endpoint(url, KEY)
+        check = endpoint.check_endpoint(url, KEY)
         while not check.ok and "still loading" in check.message:  # 503 while it loads
             assert check.health_ok is False and "wait" in check.next_step
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.2)
-            check = remote.check_endpoint(url, KEY)
+            check = endpoint.check_endpoint(url, KEY)
         assert check.ok, check.describe()
         assert "k3-small" in check.models and check.test_ok
-        wrong = remote.check_endpoint(url, WRONG)
+        wrong = endpoint.check_endpoint(url, WRONG)
         assert not wrong.ok and "refused the API key" in wrong.message
     finally:
         proc.terminate()
@@ -423,14 +423,14 @@ def test_rmt_engine_server_with_api_key(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    dead = remote.check_endpoint(url, KEY)
+    dead = endpoint.check_endpoint(url, KEY)
     assert not dead.ok and "Nothing answers" in dead.message
 
 
 def test_rmt_sizing_from_a_real_llama_server_response(llama, tmp_path):
     import httpx
 
-    from k3tui.capacity import throughput_from_bench
+    from k3tui.planning.capacity import throughput_from_bench
 
     resp = httpx.post(llama + "/v1/chat/completions", timeout=60,
                       headers={"Authorization": f"Bearer {KEY}"},

@@ -19,7 +19,7 @@ WARNING = ("WARNING: could not confine llama-server to 21.2 GiB (systemd-run is 
 @pytest.fixture
 def llama_cfg(tmp_path):
     """A config for llama-server with a real binary and a (header-only) GGUF."""
-    from k3tui.backends.llama_server import find_binary
+    from k3tui.backends.llama.binary import find_binary
     from k3tui.config import Config
     from k3tui.errors import K3Error
 
@@ -45,8 +45,8 @@ async def test_polish_startup_shows_the_memory_warning_once(app_factory, llama_c
     """The real `launch()` up to the process start; the server's start is replaced by one
     that logs like llama-server (k3tui's header, then many lines) and loads slowly."""
     from k3tui.backends import launch as launch_mod
-    from k3tui.backends import llama_server
-    from k3tui.backends.llama_server import MemoryLimit
+    from k3tui.backends.llama import server
+    from k3tui.backends.llama.server import MemoryLimit
 
     release, step = threading.Event(), threading.Event()
     moved_on = threading.Event()
@@ -65,7 +65,7 @@ async def test_polish_startup_shows_the_memory_warning_once(app_factory, llama_c
         release.wait(30)
         raise RuntimeError("not started in this test")
 
-    monkeypatch.setattr(llama_server, "start", slow_start)
+    monkeypatch.setattr(server, "start", slow_start)
     unconfined = MemoryLimit("none", 1 << 30, detail=WARNING)
     app = app_factory(ScriptedStream("hi"),
                       starter=lambda p: launch_mod.launch(llama_cfg, on_progress=p,
@@ -90,7 +90,7 @@ def test_polish_launch_reports_the_warning_apart_from_the_description(llama_cfg)
     """The real launch path: a llama-server that cannot be confined reports the warning in
     `warnings`, and the description beside it leaves it out."""
     from k3tui.backends import launch as launch_mod
-    from k3tui.backends.llama_server import MemoryLimit
+    from k3tui.backends.llama.server import MemoryLimit
 
     unconfined = MemoryLimit("none", 1 << 30, detail=WARNING)
     ready = launch_mod.prepare_launch(llama_cfg, limit=unconfined)

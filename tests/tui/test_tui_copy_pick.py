@@ -20,7 +20,7 @@ import pytest
 from tui_helpers import REPO_ROOT, Tmux, screen_text, settle, wait_until
 
 from k3tui import clipboard
-from k3tui.tui.scripted import ScriptedStream
+from k3tui.testing.scripted import ScriptedStream
 from k3tui.tui.widgets.messages import AssistantMessage, UserMessage
 from k3tui.tui.widgets.prompt import Prompt
 
@@ -266,7 +266,7 @@ from pathlib import Path
 
 from k3tui.history import History
 from k3tui.tui.app import BackendInfo, ChatApp
-from k3tui.tui.scripted import ScriptedStream
+from k3tui.testing.scripted import ScriptedStream
 
 answers = iter({answers!r})
 

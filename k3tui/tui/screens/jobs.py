@@ -6,7 +6,6 @@ state (keys in the interfaces brief) twice a second, so closing it never stops a
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from rich.markup import escape
@@ -18,34 +17,13 @@ from textual.containers import Vertical
 from textual.screen import Screen
 from textual.widgets import Footer, ProgressBar, Static
 
+from k3tui import jobs
 from k3tui.textsafe import clean
-
-GB = 1e9
-
+from k3tui.units import GB, MB
 
 def read_jobs(kind: str) -> list[dict[str, Any]]:
-    """All job states of `kind`, newest first (via k3tui.jobs when it exists)."""
-    states: list[dict[str, Any]] = []
-    try:
-        from k3tui import jobs as jobs_mod  # DL's module; absent in early checkouts
-
-        for job in jobs_mod.list_jobs():
-            state = job if isinstance(job, dict) else jobs_mod.read_state(str(job))
-            states.append(state)
-    except (ImportError, AttributeError):
-        from k3tui.paths import get_paths
-
-        for path in sorted(get_paths().jobs_dir.glob("**/*.json")):
-            try:
-                state = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue
-            if isinstance(state, dict) and "kind" in state:
-                states.append(state)
-    except Exception:  # a half-written state file must not take the screen down
-        pass
-    states = [s for s in states if s.get("kind") == kind]
-    return sorted(states, key=lambda s: s.get("started") or 0, reverse=True)
+    """All job states of `kind`, newest first (a damaged state file is skipped)."""
+    return [s for s in jobs.list_jobs() if s.get("kind") == kind]
 
 
 def format_eta(seconds: float | None) -> str:
@@ -62,7 +40,7 @@ def format_eta(seconds: float | None) -> str:
 def overall_line(state: dict[str, Any]) -> Text:
     done = (state.get("done_bytes") or 0) / GB
     total = (state.get("total_bytes") or 0) / GB
-    rate = (state.get("rate_bps") or 0) / 1e6
+    rate = (state.get("rate_bps") or 0) / MB
     status = clean(str(state.get("status", "?")))
     text = Text(no_wrap=True, overflow="ellipsis")
     text.append(f"{status:<9}", style="bold")

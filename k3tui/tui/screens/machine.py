@@ -1,4 +1,4 @@
-"""Machine summary: the doctor's findings (FND's probe + plan), computed in a thread."""
+"""Machine summary: the doctor's findings (the probe and the plan), computed in a thread."""
 
 from __future__ import annotations
 
@@ -9,23 +9,17 @@ from textual.containers import VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
+from k3tui.errors import K3Error
+
 
 def machine_summary() -> str:
     """The same text `k3tui plan` prints, for the configured (or recommended) model kind."""
-    try:
-        from k3tui.plan import format_plan, make_plan, recommend_model_kind
-        from k3tui.probe import probe_machine
-    except ImportError:
-        return "The machine probe is not available in this version (run `k3tui doctor`)."
-    report = probe_machine()
-    kind = recommend_model_kind(report)
-    try:
-        from k3tui.config import config_exists, load_config
+    from k3tui.config import config_exists, load_config
+    from k3tui.planning.plan import format_plan, make_plan, recommend_model_kind
+    from k3tui.probe import probe_machine
 
-        if config_exists():
-            kind = load_config().model.kind
-    except Exception:
-        pass
+    report = probe_machine()
+    kind = load_config().model.kind if config_exists() else recommend_model_kind(report)
     return format_plan(make_plan(report, kind), report)
 
 
@@ -44,6 +38,8 @@ class MachineScreen(Screen):
     def probe(self) -> None:
         try:
             text = machine_summary()
+        except K3Error as exc:  # e.g. a damaged config: its own sentence and next step
+            text = str(exc)
         except Exception as exc:  # the probe must never take the chat down
             text = f"The machine probe failed: {exc}. Run `k3tui doctor` for details."
         self.app.call_from_thread(self.query_one("#machine-text", Static).update, text)

@@ -16,6 +16,7 @@ from textual.widgets import Footer, Log, Static
 
 from k3tui.errors import K3Error
 from k3tui.textsafe import clean
+from k3tui.units import KiB
 
 
 def tail(path: str | Path | None, n: int = 200) -> list[str]:
@@ -24,7 +25,7 @@ def tail(path: str | Path | None, n: int = 200) -> list[str]:
     try:
         with open(path, "rb") as fh:
             fh.seek(0, 2)
-            fh.seek(max(0, fh.tell() - 64 * 1024))
+            fh.seek(max(0, fh.tell() - 64 * KiB))
             # A backend's log is its own text: sanitised before the F5 view shows it.
             return [clean(line) for line in fh.read().decode("utf-8", "replace").splitlines()[-n:]]
     except OSError:

@@ -10,7 +10,8 @@ from textual.containers import Vertical
 from textual.widgets import Static
 
 from k3tui.monitor import Sample
-from k3tui.tui.stats import LatencySnapshot, format_gb, format_ms, format_rate
+from k3tui.tui.stats import LatencySnapshot, format_ms, format_rate
+from k3tui.units import gb_amount
 from k3tui.tui.widgets.sparkline import Sparkline
 
 
@@ -64,9 +65,9 @@ def memory_title(kind: str, reported_budget: float | None, budget_gb: float | No
     if kind == "remote":
         return "I/O · remote: RSS not visible"
     if kind == "llama-server":
-        return f"I/O · RSS limit {format_gb(budget)}" if budget else "I/O · no memory limit"
+        return f"I/O · RSS limit {gb_amount(budget)}" if budget else "I/O · no memory limit"
     if budget:
-        return f"I/O · streaming, weights ≤{format_gb(budget)}"
+        return f"I/O · streaming, weights ≤{gb_amount(budget)}"
     if reported_budget == 0:           # the engine says so: no budget, every weight resident
         return "I/O · weights resident"
     return "I/O"
@@ -97,7 +98,7 @@ class IOPane(Vertical):
         if title != self.border_title:
             self.border_title = title
         rss = s.proc_rss_gb if s.proc_rss_gb is not None else k3.get("rss_gb")
-        rss_text = format_gb(rss)
+        rss_text = gb_amount(rss)
         # Machine-wide figures at 0.1 GB: finer digits flicker with every other process
         # and would repaint the pane at each sample for nothing.
         cg = _num(s.cgroup_current_gb, ".1f", " GB")
@@ -112,7 +113,7 @@ class IOPane(Vertical):
             proc = f"backend {_num(s.proc_read_mb_s, '.0f', ' MB/s')}"
         lines = [
             f"disk {_num(s.disk_read_mb_s, '.0f', ' MB/s')}  {proc}",
-            f"read/token {format_gb(k3.get('gb_read'))}  "
+            f"read/token {gb_amount(k3.get('gb_read'))}  "
             f"hit {_num(None if hit is None else hit * 100, '.0f', '%')}",
             f"RSS {rss_text}  cache {_num(s.page_cache_gb, '.1f', ' GB')}",
             f"PSI {_num(s.psi_some_avg10, '.1f')}/{_num(s.psi_full_avg10, '.1f')}  cg {cg}",

@@ -10,14 +10,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from k3tui.probe.report import MachineReport
-
-GB = 1000**3
-GiB = 1024**3
+from k3tui.units import GB, GiB, disk_size, gib
 
 SAFETENSORS_BYTES = 1_560_936_091_448  # 96 shards
 TRUNK_PACK_BYTES = 113_490_000_000  # 93 trunk runs (108.81 GB) + embed/lm_head (4.70 GB)
 GGUF_BYTES = 579_500_000_000  # Kimi-K3 IQ1_S, 34 files
-GGUF_FILES = 34
 
 MODEL_LABELS = {
     "safetensors": "Kimi-K3 safetensors (1,560.9 GB in 96 files)",
@@ -121,15 +118,6 @@ def recommend_model_kind(report: MachineReport) -> str:
     return "safetensors"
 
 
-def fmt_gib(n: float) -> str:
-    return f"{n / GiB:.1f} GiB"
-
-
-def disk_size(n: float) -> str:
-    """Disk sizes in decimal units, as drives and checkpoints are sold and listed."""
-    return f"{n / 1e12:.2f} TB" if n >= 1e12 else f"{n / GB:.1f} GB"
-
-
 def _storage_findings(report: MachineReport, need: int, extra: int, have: int,
                       model_kind: str) -> list[Finding]:
     s = report.storage
@@ -204,9 +192,9 @@ def _gpu_findings(report: MachineReport) -> list[Finding]:
     if not apps:
         return []
     held = report.gpu.held_by_apps_bytes
-    who = ", ".join(f"{a.name or '?'} (pid {a.pid}, {fmt_gib(a.used_bytes or 0)})" for a in apps)
+    who = ", ".join(f"{a.name or '?'} (pid {a.pid}, {gib(a.used_bytes or 0)})" for a in apps)
     return [Finding("warn", "gpu_busy", f"GPU memory held by other processes: {who}",
-                    f"stop them before starting the model (they hold {fmt_gib(held)})")]
+                    f"stop them before starting the model (they hold {gib(held)})")]
 
 
 def _memory_findings(report: MachineReport) -> list[Finding]:
@@ -218,8 +206,8 @@ def _memory_findings(report: MachineReport) -> list[Finding]:
                            "close memory-hungry programs"))
     if m.cgroup_limit_bytes is not None and m.cgroup_limit_bytes < m.total_bytes:
         out.append(Finding("info", "cgroup_limit",
-                           f"a cgroup limit of {fmt_gib(m.cgroup_limit_bytes)} caps k3tui "
-                           f"(the machine has {fmt_gib(m.total_bytes)})"))
+                           f"a cgroup limit of {gib(m.cgroup_limit_bytes)} caps k3tui "
+                           f"(the machine has {gib(m.total_bytes)})"))
     return out
 
 
@@ -231,7 +219,7 @@ def _plan_bundled(report: MachineReport, plan: Plan) -> None:
     plan.preset_reason = (f"{preset.name} (trunk {preset.trunk_gb:g} GB, cache "
                           f"{preset.cache_gb:g} GB, peak ~{preset.peak_rss_gb:g} GB): "
                           f"{usable / GB:.1f} GB usable of {report.memory.total_bytes / GB:.1f} GB "
-                          f"RAM (= {fmt_gib(report.memory.total_bytes)}); {preset.note}")
+                          f"RAM (= {gib(report.memory.total_bytes)}); {preset.note}")
     if usable < MIN_USABLE_BYTES:
         plan.findings.append(Finding(
             "blocker", "memory_floor",
@@ -281,10 +269,10 @@ def _plan_llama(report: MachineReport, plan: Plan, ctx: int, budget: int) -> Non
     if gpu.unified_memory:
         held = gpu.held_by_apps_bytes
         limit = mem.total_bytes - DRIVER_RESERVE_BYTES - held
-        reason = (f"{fmt_gib(mem.total_bytes)} unified memory minus "
-                  f"{fmt_gib(DRIVER_RESERVE_BYTES)} for the driver and the system")
+        reason = (f"{gib(mem.total_bytes)} unified memory minus "
+                  f"{gib(DRIVER_RESERVE_BYTES)} for the driver and the system")
         if held:
-            reason += f" minus {fmt_gib(held)} held by other GPU processes"
+            reason += f" minus {gib(held)} held by other GPU processes"
         plan.findings.append(Finding(
             "warn", "unified_memory",
             "unified memory is shared by the GPU and the page cache: an uncapped mmap of the "
@@ -293,7 +281,7 @@ def _plan_llama(report: MachineReport, plan: Plan, ctx: int, budget: int) -> Non
     else:
         reserve = max(2 * GiB, int(0.1 * mem.effective_total_bytes))
         limit = mem.effective_total_bytes - reserve
-        reason = f"{fmt_gib(mem.effective_total_bytes)} RAM minus {fmt_gib(reserve)} for the system"
+        reason = f"{gib(mem.effective_total_bytes)} RAM minus {gib(reserve)} for the system"
         if not gpu.present:
             plan.findings.append(Finding(
                 "warn", "no_gpu",
@@ -302,12 +290,12 @@ def _plan_llama(report: MachineReport, plan: Plan, ctx: int, budget: int) -> Non
                 "`k3tui setup` and choose the safetensors checkpoint"))
     if mem.cgroup_limit_bytes is not None and mem.cgroup_limit_bytes - GiB < limit:
         limit = mem.cgroup_limit_bytes - GiB
-        reason += f", capped by the cgroup limit {fmt_gib(mem.cgroup_limit_bytes)} minus 1 GiB"
+        reason += f", capped by the cgroup limit {gib(mem.cgroup_limit_bytes)} minus 1 GiB"
     if limit < LLAMA_MIN_BYTES:
         plan.findings.append(Finding(
             "blocker", "memory_limit_too_small",
-            f"only {fmt_gib(max(limit, 0))} would be left for llama-server ({reason}; it "
-            f"needs at least {fmt_gib(LLAMA_MIN_BYTES)}), so no memory limit could confine it",
+            f"only {gib(max(limit, 0))} would be left for llama-server ({reason}; it "
+            f"needs at least {gib(LLAMA_MIN_BYTES)}), so no memory limit could confine it",
             "free memory (stop other GPU processes), set `memory_limit_gb` in [llama_server], "
             "or use the bundled engine"))
     plan.memory_limit_bytes = max(0, int(limit))
@@ -360,14 +348,14 @@ def describe_machine(report: MachineReport) -> list[str]:
     simd = ", ".join(n for n, ok in (("AVX2", c.avx2), ("AVX-512", c.avx512),
                                      ("NEON", c.neon)) if ok) or "no SIMD"
     lines = [f"CPU     {c.usable} usable cores, {c.arch} ({simd})"]
-    ram = f"RAM     {fmt_gib(m.total_bytes)} total, {fmt_gib(m.available_bytes)} available"
+    ram = f"RAM     {gib(m.total_bytes)} total, {gib(m.available_bytes)} available"
     if m.cgroup_limit_bytes is not None:
-        ram += f", cgroup limit {fmt_gib(m.cgroup_limit_bytes)}"
+        ram += f", cgroup limit {gib(m.cgroup_limit_bytes)}"
     lines.append(ram)
     if not g.present:
         lines.append("GPU     no GPU")
     for gpu in g.gpus:
-        mem = "unified memory" if gpu.unified else fmt_gib(gpu.memory_total_bytes or 0)
+        mem = "unified memory" if gpu.unified else gib(gpu.memory_total_bytes or 0)
         lines.append(f"GPU     {gpu.name} ({mem})")
     if s.path:
         disk = s.disk_kind if s.disk_kind != "unknown" else "disk"
@@ -387,7 +375,7 @@ def format_plan(plan: Plan, report: MachineReport) -> str:
         out.append(f"Preset:  {plan.preset_reason}")
         out.append(f"Threads: {plan.threads}")
     if plan.backend == "llama-server":
-        from k3tui.backends.llama_server import planned_command
+        from k3tui.backends.llama.command import planned_command
 
         iso = getattr(report, "isolation", None)
         method = getattr(iso, "method", "none") or "none"
@@ -395,7 +383,7 @@ def format_plan(plan: Plan, report: MachineReport) -> str:
         cmd = planned_command(plan.llama_server_args, limit_bytes=limit, method=method)
         out.append("Command: " + " ".join(cmd))
         if limit is not None:
-            out.append(f"Memory limit: {fmt_gib(limit)} ({limit} bytes) = "
+            out.append(f"Memory limit: {gib(limit)} ({limit} bytes) = "
                        f"{plan.memory_limit_reason}")
             assumed = "assumed for this profile" in (getattr(iso, "detail", "") or "")
             check = "; checked again at launch" if assumed else ""

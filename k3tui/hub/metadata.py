@@ -1,4 +1,5 @@
-"""What the Hub says about a repo: files, sizes, hashes, the pinned commit, access.
+"""What the Hub says about a repo: files, sizes, hashes, the pinned commit, access, and the
+one order in which Hugging Face tokens count (`hub_tokens`).
 
 huggingface_hub does what it is good at here (URLs, auth headers, typed errors); the bytes
 are fetched by `k3tui.hub.transfer`. Every call carries a timeout: `model_info` without one
@@ -48,42 +49,77 @@ def hub_endpoint() -> str:
     return (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
 
 
-def hub_token() -> str | None:
-    """HF_TOKEN, then `hf auth login`'s token (huggingface_hub's order), then the token
-    `k3tui setup` stored in credentials.toml."""
-    if os.environ.get("HF_HUB_DISABLE_IMPLICIT_TOKEN"):
-        return None
-    from huggingface_hub import get_token
+@dataclass(frozen=True)
+class HubToken:
+    """A Hugging Face token on hand, where it lives, and how to replace it there."""
 
-    from k3tui.config import load_credentials
+    value: str
+    where: str    # "the HF_TOKEN environment variable", "your `hf auth login` token (PATH)"…
+    origin: str   # the words that follow "The Hugging Face token" (never the token itself)
+    replace: str  # how to put a new one there
+    stored_by_setup: bool = False
 
-    return get_token() or load_credentials().get("hf_token") or None
+
+NEW_TOKEN = "export HF_TOKEN=<a new token from huggingface.co/settings/tokens>"
 
 
-def token_origin(token: str) -> tuple[str, str]:
-    """Where `token` comes from, as words that follow "The Hugging Face token" (never the
-    token itself), and how to replace it from there. HF_TOKEN wins over the `hf auth login`
-    file, which wins over the token `k3tui setup` stored."""
-    from huggingface_hub import constants
+def login_token_path() -> Path:
+    """Where `hf auth login` saves its token (huggingface_hub's rule, read now, so a job's
+    environment applies)."""
+    if os.environ.get("HF_TOKEN_PATH"):
+        return Path(os.environ["HF_TOKEN_PATH"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    return Path(home).expanduser() / "token"
 
+
+def hub_tokens() -> list[HubToken]:
+    """Every token on hand, in THE order k3tui uses (huggingface_hub's, then k3tui's own):
+    HF_TOKEN (or the older HUGGING_FACE_HUB_TOKEN), then `hf auth login`'s token, then the one
+    `k3tui setup` stored in credentials.toml. The first one is the token that is sent, so
+    `k3tui setup` and `k3tui download` never disagree about which one counts."""
     from k3tui.config import load_credentials
     from k3tui.paths import get_paths
 
-    new = "export HF_TOKEN=<a new token from huggingface.co/settings/tokens>"
-    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
-        if (os.environ.get(var) or "").strip() == token:
-            return f"in {var}", new
+    found = [HubToken(value, f"the {var} environment variable", f"in {var}", NEW_TOKEN)
+             for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+             if (value := (os.environ.get(var) or "").strip())]
+    login = login_token_path()
     try:
-        if Path(constants.HF_TOKEN_PATH).read_text().strip() == token:
-            return (f"saved by `hf auth login` ({constants.HF_TOKEN_PATH})",
-                    f"run `hf auth login` with a new token, or {new}")
-    except OSError:
-        pass
-    if load_credentials().get("hf_token") == token:
-        return (f"that `k3tui setup` stored in {get_paths().credentials_file}",
-                (f"run `k3tui setup` and paste a new token when it asks, or {new} (it takes "
-                 "precedence)"))
-    return "", "use a valid token"
+        value = login.read_text().strip() if login.is_file() else ""
+    except (OSError, UnicodeDecodeError):
+        value = ""
+    if value:
+        found.append(HubToken(value, f"your `hf auth login` token ({login})",
+                              f"saved by `hf auth login` ({login})",
+                              f"run `hf auth login` with a new token, or {NEW_TOKEN}"))
+    stored = str(load_credentials().get("hf_token") or "").strip()
+    if stored:
+        creds = get_paths().credentials_file
+        found.append(HubToken(stored, f"{creds}", f"that `k3tui setup` stored in {creds}",
+                              f"run `k3tui setup` and paste a new token when it asks, or "
+                              f"{NEW_TOKEN} (it takes precedence)", stored_by_setup=True))
+    return found
+
+
+def hub_token_source() -> HubToken | None:
+    """The token a Hub request sends (None: none, or HF_HUB_DISABLE_IMPLICIT_TOKEN is set)."""
+    if os.environ.get("HF_HUB_DISABLE_IMPLICIT_TOKEN"):
+        return None
+    found = hub_tokens()
+    return found[0] if found else None
+
+
+def hub_token() -> str | None:
+    source = hub_token_source()
+    return source.value if source else None
+
+
+def token_origin(token: str) -> tuple[str, str]:
+    """Where `token` comes from (words that follow "The Hugging Face token") and how to
+    replace it from there."""
+    source = next((t for t in hub_tokens() if t.value == token), None)
+    return (source.origin, source.replace) if source else ("", "use a valid token")
 
 
 def redact(text: str) -> str:

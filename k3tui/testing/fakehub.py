@@ -30,6 +30,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from k3tui.units import MB, MiB
+
 
 @dataclass
 class Fault:
@@ -100,7 +102,7 @@ class _Server(ThreadingHTTPServer):
 class FakeHub:
     def __init__(self, root: Path | str, repo_id: str, *, cdn: bool = False,
                  gated_token: str | None = None, noaccess_tokens: tuple[str, ...] = (),
-                 lfs_min: int = 1 << 20, host: str = "127.0.0.1", port: int = 0):
+                 lfs_min: int = MiB, host: str = "127.0.0.1", port: int = 0):
         self.root, self.repo_id, self.cdn = Path(root), repo_id, cdn
         self.gated_token, self.noaccess_tokens = gated_token, set(noaccess_tokens)
         self.lfs_min = lfs_min
@@ -241,58 +243,67 @@ class FakeHub:
             f = next((f for f in files.values() if f["sha256"] == path[5:]), None)
             return self._body(h, f, commit) if f else self._error(h, 404, None, "no such blob")
         if path.startswith(api):              # metadata stays public when gated (like the Hub)
-            if not self._auth_ok(h, need_access=False):
-                return
-            rest = path[len(api):]
-            if rest == "/auth-check":
-                return self._auth_ok(h, need_access=True) and self._send(h, 200, b"{}")
-            if rest == "" or rest.startswith("/revision/"):
-                rev = rest[len("/revision/"):] if rest else "main"
-                if rev not in ("main", commit):
-                    return self._error(h, 404, "RevisionNotFound", f"Invalid rev id: {rev}")
-                blobs, siblings = qs.get("blobs", ["false"])[0] == "true", []
-                for f in files.values():
-                    s: dict = {"rfilename": f["path"]}
-                    if blobs:
-                        s.update(size=f["size"], blobId=f["oid"])
-                        if f["lfs"]:
-                            sha = f["sha256"]
-                            if f["path"] in self.wrong_sha256:
-                                sha = hashlib.sha256(b"not " + sha.encode()).hexdigest()
-                            s["lfs"] = {"sha256": sha, "size": f["size"],
-                                        "pointerSize": f["lfs"]["pointerSize"]}
-                    siblings.append(s)
-                info = {"id": self.repo_id, "modelId": self.repo_id, "sha": commit,
-                        "private": False, "gated": "manual" if self.gated_token else False,
-                        "siblings": siblings}
-                return self._send(h, 200, json.dumps(info).encode())
-            if rest.startswith("/tree/"):
-                return self._send(h, 200, json.dumps([self._entry(f) for f in files.values()])
-                                  .encode())
-            if rest.startswith("/paths-info/"):
-                n = int(h.headers.get("Content-Length") or 0)
-                form = parse_qs(h.rfile.read(n).decode())
-                return self._send(h, 200, json.dumps([self._entry(files[p]) for p in
-                                  form.get("paths", []) if p in files]).encode())
+            if self._auth_ok(h, need_access=False):
+                self._metadata(h, path[len(api):], qs, files, commit)
+            return None
         if path.startswith(res):
-            rev, _, name = path[len(res):].partition("/")
-            if rev not in ("main", commit) and self.listed_as:   # `main/../x` arrives as `x`
-                rev, name = commit, path[len(res):]
+            return self._resolve(h, path[len(res):], files, commit)
+        return self._error(h, 404, "RepoNotFound", "Repository not found")
+
+    def _metadata(self, h, rest: str, qs: dict, files: dict, commit: str) -> None:
+        if rest == "/auth-check":
+            if self._auth_ok(h, need_access=True):
+                self._send(h, 200, b"{}")
+        elif rest == "" or rest.startswith("/revision/"):
+            rev = rest[len("/revision/"):] if rest else "main"
             if rev not in ("main", commit):
                 return self._error(h, 404, "RevisionNotFound", f"Invalid rev id: {rev}")
-            if not self._auth_ok(h, need_access=True):
-                return
-            f = files.get(name) or self._as_sent(name, files)
-            if f is None:
-                return self._error(h, 404, "EntryNotFound", f"{name} does not exist",
-                                   {"X-Repo-Commit": commit})
-            if f["lfs"] and self.cdn:         # the Hub answers LFS files with a 302 to its CDN
-                return self._send(h, 302, b"", {
-                    "Location": f"{self.cdn_base}/cdn/{f['sha256']}?sig=x",
-                    "X-Repo-Commit": commit, "ETag": f'"{f["oid"]}"',
-                    "X-Linked-Etag": f'"{f["sha256"]}"', "X-Linked-Size": str(f["size"])})
-            return self._body(h, f, commit)
-        return self._error(h, 404, "RepoNotFound", "Repository not found")
+            info = {"id": self.repo_id, "modelId": self.repo_id, "sha": commit,
+                    "private": False, "gated": "manual" if self.gated_token else False,
+                    "siblings": [self._sibling(f, qs.get("blobs", ["false"])[0] == "true")
+                                 for f in files.values()]}
+            self._send(h, 200, json.dumps(info).encode())
+        elif rest.startswith("/tree/"):
+            self._send(h, 200, json.dumps([self._entry(f) for f in files.values()]).encode())
+        elif rest.startswith("/paths-info/"):
+            n = int(h.headers.get("Content-Length") or 0)
+            form = parse_qs(h.rfile.read(n).decode())
+            self._send(h, 200, json.dumps([self._entry(files[p]) for p in
+                                           form.get("paths", []) if p in files]).encode())
+        else:
+            self._error(h, 404, "RepoNotFound", "Repository not found")
+        return None
+
+    def _sibling(self, f: dict, blobs: bool) -> dict:
+        s: dict = {"rfilename": f["path"]}
+        if blobs:
+            s.update(size=f["size"], blobId=f["oid"])
+            if f["lfs"]:
+                sha = f["sha256"]
+                if f["path"] in self.wrong_sha256:
+                    sha = hashlib.sha256(b"not " + sha.encode()).hexdigest()
+                s["lfs"] = {"sha256": sha, "size": f["size"],
+                            "pointerSize": f["lfs"]["pointerSize"]}
+        return s
+
+    def _resolve(self, h, rest: str, files: dict, commit: str) -> None:
+        rev, _, name = rest.partition("/")
+        if rev not in ("main", commit) and self.listed_as:   # `main/../x` arrives as `x`
+            rev, name = commit, rest
+        if rev not in ("main", commit):
+            return self._error(h, 404, "RevisionNotFound", f"Invalid rev id: {rev}")
+        if not self._auth_ok(h, need_access=True):
+            return None
+        f = files.get(name) or self._as_sent(name, files)
+        if f is None:
+            return self._error(h, 404, "EntryNotFound", f"{name} does not exist",
+                               {"X-Repo-Commit": commit})
+        if f["lfs"] and self.cdn:         # the Hub answers LFS files with a 302 to its CDN
+            return self._send(h, 302, b"", {
+                "Location": f"{self.cdn_base}/cdn/{f['sha256']}?sig=x",
+                "X-Repo-Commit": commit, "ETag": f'"{f["oid"]}"',
+                "X-Linked-Etag": f'"{f["sha256"]}"', "X-Linked-Size": str(f["size"])})
+        return self._body(h, f, commit)
 
     @staticmethod
     def _as_sent(name: str, files: dict) -> dict | None:
@@ -345,10 +356,10 @@ class FakeHub:
         limit = count
         if fault and fault.kind in ("cut", "reset", "stall", "hold"):
             limit = min(fault.at, count)
-        sent = 0
         with open(f["full"], "rb") as fh:
             if fault is None and self.throttle_bps is None:
                 h.wfile.flush()
+                sent = 0
                 while sent < count:       # sendfile: the hub costs the client no CPU
                     n = sock.sendfile(fh, start + sent, count - sent)
                     if not n:
@@ -356,52 +367,62 @@ class FakeHub:
                     sent += n
                 return sent
             fh.seek(start)
-            t0 = time.monotonic()
-            step = 256 << 10
-            if self.throttle_bps:     # small steps, so a slow hub trickles instead of pausing
-                step = int(min(step, max(4096, self.throttle_bps / 20)))
-            while sent < limit:
-                block = fh.read(min(step, limit - sent))
-                if not block:
-                    break
-                if fault and fault.kind == "corrupt" and start + sent <= fault.at < \
-                        start + sent + len(block):
-                    i = fault.at - start - sent
-                    block = block[:i] + bytes([block[i] ^ 0xFF]) + block[i + 1:]
-                sock.sendall(block)
-                sent += len(block)
-                if self.throttle_bps:
-                    ahead = sent / self.throttle_bps - (time.monotonic() - t0)
-                    if ahead > 0:
-                        time.sleep(ahead)
+            sent = self._paced(sock, fh, start, limit, fault)
             if fault is None or fault.kind in ("ignore_range", "corrupt"):
                 return sent
-            if fault.kind == "hold":
-                assert fault.event is not None
-                fault.event.wait()          # then send the rest as if nothing happened
-                fh.seek(start + sent)
-                while sent < count:
-                    block = fh.read(min(1 << 20, count - sent))
-                    sock.sendall(block)
-                    sent += len(block)
-                return sent
-            if fault.kind == "stall":
-                time.sleep(fault.seconds)
-            h.close_connection = True
-            if fault.kind == "reset":     # SO_LINGER 0: close sends RST, not FIN
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                sock.close()
-            else:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            return self._fault_end(h, sock, fh, start, sent, count, fault)
+
+    def _paced(self, sock, fh, start: int, limit: int, fault: Fault | None) -> int:
+        """Up to `limit` bytes in small writes, throttled, one byte flipped for "corrupt"."""
+        sent, t0 = 0, time.monotonic()
+        step = 256 << 10
+        if self.throttle_bps:     # small steps, so a slow hub trickles instead of pausing
+            step = int(min(step, max(4096, self.throttle_bps / 20)))
+        while sent < limit:
+            block = fh.read(min(step, limit - sent))
+            if not block:
+                break
+            if fault and fault.kind == "corrupt" and start + sent <= fault.at < \
+                    start + sent + len(block):
+                i = fault.at - start - sent
+                block = block[:i] + bytes([block[i] ^ 0xFF]) + block[i + 1:]
+            sock.sendall(block)
+            sent += len(block)
+            if self.throttle_bps:
+                ahead = sent / self.throttle_bps - (time.monotonic() - t0)
+                if ahead > 0:
+                    time.sleep(ahead)
+        return sent
+
+    @staticmethod
+    def _fault_end(h, sock, fh, start: int, sent: int, count: int, fault: Fault) -> int:
+        """After the cut-off point: hold then finish, or stall / reset / close."""
+        if fault.kind == "hold":
+            assert fault.event is not None
+            fault.event.wait()          # then send the rest as if nothing happened
+            fh.seek(start + sent)
+            while sent < count:
+                block = fh.read(min(MiB, count - sent))
+                sock.sendall(block)
+                sent += len(block)
+            return sent
+        if fault.kind == "stall":
+            time.sleep(fault.seconds)
+        h.close_connection = True
+        if fault.kind == "reset":     # SO_LINGER 0: close sends RST, not FIN
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.close()
+        else:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         return sent
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m k3tui.hub.fakehub DIR --repo acme/m`: serve until killed."""
-    p = argparse.ArgumentParser(prog="python -m k3tui.hub.fakehub")
+    """`python -m k3tui.testing.fakehub DIR --repo acme/m`: serve until killed."""
+    p = argparse.ArgumentParser(prog="python -m k3tui.testing.fakehub")
     p.add_argument("folder")
     p.add_argument("--repo", default="acme/tiny")
     p.add_argument("--cdn", action="store_true", help="redirect LFS files to a second port")
@@ -410,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     hub = FakeHub(a.folder, a.repo, cdn=a.cdn, port=a.port)
     if a.throttle_mbps:
-        hub.throttle_bps = a.throttle_mbps * 1e6
+        hub.throttle_bps = a.throttle_mbps * MB
     print(f"endpoint {hub.endpoint}", flush=True)
     try:
         while True:

@@ -17,10 +17,10 @@ import math
 import shlex
 import textwrap
 from dataclasses import dataclass
+from k3tui.units import GiB
 
 ROUTES = ("rpc", "sglang", "vllm")
 
-GIB = 1024**3
 # Kimi-K3 facts (../shared/spec/kimi-k3.md): 24 MLA layers keep a latent KV cache of
 # 512 + 64 values per position per layer; 69 KDA layers keep a fixed 96 × 128 × 128 state.
 MLA_LAYERS, KDA_LAYERS = 24, 69
@@ -81,7 +81,7 @@ def rpc_sizing(
     """How many `node_gib` machines hold a `gguf_gib` GGUF resident (weights + cache)."""
     if gguf_gib <= 0 or node_gib <= reserve_gib or reserve_gib < 0 or ctx <= 0:
         raise ValueError("need gguf_gib > 0, node_gib > reserve_gib >= 0 and ctx > 0")
-    cache_gib = (ctx * KV_BYTES_PER_POS_F16 + KDA_STATE_BYTES_F32) / GIB
+    cache_gib = (ctx * KV_BYTES_PER_POS_F16 + KDA_STATE_BYTES_F32) / GiB
     need = gguf_gib + cache_gib
     usable = node_gib - reserve_gib
     return RpcSizing(

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from k3tui.errors import K3Error
-from k3tui.plan import GGUF_BYTES, SAFETENSORS_BYTES
+from k3tui.planning.plan import GGUF_BYTES, SAFETENSORS_BYTES
+from k3tui.units import GB
 
 HOURS_PER_DAY = 8.0
 TARGET_UTILISATION = 0.7
@@ -35,8 +36,8 @@ TARGET_UTILISATION = 0.7
 # real draw while decoding is lower, so power and energy figures are upper bounds.
 WATTS_PER_MACHINE = 240.0
 # Every machine keeps a whole checkpoint: the safetensors release (bundled engine).
-CHECKPOINT_GB = round(SAFETENSORS_BYTES / 1e9, 1)  # 1,560.9 GB, as `k3tui plan` says
-GGUF_GB = GGUF_BYTES / 1e9  # the IQ1_S GGUF llama-server runs (579.5 GB = 539.7 GiB)
+CHECKPOINT_GB = round(SAFETENSORS_BYTES / GB, 1)  # 1,560.9 GB, as `k3tui plan` says
+GGUF_GB = GGUF_BYTES / GB  # the IQ1_S GGUF llama-server runs (579.5 GB = 539.7 GiB)
 
 FORMULA = (
     "machines = ceil(users × requests_per_user_day × tokens_per_answer / tok_per_s"
@@ -329,7 +330,7 @@ def render_text(s: Sizing) -> str:
 
 
 def render_routes() -> str:
-    from k3tui.recipes import ROUTES, summary
+    from k3tui.planning.recipes import ROUTES, summary
 
     lines = ["Routes beyond one machine (k3tui connects to them as a remote backend):"]
     lines += [f"  {route:<7} {summary(route)}" for route in ROUTES]
@@ -415,7 +416,7 @@ def _recipe_params(args: argparse.Namespace, route: str) -> dict[str, float]:
 
 
 def _recipe_json(route: str, params: dict[str, float]) -> dict[str, Any]:
-    from k3tui.recipes import recipe
+    from k3tui.planning.recipes import recipe
 
     r = recipe(route, **params)
     return {
@@ -439,7 +440,7 @@ def main(args: argparse.Namespace) -> int:
     users = getattr(args, "users", None)
     params = _recipe_params(args, recipe) if recipe else {}
     if recipe and users is None:
-        from k3tui.recipes import render
+        from k3tui.planning.recipes import render
 
         if getattr(args, "json", False):
             print(json.dumps({"recipe": _recipe_json(recipe, params)}, indent=2))
@@ -497,7 +498,7 @@ def main(args: argparse.Namespace) -> int:
     print(render_text(sizing))
     print()
     if recipe:
-        from k3tui.recipes import render
+        from k3tui.planning.recipes import render
 
         print(render(recipe, **params))
     else:
