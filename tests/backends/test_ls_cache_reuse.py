@@ -7,20 +7,21 @@ from pathlib import Path
 
 from ls_helpers import real_binary
 
-from k3tui.backends import llama_server as ls
+from k3tui.backends.llama.binary import BinaryInfo, inspect_binary
+from k3tui.backends.llama.command import BASE_ARGS, LlamaCommand, build_command
 
 
-def _command(info: ls.BinaryInfo, tmp_path: Path) -> ls.LlamaCommand:
+def _command(info: BinaryInfo, tmp_path: Path) -> LlamaCommand:
     shard = tmp_path / "m.gguf"
     shard.write_bytes(b"GGUF")
-    return ls.build_command(info, [shard], plan_args=ls.BASE_ARGS, port=8080)
+    return build_command(info, [shard], plan_args=BASE_ARGS, port=8080)
 
 
 def test_ls_cache_reuse_only_when_the_binary_lists_it(tmp_path):
-    real = ls.inspect_binary(real_binary())
+    real = inspect_binary(real_binary())
     argv = _command(real, tmp_path).argv
     assert argv[argv.index("--cache-reuse") + 1] == "256"
-    older = ls.BinaryInfo(real.path, real.version, real.flags - {"--cache-reuse"},
+    older = BinaryInfo(real.path, real.version, real.flags - {"--cache-reuse"},
                           real.canonical, real.removed, real.envs)
     cmd = _command(older, tmp_path)
     assert "--cache-reuse" not in cmd.argv
