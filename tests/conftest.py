@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,11 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 # The reference fixtures are vendored, so a user's clone runs every exactness test.
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "kimi-k3"
+# Helper modules are imported by basename, and pytest's default import mode puts only a test
+# file's own folder on sys.path: these folders' helpers are used from other folders too
+# (tests/e2e, tests/k3tui). Test and helper basenames are unique across tests/.
+for _folder in ("k3tui/tui", "k3tui/backends", "k3tui/hub", "k3tui/probe"):
+    sys.path.insert(0, str(REPO / "tests" / _folder))
 
 
 @pytest.fixture(autouse=True)

@@ -5,10 +5,10 @@ distributed engine, then connects to it as a remote backend. Three routes, as th
 Spark study recommends: pool the memory of several machines with llama.cpp RPC (GGUF),
 or hold the safetensors checkpoint in data-centre GPUs with SGLang or vLLM.
 
-Every flag printed here is checked by `tests/remote/test_rmt_recipes.py`: llama.cpp's
+Every flag printed here is checked by `tests/k3tui/planning/test_recipes.py`: llama.cpp's
 against the `--help` of the llama-server and rpc-server binaries installed with the test
 extras, SGLang's and vLLM's against flag lists recorded from the released wheels named
-in `checked_against` (tests/remote/data/, written by tests/remote/record_flags.py).
+in `checked_against` (tests/k3tui/planning/data/, written by tests/k3tui/planning/record_flags.py).
 """
 
 from __future__ import annotations
@@ -241,7 +241,7 @@ def _sglang() -> Recipe:
         route="sglang",
         title="SGLang: the safetensors checkpoint on 2 nodes × 8 H200 (TP16 / EP16)",
         checked_against="sglang 0.5.23 (PyPI wheel; its server flags and the kimi_k3 "
-        "parsers recorded in tests/remote/data/sglang-0.5.23-flags.txt)",
+        "parsers recorded in tests/k3tui/planning/data/sglang-0.5.23-flags.txt)",
         sources=(
             (
                 "SGLang cookbook, Kimi-K3 page (docs/cookbook/autoregressive/Moonshotai/"
@@ -355,7 +355,7 @@ def _vllm() -> Recipe:
         route="vllm",
         title="vLLM: the safetensors checkpoint on 4 nodes × 8 H200 (TP8 × PP4)",
         checked_against="vllm 0.33.0 (PyPI wheel; registers KimiK3ForConditionalGeneration; "
-        "flags and kimi_k3 parsers recorded in tests/remote/data/"
+        "flags and kimi_k3 parsers recorded in tests/k3tui/planning/data/"
         "vllm-0.33.0-flags.txt)",
         sources=(
             (

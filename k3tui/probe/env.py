@@ -1,6 +1,6 @@
 """The seam every probe reads through: where /proc and /sys are, and which nvidia-smi to run.
 
-Tests point it at captured trees (tests/foundation/data/...) and a recorded nvidia-smi; the
+Tests point it at captured trees (tests/k3tui/probe/data/...) and a recorded nvidia-smi; the
 real machine uses the defaults.
 """
 

@@ -8,7 +8,6 @@ it, which closes the HTTP stream.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from collections.abc import AsyncIterator, Callable
@@ -26,17 +25,13 @@ from textual.worker import Worker, WorkerState
 
 from k3tui import clipboard
 from k3tui.backends.events import (
-    BackendError,
-    ContentDelta,
-    Finished,
-    ReasoningDelta,
     StreamEvent,
-    TokenStats,
-    Waiting,
 )
 from k3tui.history import History
 from k3tui.monitor import Monitor, Sample
 from k3tui.textsafe import clean
+from k3tui.tui.handler import AnswerHandler
+from k3tui.tui.session import ChatSession
 from k3tui.tui.stats import LatencyStats
 from k3tui.units import gb_amount
 from k3tui.tui.widgets.messages import AssistantMessage, UserMessage, code_blocks
@@ -47,7 +42,6 @@ from k3tui.tui.widgets.sparkline import terminal_is_ascii
 StreamFn = Callable[[list[dict[str, Any]]], AsyncIterator[StreamEvent]]
 ChatMessage = UserMessage | AssistantMessage
 NARROW = 100        # below this width the panes move under the chat
-SAVE_EVERY_S = 1.0  # how often a streaming answer is written to the history
 
 
 @dataclass
@@ -93,15 +87,17 @@ class ChatLog(VerticalScroll):
         super().watch_scroll_y(old_value, new_value)
         self.following = not self.held and new_value >= self.max_scroll_y - 2
 
-    def _size_updated(self, size: Any, virtual_size: Any, container_size: Any,
-                      layout: bool = True) -> bool:
-        # Every layout passes the content's (virtual) size here; Resize events only
-        # come when the widget's own region changes, not when an answer grows.
-        changed = virtual_size != self.virtual_size or size != self.size
-        result = super()._size_updated(size, virtual_size, container_size, layout)
-        if changed and self.following:
+    # The content's (virtual) size changes on a layout without a Resize event (those come
+    # only when the widget's own region changes): both keep a followed answer in view.
+    def watch_virtual_size(self) -> None:
+        self._keep_following()
+
+    def on_resize(self) -> None:
+        self._keep_following()
+
+    def _keep_following(self) -> None:
+        if self.following:
             self.scroll_end(animate=False, immediate=True)
-        return result
 
     def hold(self, held: bool) -> None:
         self.held = held
@@ -135,9 +131,9 @@ class ChatScreen(Screen):
         Binding("f6", "machine", "Machine", show=False, priority=True),
     ]
 
-    def __init__(self, conversation_id: int | None = None) -> None:
+    def __init__(self, session: ChatSession) -> None:
         super().__init__()
-        self.conversation_id = conversation_id
+        self.session = session
         self.stats = LatencyStats()
         self.k3: dict[str, Any] = {}
         self.last_sample: Sample | None = None
@@ -152,6 +148,14 @@ class ChatScreen(Screen):
         self.picked: ChatMessage | None = None   # the highlighted message (Ctrl+Up / Ctrl+Down)
         self._code_at: tuple[ChatMessage, int] | None = None  # the block Ctrl+G copied last
         self._prompt_at_pick = ""  # the prompt's text when the highlight moved
+
+    @property
+    def conversation_id(self) -> int | None:
+        return self.session.conversation_id
+
+    @conversation_id.setter
+    def conversation_id(self, value: int | None) -> None:
+        self.session.conversation_id = value
 
     @property
     def k3app(self) -> ChatApp:
@@ -203,22 +207,6 @@ class ChatScreen(Screen):
         await chat.mount_all(widgets)
         chat.follow()
 
-    def _request_messages(self) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        system = self.k3app.system_prompt
-        if system:
-            out.append({"role": "system", "content": system})
-        for m in self.k3app.history.messages(self.conversation_id or -1):
-            if m.role == "assistant" and (m.status in ("streaming", "error") or not m.content):
-                continue
-            msg = {"role": m.role, "content": m.content}
-            if m.role == "assistant" and m.reasoning:
-                # sent back as streamed, so the engine renders the turn as the ids it
-                # generated and resumes its kept state instead of prefilling it again
-                msg["reasoning_content"] = m.reasoning
-            out.append(msg)
-        return out
-
     @property
     def generating(self) -> bool:
         return self._gen is not None and self._gen.state in (WorkerState.PENDING,
@@ -232,13 +220,8 @@ class ChatScreen(Screen):
         if self.generating:
             self.notify("Still answering: press Esc to stop first.", severity="warning")
             return
-        history = self.k3app.history
-        if self.conversation_id is None:
-            title = " ".join(text.split())[:48]
-            self.conversation_id = history.new_conversation(
-                title, backend=self.k3app.backend.kind, model=self.k3app.backend.model)
-        # Committed before the request goes out: a crash from here on loses nothing typed.
-        history.add_message(self.conversation_id, "user", text)
+        backend = self.k3app.backend
+        self.session.add_prompt(text, backend=backend.kind, model=backend.model)
         prompt = self.query_one(Prompt)
         prompt.remember(text)
         prompt.text = ""
@@ -246,10 +229,8 @@ class ChatScreen(Screen):
         await self._start_answer()
 
     async def _start_answer(self) -> None:
-        assert self.conversation_id is not None
-        messages = self._request_messages()
-        self.current_id = self.k3app.history.add_message(self.conversation_id, "assistant", "",
-                                                         status="streaming")
+        messages = self.session.request_messages()
+        self.current_id = self.session.start_answer()
         self.clear_pick()
         self.current = AssistantMessage(classes="assistant")
         chat = self.query_one("#chat", ChatLog)
@@ -261,69 +242,24 @@ class ChatScreen(Screen):
 
     async def _generate(self, messages: list[dict[str, Any]], widget: AssistantMessage,
                         message_id: int) -> None:
-        history = self.k3app.history
-        status, note = "done", ""
-        last_save = time.monotonic()
-        stream = self.k3app.stream(messages)
-        try:
-            async for ev in stream:
-                if isinstance(ev, ContentDelta):
-                    await widget.add_content(ev.text)
-                elif isinstance(ev, ReasoningDelta):
-                    await widget.add_reasoning(ev.text)
-                elif isinstance(ev, TokenStats):
-                    self.stats.on_token(ev)
-                    if ev.k3:
-                        self.k3 = ev.k3
-                        self._learn_budget(ev.k3.get("budget_gb"))
-                elif isinstance(ev, Finished):
-                    self.stats.on_finished(ev)
-                    note = ev.note
-                    if ev.finish_reason == "length":
-                        note = note or "(stopped at the max_tokens limit)"
-                elif isinstance(ev, BackendError):
-                    status, note = "error", ev.message
-                    self._backend_failed(ev.message, ev.next_step)
-                    break
-                elif isinstance(ev, Waiting):
-                    widget.show_waiting(f"⏳ {ev.message}")
-                if time.monotonic() - last_save > SAVE_EVERY_S:
-                    last_save = time.monotonic()
-                    history.update_message(message_id, content=widget.content,
-                                           reasoning=widget.reasoning)
-        except asyncio.CancelledError:
-            status = "stopped"
-            raise
-        except Exception as exc:  # a client bug or a dropped connection: never a traceback
-            status, note = "error", f"{type(exc).__name__}: {exc}"
-            self._backend_failed(note, "")
-        finally:
-            try:
-                await stream.aclose()  # closes the HTTP stream, which stops the server
-            except Exception:
-                pass
-            history.update_message(message_id, content=widget.content,
-                                   reasoning=widget.reasoning, status=status,
-                                   meta=self._turn_meta())
-            await widget.finish(status, note)
-            self.refresh_panes(force=True)
-            self.turns_finished += 1
+        await self.session.consume(self.k3app.stream(messages), AnswerHandler(self, widget),
+                                   message_id)
 
-    def _learn_budget(self, budget_gb: Any) -> None:
+    def learn_budget(self, budget_gb: Any) -> None:
         """The engine reports the budget it runs under; the header shows it."""
         backend = self.k3app.backend
         if isinstance(budget_gb, (int, float)) and budget_gb > 0 and not backend.budget_gb:
             backend.budget_gb = float(budget_gb)
             self.query_one("#header", Static).update(backend.header())
 
-    def _turn_meta(self) -> dict[str, Any]:
+    def turn_meta(self) -> dict[str, Any]:
         snap = self.stats.snapshot()
         return {"tokens": snap.tokens, "ttft_ms": snap.ttft_ms,
                 "ms_per_token": snap.gen_ms_per_token, "p50_ms": snap.p50_ms,
                 "p95_ms": snap.p95_ms, "backend": self.k3app.backend.kind,
                 "model": self.k3app.backend.model}
 
-    def _backend_failed(self, message: str, next_step: str) -> None:
+    def backend_failed(self, message: str, next_step: str) -> None:
         """`message` is the server's words: never markup (a `[` must not end the chat)."""
         hint = f" {next_step}." if next_step else ""
         self.notify(clean(f"{message}.{hint} Your history is saved; press ctrl+r to retry."),
@@ -602,7 +538,7 @@ class ChatScreen(Screen):
 
 
 class ChatApp(App):
-    CSS_PATH = "k3tui.tcss"
+    CSS_PATH = "styles/k3tui.tcss"
     TITLE = "k3tui"
     ENABLE_COMMAND_PALETTE = False
 
@@ -643,7 +579,7 @@ class ChatApp(App):
         }))
 
     def get_default_screen(self) -> Screen:
-        return ChatScreen(self._conversation_id)
+        return ChatScreen(ChatSession(self.history, self._conversation_id, self.system_prompt))
 
     @property
     def chat(self) -> ChatScreen:

@@ -133,7 +133,7 @@ def test_stream_plan_auto_uses_available_memory():
 
 
 def _captured(kind: str) -> Roots:
-    root = Path(__file__).resolve().parents[2] / "foundation" / "data" / kind
+    root = Path(__file__).resolve().parents[2] / "k3tui" / "probe" / "data" / kind
     return Roots(proc=root / "proc", sys=root / "sys")
 
 

@@ -1,0 +1,57 @@
+"""Routes one answer's stream events (matched in `session.ChatSession.consume`) to the
+widgets: the answer's text and reasoning, the latency stats, the header's budget, notices."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from k3tui.backends.events import Finished, TokenStats
+from k3tui.tui.widgets.messages import AssistantMessage
+
+if TYPE_CHECKING:
+    from k3tui.tui.app import ChatScreen
+
+
+class AnswerHandler:
+    """The `AnswerView` of one answer on the chat screen."""
+
+    def __init__(self, screen: ChatScreen, widget: AssistantMessage) -> None:
+        self.screen = screen
+        self.widget = widget
+
+    @property
+    def content(self) -> str:
+        return self.widget.content
+
+    @property
+    def reasoning(self) -> str:
+        return self.widget.reasoning
+
+    async def add_content(self, text: str) -> None:
+        await self.widget.add_content(text)
+
+    async def add_reasoning(self, text: str) -> None:
+        await self.widget.add_reasoning(text)
+
+    def token(self, ev: TokenStats) -> None:
+        self.screen.stats.on_token(ev)
+        if ev.k3:
+            self.screen.k3 = ev.k3
+            self.screen.learn_budget(ev.k3.get("budget_gb"))
+
+    def finished(self, ev: Finished) -> None:
+        self.screen.stats.on_finished(ev)
+
+    def waiting(self, message: str) -> None:
+        self.widget.show_waiting(message)
+
+    def failed(self, message: str, next_step: str) -> None:
+        self.screen.backend_failed(message, next_step)
+
+    def turn_meta(self) -> dict[str, Any]:
+        return self.screen.turn_meta()
+
+    async def done(self, status: str, note: str) -> None:
+        await self.widget.finish(status, note)
+        self.screen.refresh_panes(force=True)
+        self.screen.turns_finished += 1

@@ -1,0 +1,123 @@
+"""One conversation's history and the consuming of one answer's stream. No Textual here.
+
+The screen gives `consume` an `AnswerView` (its handler for the stream's events: the
+answer widget and the panes) and the session does the rest: which history messages go
+into a request, committing the prompt before the request goes out, saving a streaming
+answer every `SAVE_EVERY_S`, and the turn's final status and note.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Protocol
+
+from k3tui.backends.events import (
+    BackendError,
+    ContentDelta,
+    Finished,
+    ReasoningDelta,
+    TokenStats,
+    Waiting,
+)
+from k3tui.history import History
+
+SAVE_EVERY_S = 1.0  # how often a streaming answer is written to the history
+
+
+class AnswerView(Protocol):
+    """Where one answer's events go; `content` / `reasoning` are what it holds so far."""
+
+    content: str
+    reasoning: str
+
+    async def add_content(self, text: str) -> None: ...
+    async def add_reasoning(self, text: str) -> None: ...
+    def token(self, ev: TokenStats) -> None: ...
+    def finished(self, ev: Finished) -> None: ...
+    def waiting(self, message: str) -> None: ...
+    def failed(self, message: str, next_step: str) -> None: ...
+    def turn_meta(self) -> dict[str, Any]: ...
+    async def done(self, status: str, note: str) -> None: ...
+
+
+class ChatSession:
+    def __init__(self, history: History, conversation_id: int | None = None,
+                 system_prompt: str = "") -> None:
+        self.history = history
+        self.conversation_id = conversation_id
+        self.system_prompt = system_prompt
+
+    def request_messages(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        if self.system_prompt:
+            out.append({"role": "system", "content": self.system_prompt})
+        for m in self.history.messages(self.conversation_id or -1):
+            if m.role == "assistant" and (m.status in ("streaming", "error") or not m.content):
+                continue
+            msg = {"role": m.role, "content": m.content}
+            if m.role == "assistant" and m.reasoning:
+                # sent back as streamed, so the engine renders the turn as the ids it
+                # generated and resumes its kept state instead of prefilling it again
+                msg["reasoning_content"] = m.reasoning
+            out.append(msg)
+        return out
+
+    def add_prompt(self, text: str, *, backend: str, model: str) -> None:
+        """Committed before the request goes out: a crash from here on loses nothing typed."""
+        if self.conversation_id is None:
+            title = " ".join(text.split())[:48]
+            self.conversation_id = self.history.new_conversation(title, backend=backend,
+                                                                 model=model)
+        self.history.add_message(self.conversation_id, "user", text)
+
+    def start_answer(self) -> int:
+        assert self.conversation_id is not None
+        return self.history.add_message(self.conversation_id, "assistant", "",
+                                        status="streaming")
+
+    async def consume(self, stream: Any, view: AnswerView,
+                      message_id: int) -> None:
+        """Feed `stream` to `view` until it ends, is cancelled ("stopped") or fails; then
+        close it, save the answer with its final status and tell the view (`done`)."""
+        status, note = "done", ""
+        last_save = time.monotonic()
+        try:
+            async for ev in stream:
+                match ev:
+                    case ContentDelta():
+                        await view.add_content(ev.text)
+                    case ReasoningDelta():
+                        await view.add_reasoning(ev.text)
+                    case TokenStats():
+                        view.token(ev)
+                    case Finished():
+                        view.finished(ev)
+                        note = ev.note
+                        if ev.finish_reason == "length":
+                            note = note or "(stopped at the max_tokens limit)"
+                    case BackendError():
+                        status, note = "error", ev.message
+                        view.failed(ev.message, ev.next_step)
+                        break
+                    case Waiting():
+                        view.waiting(f"⏳ {ev.message}")
+                if time.monotonic() - last_save > SAVE_EVERY_S:
+                    last_save = time.monotonic()
+                    self.history.update_message(message_id, content=view.content,
+                                                reasoning=view.reasoning)
+        except asyncio.CancelledError:
+            status = "stopped"
+            raise
+        except Exception as exc:  # a client bug or a dropped connection: never a traceback
+            status, note = "error", f"{type(exc).__name__}: {exc}"
+            view.failed(note, "")
+        finally:
+            try:
+                await stream.aclose()  # closes the HTTP stream, which stops the server
+            except Exception:
+                pass
+            self.history.update_message(message_id, content=view.content,
+                                        reasoning=view.reasoning, status=status,
+                                        meta=view.turn_meta())
+            await view.done(status, note)
