@@ -349,10 +349,11 @@ class Wizard:
         if self.forecast is not None:
             self.say(f"A forecast measured {self.forecast.date} under {self.forecast.dir} is "
                      "stored.")
-            if not self.confirm("Measure this machine again (about 15 s)?", default=False):
+            if not self.confirm("Measure this machine again (under a minute)?", default=False):
                 return
         elif not self.confirm("Measure what the real model would do on this machine before "
-                              "you download it (about 15 s, nothing downloaded)?", default=True):
+                              "you download it (under a minute, nothing downloaded)?",
+                              default=True):
             return
         where = next(p for p in (Path(directory), *Path(directory).parents) if p.is_dir())
         try:

@@ -37,7 +37,7 @@ def forecast(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="k3tui bench forecast",
         description="Forecast the real Kimi-K3's s/token and first-token time per preset on "
-                    "this machine from its measured parts (about 15 s, nothing downloaded).")
+                    "this machine from its measured parts (under a minute, nothing downloaded).")
     p.add_argument("--dir", metavar="PATH",
                    help="a folder on the disk where the model would live (default: the "
                         "config's model folder, else k3tui's home)")

@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "or the remote endpoint's test fails")
     parser.add_argument("--forecast", action="store_true",
                         help="with --yes: measure this machine's s/token for the real model "
-                             "first (about 15 s; otherwise a stored forecast is shown)")
+                             "first (under a minute; otherwise a stored forecast is shown)")
 
 
 def run(args: argparse.Namespace) -> int:
