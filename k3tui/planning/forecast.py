@@ -19,7 +19,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
 
 from k3tui.errors import K3Error
 from k3tui.paths import get_paths, private_dir
@@ -275,5 +275,3 @@ def plan_lines(preset: str) -> list[str]:
             + (" (--quick: toy sizes)" if fc.quick else ""),
             f"          {SAYS}; `k3tui bench forecast` shows every preset"]
 
-
-Measurer = Callable[[str], Forecast]
