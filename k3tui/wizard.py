@@ -125,8 +125,11 @@ class Wizard:
                  input: Any = None, output: Any = None, out: TextIO | None = None,
                  storage_probe: Callable[[str], StorageInfo] | None = None,
                  endpoint_checker: Callable[..., Any] | None = None,
-                 llama_binary: Callable[[str], str | None] = _llama_binary):
+                 llama_binary: Callable[[str], str | None] = _llama_binary,
+                 forecaster: Callable[[str], Any] | None = None):
         self.report = report
+        self.forecaster = forecaster  # folder -> Forecast; None: no measurement is offered
+        self.forecast: Any = None
         self.existing = existing or Config()
         self.io = {k: v for k, v in (("input", input), ("output", output)) if v is not None}
         self.out = out or sys.stdout
@@ -310,6 +313,8 @@ class Wizard:
         kept = [f"{f.level}: {f.message}" for f in storage if f.level == "blocker"]
 
         result = SetupResult(_configure(self.existing, kind, directory, plan), plan, notes=kept)
+        if kind == "safetensors":
+            self.ask_forecast(directory)
         self.ask_token(result)
         self.show_plan(plan)
         self.ask_override(result, plan)
@@ -331,6 +336,39 @@ class Wizard:
         if token:
             result.credentials["hf_token"] = token
 
+    def ask_forecast(self, directory: str) -> None:
+        """Before anything is downloaded: what the real model would do here, measured on this
+        machine's parts (k3tui/planning/forecast.py); shown beside each preset."""
+        from k3tui.planning import forecast as fc
+
+        self.forecast, why = fc.load_stored()
+        if why:
+            self.say(f"  note: {why}")
+        if self.forecaster is None:
+            return
+        if self.forecast is not None:
+            self.say(f"A forecast measured {self.forecast.date} under {self.forecast.dir} is "
+                     "stored.")
+            if not self.confirm("Measure this machine again (under a minute)?", default=False):
+                return
+        elif not self.confirm("Measure what the real model would do on this machine before "
+                              "you download it (under a minute, nothing downloaded)?",
+                              default=True):
+            return
+        where = next(p for p in (Path(directory), *Path(directory).parents) if p.is_dir())
+        try:
+            self.forecast = self.forecaster(str(where))
+            fc.store(self.forecast)
+        except K3Error as exc:
+            self.say(f"  no forecast: {exc}")
+            return
+        for line in fc.format_forecast(self.forecast):
+            self.say(f"  {line}")
+
+    def _measured(self, preset: str) -> str:
+        p = self.forecast.preset(preset) if self.forecast is not None else None
+        return f" | {p.brief()} — measured here" if p is not None else ""
+
     def show_plan(self, plan: Plan) -> None:
         self.say()
         self.say(f"Recommended backend: {plan.backend}: {plan.backend_reason}")
@@ -349,7 +387,8 @@ class Wizard:
         cfg = result.config
         if plan.backend == "bundled":
             choices = [(f"{p.name:<12} trunk {p.trunk_gb:>3g} + cache {p.cache_gb:>3g} GB, peak "
-                        f"~{p.peak_rss_gb:g} GB, {p.note}", p.name) for p in PRESETS.values()]
+                        f"~{p.peak_rss_gb:g} GB, {p.note}" + self._measured(p.name), p.name)
+                       for p in PRESETS.values()]
             choices.append(("auto         sized by the engine from free memory at start",
                             "auto"))
             choices.append(("custom       my own trunk and cache sizes", "custom"))

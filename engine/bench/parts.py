@@ -21,6 +21,9 @@ With `--json`, one object on stdout (a k3tui command consumes it), schema:
                 "first_token_s_by_prompt": {"50", "500"}, "prefill_expert_gb_by_prompt",
                 "peak_rss_gb", "gb_read_per_token"}], "note": str}
 `presets` is the real 93-layer model's forecast (engine.decode.forecast) per preset.
+Hidden `--quick` (for tests of the commands that consume this JSON): a 32 MB scratch file,
+1 MB "expert" reads and the tiny synth widths instead of the real ones, in a few seconds.
+Its figures are not the machine's; only the schema is the same (and "quick": true).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="size of the scratch file read back (default 1)")
     parser.add_argument("--tokens", type=int, default=2, help="timed tokens per layer")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    parser.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)
 
 
 def log(msg: str) -> None:
@@ -118,14 +122,14 @@ def measure_disk(folder: Path, scratch_bytes: int, expert_bytes: int, top_k: int
 
 
 # ---- compute ------------------------------------------------------------------------------
-def measure_compute(tokens: int) -> dict[str, Any]:
+def measure_compute(tokens: int, widths: dict[str, Any] | None = None) -> dict[str, Any]:
     from engine import kernels
     from engine.bench.forward import REAL_WIDTHS, BenchSource, _Filler, time_layer, time_mxfp4
     from engine.checkpoint.schema import expected_tensors
     from engine.model.config import ModelConfig
     from engine.model.transformer import Model
 
-    cfg = ModelConfig.from_dict(REAL_WIDTHS)
+    cfg = ModelConfig.from_dict(widths or REAL_WIDTHS)
     rng = np.random.default_rng(2)
     src = BenchSource(cfg, pool=3 * cfg.num_experts_per_token)
     fill = _Filler(3)
@@ -175,18 +179,22 @@ def preset_forecasts(parts_json: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def measure(folder: Path, scratch_gb: float, tokens: int) -> dict[str, Any]:
+def measure(folder: Path, scratch_gb: float, tokens: int, quick: bool = False) -> dict[str, Any]:
     from engine.bench.forward import copy_bandwidth
+    from engine.checkpoint.synth import flat_config
     from engine.weights.plan_cli import geometry_from_config, real_config
 
     g = geometry_from_config(real_config())
-    res: dict[str, Any] = {"schema": 1, "load_average": list(os.getloadavg())}
+    expert, top_k, run = g.expert_bytes, g.top_k, max(g.layer_bytes[1:])
+    if quick:  # the schema at toy cost: for tests of the consumers, not a measurement
+        scratch_gb, expert, top_k, run = 0.032, 1 << 20, 4, 8 << 20
+    res: dict[str, Any] = {"schema": 1, "quick": quick, "load_average": list(os.getloadavg())}
     log(f"disk under {folder}: {scratch_gb:g} GB scratch file, trunk runs and expert reads ...")
-    res["disk"] = measure_disk(folder, int(scratch_gb * GB), g.expert_bytes, g.top_k, 8,
-                               max(g.layer_bytes[1:]))
-    log("compute: real-width KDA-MoE, MLA-MoE, dense layer 0 and head ...")
-    res["compute"] = measure_compute(tokens)
-    res["memory_bandwidth_gb_per_s"] = copy_bandwidth(0.5) / GB
+    res["disk"] = measure_disk(folder, int(scratch_gb * GB), expert, top_k, 8, run)
+    log("compute: " + ("tiny" if quick else "real") + "-width KDA-MoE, MLA-MoE, dense layer 0 "
+        "and head ...")
+    res["compute"] = measure_compute(tokens, flat_config("tiny") if quick else None)
+    res["memory_bandwidth_gb_per_s"] = copy_bandwidth(0.05 if quick else 0.5) / GB
     res["presets"] = preset_forecasts(res)
     res["load_average_after"] = list(os.getloadavg())
     res["note"] = NOTE
@@ -203,7 +211,7 @@ def main(args: argparse.Namespace) -> int:
         print("error: --scratch-gb must be 0.1 to 64 and --tokens at least 1.", file=sys.stderr)
         return 2
     try:
-        res = measure(folder, args.scratch_gb, args.tokens)
+        res = measure(folder, args.scratch_gb, args.tokens, args.quick)
     except OSError as exc:
         print(f"error: cannot measure the disk under {folder} ({exc.strerror or exc}); "
               "check it is writable and has space.", file=sys.stderr)

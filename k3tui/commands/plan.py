@@ -9,7 +9,6 @@ import argparse
 import json
 
 
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from k3tui.probe.report import list_profiles
 
@@ -51,8 +50,16 @@ def run(args: argparse.Namespace) -> int:
         kwargs = {"ctx_size": cfg.llama_server.ctx_size,
                   "reasoning_budget": cfg.llama_server.reasoning_budget}
     plan = make_plan(report, kind, **kwargs)
+    # a stored forecast measured this machine: not a profile's, and not llama-server's
+    here = not args.machine and plan.backend == "bundled"
     if args.json:
-        print(json.dumps({"machine": report.to_dict(), "plan": plan.to_dict()}, indent=2))
+        out = {"machine": report.to_dict(), "plan": plan.to_dict()}
+        if here:
+            from k3tui.planning.forecast import load_stored
+
+            stored = load_stored()[0]
+            out["forecast"] = stored.to_dict() if stored else None
+        print(json.dumps(out, indent=2))
     else:
         import shutil
         import sys
@@ -60,5 +67,10 @@ def run(args: argparse.Namespace) -> int:
         from k3tui.planning.plan import fit_to_width
 
         width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None
-        print(fit_to_width(format_plan(plan, report), width))
+        lines = None
+        if here:
+            from k3tui.planning.forecast import plan_lines
+
+            lines = plan_lines(plan.preset)
+        print(fit_to_width(format_plan(plan, report, lines), width))
     return 0

@@ -30,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true",
                         help="with --yes: save even when the plan has blockers (e.g. disk) "
                              "or the remote endpoint's test fails")
+    parser.add_argument("--forecast", action="store_true",
+                        help="with --yes: measure this machine's s/token for the real model "
+                             "first (under a minute; otherwise a stored forecast is shown)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,14 +53,39 @@ def run(args: argparse.Namespace) -> int:
     report.description = f"this machine ({report.hostname})"
     from k3tui import wizard
 
+    from k3tui.planning import forecast
+
     if interactive:
-        return run_interactive(report, base)
+        return run_interactive(report, base, forecaster=forecast.measure)
     result = wizard.answers_from_flags(
         report, base, model=args.model, backend=args.backend, preset=args.preset,
         model_dir=args.model_dir, remote_url=args.remote_url, api_key_env=args.api_key_env,
         force=args.force)
+    if result.config.model.kind == "safetensors":
+        result.notes += forecast_notes(result.config, measure=args.forecast)
     wizard.apply(result)
     return 0
+
+
+def forecast_notes(cfg, *, measure: bool) -> list[str]:
+    """`--yes`: the forecast for the chosen preset, measured now (`--forecast`) or stored."""
+    from pathlib import Path
+
+    from k3tui.planning import forecast
+
+    if measure:
+        d = Path(cfg.model.dir)
+        fc = forecast.measure(next(p for p in (d, *d.parents) if p.is_dir()))
+        forecast.store(fc)
+    else:
+        fc, why = forecast.load_stored()
+        if fc is None:
+            return [f"forecast: {why or 'none measured yet: ' + forecast.HOW} (or add --forecast)"]
+    p = fc.preset(cfg.engine.preset)
+    if p is None:
+        return [f"forecast: none for the {cfg.engine.preset} preset (`k3tui bench forecast` "
+                "shows the named presets)"]
+    return [f"forecast: {p.name} {p.brief()} — measured here {fc.date} ({forecast.SAYS})"]
 
 
 def run_interactive(report, base, *, installer=None, **wizard_kwargs) -> int:

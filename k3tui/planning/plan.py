@@ -219,7 +219,8 @@ def _plan_bundled(report: MachineReport, plan: Plan) -> None:
     plan.preset_reason = (f"{preset.name} (trunk {preset.trunk_gb:g} GB, cache "
                           f"{preset.cache_gb:g} GB, peak ~{preset.peak_rss_gb:g} GB): "
                           f"{usable / GB:.1f} GB usable of {report.memory.total_bytes / GB:.1f} GB "
-                          f"RAM (= {gib(report.memory.total_bytes)}); {preset.note}")
+                          f"RAM (= {gib(report.memory.total_bytes)}); {preset.note} "
+                          "(the C peer's figure, on its machine)")
     if usable < MIN_USABLE_BYTES:
         plan.findings.append(Finding(
             "blocker", "memory_floor",
@@ -364,7 +365,9 @@ def describe_machine(report: MachineReport) -> list[str]:
     return lines
 
 
-def format_plan(plan: Plan, report: MachineReport) -> str:
+def format_plan(plan: Plan, report: MachineReport, forecast: list[str] | None = None) -> str:
+    """`forecast`: the lines of this machine's measured forecast (k3tui/planning/forecast.py),
+    shown under the preset."""
     out = []
     title = report.description or report.source
     out.append(f"Machine: {title}")
@@ -374,6 +377,7 @@ def format_plan(plan: Plan, report: MachineReport) -> str:
     if plan.backend == "bundled":
         out.append(f"Preset:  {plan.preset_reason}")
         out.append(f"Threads: {plan.threads}")
+        out += forecast or []
     if plan.backend == "llama-server":
         from k3tui.backends.llama.command import planned_command
 

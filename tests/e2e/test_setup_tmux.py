@@ -54,6 +54,8 @@ def test_setup_in_tmux(tmp_path, _isolated_home, cancel):
         if "Choose another folder?" in screen:  # this VM's disk is far below 1.56 TB
             assert "not enough disk" in screen
             _tmux("send-keys", "-t", session, "n")
+        _wait_for(session, "Measure what the real model would do")  # not now: under a minute
+        _tmux("send-keys", "-t", session, "n")
         _wait_for(session, "Hugging Face token")
         _tmux("send-keys", "-t", session, "Enter")
         _wait_for(session, "Engine memory preset:")

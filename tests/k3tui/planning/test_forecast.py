@@ -1,0 +1,144 @@
+"""`k3tui bench forecast`, the stored forecast in `k3tui plan` and `k3tui setup`: real runs of
+the CLI, which runs the engine's real `bench parts` as a subprocess at its toy size (--quick:
+a 32 MB scratch file and the tiny synth widths, a few seconds)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+from prompt_toolkit.input import create_pipe_input
+from prompt_toolkit.output.plain_text import PlainTextOutput
+
+from k3tui.commands.setup import run_interactive
+from k3tui.config import Config, load_config
+from k3tui.paths import get_paths
+from k3tui.planning import forecast
+from k3tui.probe import load_report
+
+KEYS = {"name", "fits", "s_per_token", "bound", "first_token_s"}
+
+
+def k3(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "k3tui", *args], capture_output=True,
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+                          env=dict(os.environ))
+
+
+def test_bench_forecast_json_is_stored_and_plan_shows_it(tmp_path):
+    before = k3("plan", "--model", "safetensors")
+    assert before.returncode == 0, before.stderr
+    assert "Forecast: none measured yet: `k3tui bench forecast`" in before.stdout
+
+    res = k3("bench", "forecast", "--json", "--quick", "--dir", str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    names = [p["name"] for p in out["presets"]]
+    assert names[:4] == ["laptop", "desktop", "workstation", "server"]
+    for p in out["presets"]:
+        assert KEYS <= p.keys() and isinstance(p["fits"], bool)
+        assert p["bound"] in ("disk", "compute") and p["s_per_token"] > 0
+    assert "not a measurement of the real model" in out["note"]
+    assert "disk under" in res.stderr  # the engine's progress, relayed
+    assert list(tmp_path.iterdir()) == []  # its scratch file is gone
+
+    path = get_paths().bench_dir / "forecast.json"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    stored = json.loads(path.read_text())
+    assert stored["dir"] == str(tmp_path) and stored["date"] and stored["machine"]["cores"] >= 1
+
+    plan = k3("plan", "--model", "safetensors")
+    assert plan.returncode == 0, plan.stderr
+    line = next(ln for ln in plan.stdout.splitlines() if ln.startswith("Forecast:"))
+    preset = stored["presets"][0]  # this box plans laptop or bigger; find what it printed
+    chosen = next(p for p in stored["presets"] if f"Forecast: {p['name']} " in line)
+    assert f"~{chosen['s_per_token']:.3g} s/token ({chosen['bound']}-bound)" in line
+    assert "first token ~" in line and f"under {tmp_path}" in line and preset
+    assert "the C peer's figure" in plan.stdout  # the old table, labelled
+    assert json.loads(k3("plan", "--json", "--model", "safetensors").stdout)["forecast"][
+        "dir"] == str(tmp_path)
+
+    text = k3("bench", "forecast", "--quick", "--dir", str(tmp_path))
+    assert text.returncode == 0, text.stderr
+    assert "laptop" in text.stdout and "first token" in text.stdout
+    assert "forecast from measured parts of this machine" in text.stdout
+
+
+def test_a_missing_dir_is_one_clear_error_and_exit_2(tmp_path):
+    res = k3("bench", "forecast", "--quick", "--dir", str(tmp_path / "nope"))
+    assert res.returncode == 2
+    assert res.stderr.startswith(f"k3tui: {tmp_path / 'nope'} is not a folder")
+    assert "Traceback" not in res.stderr and res.stdout == ""
+    assert not (get_paths().bench_dir / "forecast.json").exists()
+
+
+def test_a_failed_measurement_says_why_once():
+    res = k3("bench", "forecast", "--quick", "--dir", "/proc")  # a folder no one can write in
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert res.stderr.count("cannot measure the disk under /proc") == 1
+    assert "k3tui: the measurement under /proc failed" in res.stderr
+    assert not (get_paths().bench_dir / "forecast.json").exists()
+
+
+@pytest.mark.parametrize("body", [
+    "not json", "[]", '{"date": "x", "dir": "d", "presets": []}',
+    '{"date": "x", "dir": "d", "disk_gb_per_s": {"sequential": 1, "experts": 1}, "presets": '
+    '[{"name": "laptop\\u001b[2J", "fits": true, "bound": "disk", "s_per_token": 1}]}',
+    '{"date": "x", "dir": "d", "disk_gb_per_s": {"sequential": 1, "experts": 1}, "presets": '
+    '[{"name": "laptop", "fits": true, "bound": "disk", "s_per_token": "NaN"}]}',
+])
+def test_a_damaged_stored_forecast_is_named_not_shown(body):
+    path = get_paths().bench_dir / "forecast.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(body)
+    res = k3("plan", "--model", "safetensors")
+    assert res.returncode == 0 and "Traceback" not in res.stderr
+    assert f"the stored forecast {path} cannot be read" in res.stdout
+    assert "\x1b" not in res.stdout
+    assert path.read_text() == body  # the user's file is left as it was
+
+
+def test_the_wizard_measures_and_shows_the_forecast_beside_each_preset(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no Hugging Face login
+    report = load_report("laptop-8g")
+    calls = []
+
+    def measure(folder):
+        calls.append(folder)
+        return forecast.measure(folder, quick=True)
+
+    screen, out = io.StringIO(), io.StringIO()
+    # checkpoint, folder, "measure?" yes, no token, the recommended preset, write it
+    with create_pipe_input() as inp:
+        inp.send_text("\r" + "\r" + "y" + "\r" + "\r" + "y")
+        rc = run_interactive(report, Config(), input=inp, output=PlainTextOutput(screen),
+                             out=out, forecaster=measure,
+                             storage_probe=lambda d: report.storage, llama_binary=lambda c: None)
+    assert rc == 0, out.getvalue()
+    assert len(calls) == 1  # the default folder does not exist yet: its nearest parent is measured
+    assert os.path.isdir(calls[0]) and str(get_paths().models_dir / "Kimi-K3").startswith(calls[0])
+    text = " ".join(out.getvalue().split())
+    assert "not a measurement of the real model" in text and "first token" in text
+    stored = forecast.load_stored()[0]
+    laptop = stored.preset("laptop")
+    shown = "".join(screen.getvalue().split())  # the choice, wrapped at 80 columns
+    beside = f"laptop trunk 3 + cache 1 GB, peak ~8.2 GB, the floor, ~27 s/token | " \
+             f"{laptop.brief()} — measured here"
+    assert "".join(beside.split()) in shown
+    assert load_config().engine.preset == "laptop"
+
+
+def test_setup_yes_shows_a_stored_forecast(tmp_path):
+    res = k3("setup", "--yes", "--model-dir", str(tmp_path), "--preset", "laptop", "--force")
+    assert res.returncode == 0, res.stderr
+    assert "forecast: none measured yet" in res.stdout and "--forecast" in res.stdout
+    assert k3("bench", "forecast", "--quick", "--dir", str(tmp_path)).returncode == 0
+    res = k3("setup", "--yes", "--model-dir", str(tmp_path), "--preset", "laptop", "--force")
+    assert res.returncode == 0, res.stderr
+    laptop = forecast.load_stored()[0].preset("laptop")
+    assert f"forecast: laptop {laptop.brief()} — measured here" in res.stdout
