@@ -50,7 +50,7 @@ def test_setup_in_tmux(tmp_path, _isolated_home, cancel):
         _tmux("send-keys", "-t", session, "Enter")  # the recommendation (no GPU: safetensors)
         _wait_for(session, "Where should the checkpoint go?")
         _tmux("send-keys", "-t", session, "Enter")
-        screen = _wait_for(session, "Choose another folder?", "Hugging Face token")
+        screen = _wait_for(session, "Choose another folder?", "Measure what the real model")
         if "Choose another folder?" in screen:  # this VM's disk is far below 1.56 TB
             assert "not enough disk" in screen
             _tmux("send-keys", "-t", session, "n")
