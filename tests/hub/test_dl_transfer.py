@@ -221,6 +221,20 @@ def test_dl_whole_chunks_are_written_o_direct(hub, repo_dir, tmp_path, monkeypat
     assert sum(direct.values()) == whole - CHUNK_BYTES   # the chunk the cut split: buffered
 
 
+def test_dl_without_a_listener_runs_no_ticker(hub, tmp_path, monkeypatch):
+    """No on_progress: no progress thread, so the return is not held up to space a last
+    event nobody receives (it cost a download up to one tick, 0.1 s)."""
+    from k3tui.hub.progress import Ticker
+
+    started, real_enter = [], Ticker.__enter__
+    monkeypatch.setattr(Ticker, "__enter__", lambda self: started.append(self) or real_enter(self))
+    _, res = fetch(hub, tmp_path / "out")
+    assert res.ok and not started
+    res = download(fetch_snapshot(REPO_ID), tmp_path / "again", opts=Options(**FAST),
+                   on_progress=lambda ev: None, log=lambda m: None)
+    assert res.ok and len(started) == 1     # a listener still gets its ticker
+
+
 def test_dl_space_preflight_refuses_with_numbers(hub, tmp_path, monkeypatch):
     from k3tui.hub import sync as dl
 
