@@ -182,7 +182,9 @@ class Sync:
         self.client = httpx.Client(timeout=timeout, follow_redirects=True,
                                    limits=httpx.Limits(max_connections=2 * max(1, workers)))
         try:
-            with Ticker(self.progress, on_progress or (lambda event: None), max_hz=max_hz):
+            # no listener, no ticker: its rate-limited last event would hold up the return
+            with (Ticker(self.progress, on_progress, max_hz=max_hz) if on_progress
+                  else contextlib.nullcontext()):
                 self._run_workers(max(1, workers))
         finally:
             self.client.close()

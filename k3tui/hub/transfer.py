@@ -5,8 +5,11 @@ deletes partials on some errors, gives up at once on a reset or a 503 and trusts
 on disk (see shared notes, part A). Here:
 
 * bytes go to `.k3tui/partial/<name>.part` in CHUNK_BYTES writes; a sidecar says which
-  content they belong to. After a kill the rerun asks `Range: bytes=<part size>-`, so at
-  most one chunk (the one being filled) is fetched twice.
+  content they belong to. Whole chunks (at multiples of CHUNK_BYTES) are copied into a
+  page-aligned buffer and written with O_DIRECT: no page-cache copy, no writeback left for
+  the final fdatasync, no cache growth; the rest (a file's tail, a resumed odd offset, a
+  filesystem without O_DIRECT) is written buffered. After a kill the rerun asks
+  `Range: bytes=<part size>-`, so at most one chunk (the one being filled) is fetched twice.
 * after a transport error the pending chunk is written first, so an in-process retry
   re-sends nothing.
 * the digest is computed while streaming in a helper thread (hashlib releases the GIL);
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import math
+import mmap
 import os
 import queue
 import random
@@ -38,6 +42,8 @@ DROP_CACHE_EVERY = 64 << 20       # start writeback / drop cache of written rang
 SIDECAR_EVERY_S = 2.0
 
 MAX_PIECES = 512                  # well under IOV_MAX (1024)
+ALIGN = 4096                      # O_DIRECT offsets and lengths (CHUNK_BYTES is a multiple)
+BUFFERS = 4                       # aligned chunk buffers per file: written, being hashed
 
 pwritev = os.pwritev              # the write seam (tests inject ENOSPC here)
 
@@ -126,19 +132,22 @@ class CorruptAtHub(Exception):
 class _HashThread:
     """Feeds chunks to a hasher on another thread so hashing overlaps receiving."""
 
-    def __init__(self, hasher):
-        self.hasher = hasher
+    def __init__(self, hasher, done: queue.Queue):
+        self.hasher, self._done = hasher, done   # `done` gets back each fed buffer once hashed
         self._q: queue.Queue = queue.Queue(maxsize=16)
         self._t = threading.Thread(target=self._run, name="hash", daemon=True)
         self._t.start()
 
     def _run(self) -> None:
-        while (pieces := self._q.get()) is not None:
+        while (item := self._q.get()) is not None:
+            pieces, buf = item
             for piece in pieces:
                 self.hasher.update(piece)
+            if buf is not None:
+                self._done.put(buf)
 
-    def feed(self, pieces: list[bytes]) -> None:
-        self._q.put(pieces)
+    def feed(self, pieces: list, buf=None) -> None:
+        self._q.put((pieces, buf))
 
     def hexdigest(self) -> str:
         self._q.put(None)
@@ -195,6 +204,9 @@ class FileFetch:
         self.have = 0
         self.hasher: _HashThread | None = None
         self.fd = -1
+        self.dfd = -1                     # the same partial opened O_DIRECT, or -1
+        self._buffers: queue.Queue = queue.Queue()    # aligned buffers back from hashing
+        self._made = 0
         self._dropped_at = 0
         self._sidecar_t = 0.0
         self.etag = ""
@@ -224,6 +236,7 @@ class FileFetch:
             self.progress.reset_file(rf.name)
             self.progress.initial_bytes(rf.name, keep)
         self.fd = os.open(self.part, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        self.dfd = _reopen_direct(self.fd)
         try:
             for attempt in range(2):  # a digest mismatch restarts the file once
                 self._open_partial(keep)
@@ -248,9 +261,10 @@ class FileFetch:
             raise FileFailed(f"{rf.name} arrived corrupt twice, with a different digest each "
                              "time (damaged in transit); rerun to fetch it again")
         finally:
-            if self.fd >= 0:
-                os.close(self.fd)
-                self.fd = -1
+            for fd in (self.fd, self.dfd):
+                if fd >= 0:
+                    os.close(fd)
+            self.fd = self.dfd = -1
 
     def _set_aside(self, digest: str) -> None:
         """Move the corrupt partial to `.k3tui/corrupt/` and remember it arrived twice."""
@@ -277,7 +291,7 @@ class FileFetch:
             self.progress.status(self.rf.name, "verifying")   # re-hash the prefix, once
             if hash_file(self.part, h, keep, self.stop) != keep:
                 raise Cancelled()
-        self.hasher = _HashThread(h)
+        self.hasher = _HashThread(h, self._buffers)
         self.store.write_sidecar(self.rf, self.snap.commit, keep)
 
     def _fetch_all(self) -> None:
@@ -381,7 +395,11 @@ class FileFetch:
                     raise _BadResponse("server sent more bytes than the file has")
                 pieces.append(piece)
                 n += len(piece)
-                if n >= CHUNK_BYTES or len(pieces) >= MAX_PIECES:
+                want = CHUNK_BYTES - self.have % CHUNK_BYTES   # up to the next chunk boundary
+                if n >= want:
+                    self._write(_head(pieces, want), want)
+                    pieces, n = _tail(pieces, want), n - want
+                elif len(pieces) >= MAX_PIECES:
                     self._write(pieces, n)
                     pieces, n = [], 0
         finally:
@@ -390,21 +408,55 @@ class FileFetch:
 
     def _write(self, pieces: list[bytes], n: int) -> None:
         """Write the pieces at `have`, hash them, count them. ENOSPC keeps what fit."""
+        buf = None
+        if self.dfd >= 0 and self.have % ALIGN == 0 and n % ALIGN == 0:
+            buf = self._buffer()
+            pos = 0
+            for piece in pieces:
+                buf[pos:pos + len(piece)] = piece
+                pos += len(piece)
+            pieces = [buf[:n]]
         written = 0
         try:
             while written < n:
-                written += pwritev(self.fd, _tail(pieces, written), self.have + written)
+                written += self._pwrite(_tail(pieces, written), self.have + written)
         except OSError as exc:
             if written:
-                self._accept(_head(pieces, written), written)
+                self._accept(_head(pieces, written), written, buf)
+                buf = None
+            if buf is not None:
+                self._buffers.put(buf)
             if is_disk_full(exc):
                 self.store.write_sidecar(self.rf, self.snap.commit, self.have, self.etag)
                 raise DiskFull(str(exc)) from None
             raise
-        self._accept(pieces, n)
+        self._accept(pieces, n, buf)
 
-    def _accept(self, pieces: list[bytes], n: int) -> None:
-        self.hasher.feed(pieces)
+    def _buffer(self) -> memoryview:
+        """An aligned chunk buffer the hash thread is done with (BUFFERS per file)."""
+        try:
+            return self._buffers.get_nowait()
+        except queue.Empty:
+            if self._made < BUFFERS:
+                self._made += 1
+                return memoryview(mmap.mmap(-1, CHUNK_BYTES))   # page-aligned
+            return self._buffers.get()
+
+    def _pwrite(self, pieces: list, offset: int) -> int:
+        """O_DIRECT when the write is aligned, else buffered; a filesystem that refuses
+        our O_DIRECT write (EINVAL) gets buffered writes from then on."""
+        if self.dfd >= 0 and offset % ALIGN == 0 and sum(map(len, pieces)) % ALIGN == 0:
+            try:
+                return pwritev(self.dfd, pieces, offset)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                os.close(self.dfd)
+                self.dfd = -1
+        return pwritev(self.fd, pieces, offset)
+
+    def _accept(self, pieces: list, n: int, buf=None) -> None:
+        self.hasher.feed(pieces, buf)
         self.have += n
         self.progress.add(self.rf.name, n)
         if self.have - self._dropped_at >= DROP_CACHE_EVERY:
@@ -426,6 +478,17 @@ class FileFetch:
         st = final.stat()
         self.store.record(rf.name, st.st_size, st.st_mtime_ns, digest, self.snap.commit)
         self.progress.status(rf.name, "done")
+
+
+def _reopen_direct(fd: int) -> int:
+    """The file open on `fd` opened again for O_DIRECT writes (the same inode, not the path
+    again); -1 where the platform or filesystem has no O_DIRECT."""
+    if not hasattr(os, "O_DIRECT"):
+        return -1
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_DIRECT)
+    except OSError:
+        return -1
 
 
 class _BadResponse(Exception):

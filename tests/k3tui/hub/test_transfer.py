@@ -190,6 +190,51 @@ def test_dl_enospc_keeps_partial_then_resumes(hub, repo_dir, tmp_path, monkeypat
     assert sent == total - (2 * CHUNK_BYTES + 1000)   # nothing that reached the disk again
 
 
+def test_dl_whole_chunks_are_written_o_direct(hub, repo_dir, tmp_path, monkeypatch):
+    """Whole chunks go to an O_DIRECT descriptor (no page-cache copy, nothing left for the
+    final fdatasync); only each file's tail is buffered. Also after a cut mid-chunk, whose
+    odd resume offset is written buffered up to the next chunk boundary."""
+    import fcntl
+
+    probe = tmp_path / "probe"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT))
+    except (AttributeError, OSError):
+        pytest.skip("this filesystem has no O_DIRECT")
+    real, direct = os.pwritev, {}
+
+    def counting_pwritev(fd, pieces, offset):
+        n = real(fd, pieces, offset)
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            assert offset % CHUNK_BYTES == 0 and n == CHUNK_BYTES   # whole aligned chunks
+            direct[fd] = direct.get(fd, 0) + n
+        return n
+
+    monkeypatch.setattr(transfer, "pwritev", counting_pwritev)
+    hub.faults[BIG] = [Fault.cut(CHUNK_BYTES + 12_345)]
+    out = tmp_path / "out"
+    _, res = fetch(hub, out, workers=1)
+    assert res.ok, res
+    same_tree(repo_dir, out)
+    sizes = [p.stat().st_size for p in repo_dir.rglob("*") if p.is_file()]
+    whole = sum(s // CHUNK_BYTES for s in sizes) * CHUNK_BYTES
+    assert sum(direct.values()) == whole - CHUNK_BYTES   # the chunk the cut split: buffered
+
+
+def test_dl_without_a_listener_runs_no_ticker(hub, tmp_path, monkeypatch):
+    """No on_progress: no progress thread, so the return is not held up to space a last
+    event nobody receives (it cost a download up to one tick, 0.1 s)."""
+    from k3tui.hub.progress import Ticker
+
+    started, real_enter = [], Ticker.__enter__
+    monkeypatch.setattr(Ticker, "__enter__", lambda self: started.append(self) or real_enter(self))
+    _, res = fetch(hub, tmp_path / "out")
+    assert res.ok and not started
+    res = download(fetch_snapshot(REPO_ID), tmp_path / "again", opts=Options(**FAST),
+                   on_progress=lambda ev: None, log=lambda m: None)
+    assert res.ok and len(started) == 1     # a listener still gets its ticker
+
+
 def test_dl_space_preflight_refuses_with_numbers(hub, tmp_path, monkeypatch):
     from k3tui.hub import sync as dl
 
