@@ -135,15 +135,17 @@ class ChatScreen(Screen):
         Binding("f6", "machine", "Machine", show=False, priority=True),
     ]
 
-    def __init__(self, conversation_id: int | None = None) -> None:
+    def __init__(self, conversation_id: int | None = None, new: bool = False) -> None:
         super().__init__()
         self.conversation_id = conversation_id
+        self.new = new  # start empty instead of opening the most recent conversation
         self.stats = LatencyStats()
         self.k3: dict[str, Any] = {}
         self.last_sample: Sample | None = None
         self._shown_version = -1
         self._shown_at = 0.0
         self._gen: Worker | None = None
+        self._esc_stopped = False  # Esc cancelled the answer (else the app quitting did)
         self.current: AssistantMessage | None = None
         self.current_id: int | None = None
         self.turns_finished = 0
@@ -171,7 +173,8 @@ class ChatScreen(Screen):
     async def on_mount(self) -> None:
         app = self.k3app
         self.set_class(self.app.size.width < NARROW, "narrow")
-        await self.load_conversation(self.conversation_id)
+        if not self.new:
+            await self.load_conversation(self.conversation_id)
         if app.sample_hz > 0:
             self.set_interval(1 / app.sample_hz, self.sample_now)
         self.set_interval(0.25, self.refresh_panes)
@@ -256,6 +259,7 @@ class ChatScreen(Screen):
         await chat.mount(self.current)
         chat.follow()  # sending a prompt jumps to the bottom
         self.stats.start(self.k3app.clock())
+        self._esc_stopped = False
         self._gen = self.run_worker(self._generate(messages, self.current, self.current_id),
                                     group="gen", exclusive=True, exit_on_error=False)
 
@@ -292,7 +296,8 @@ class ChatScreen(Screen):
                     history.update_message(message_id, content=widget.content,
                                            reasoning=widget.reasoning)
         except asyncio.CancelledError:
-            status = "stopped"
+            # Only Esc and the app's exit cancel an answer; say which one it was.
+            status = "stopped" if self._esc_stopped else "quit"
             raise
         except Exception as exc:  # a client bug or a dropped connection: never a traceback
             status, note = "error", f"{type(exc).__name__}: {exc}"
@@ -325,14 +330,17 @@ class ChatScreen(Screen):
 
     def _backend_failed(self, message: str, next_step: str) -> None:
         """`message` is the server's words: never markup (a `[` must not end the chat)."""
-        hint = f" {next_step}." if next_step else ""
-        self.notify(clean(f"{message}.{hint} Your history is saved; press ctrl+r to retry."),
+        # Each part is a sentence of its own: "…:8099." then "Start it…", never "8099.. start".
+        parts = [p.strip().rstrip(".") for p in (message, next_step) if p.strip()]
+        text = " ".join(f"{p[0].upper()}{p[1:]}." for p in parts)
+        self.notify(clean(f"{text} Your history is saved; press ctrl+r to retry."),
                     title="backend problem", severity="error", timeout=12, markup=False)
 
     # actions ---------------------------------------------------------------------------
     def action_stop(self) -> None:
         """Esc stops the answer (always: it comes first) and ends a highlight."""
         if self.generating and self._gen is not None:
+            self._esc_stopped = True
             self._gen.cancel()
         self.clear_pick(follow=True)
 
@@ -609,7 +617,8 @@ class ChatApp(App):
     def __init__(self, *, stream: StreamFn, history: History,
                  backend: BackendInfo | None = None, monitor: Monitor | None = None,
                  clock: Callable[[], float] = time.monotonic, ascii: bool | None = None,
-                 conversation_id: int | None = None, sample_hz: float = 2.0,
+                 conversation_id: int | None = None, new_conversation: bool = False,
+                 sample_hz: float = 2.0,
                  system_prompt: str = "", theme: str | None = None,
                  on_ready: Callable[[ChatApp], Any] | None = None,
                  starter: Callable[[Callable[[Any], None]], Any] | None = None,
@@ -625,6 +634,7 @@ class ChatApp(App):
         self.sample_hz = sample_hz
         self.system_prompt = system_prompt
         self._conversation_id = conversation_id
+        self._new_conversation = new_conversation
         self._on_ready = on_ready
         self.starter = starter
         self._on_started = on_started
@@ -643,7 +653,7 @@ class ChatApp(App):
         }))
 
     def get_default_screen(self) -> Screen:
-        return ChatScreen(self._conversation_id)
+        return ChatScreen(self._conversation_id, new=self._new_conversation)
 
     @property
     def chat(self) -> ChatScreen:
