@@ -681,6 +681,8 @@ class ChatApp(App):
             chat.query_one("#header", Static).update(self.backend.header())
             if self.monitor is not None:
                 self.monitor.set_pid(self.backend.pid)
+            if screen.typed:  # typed while the start-up screen covered the chat: kept
+                chat.query_one(Prompt).insert(screen.typed)
             if then is not None:
                 self.call_later(then)
 
@@ -696,7 +698,8 @@ class ChatApp(App):
             return str(max(logs, key=lambda p: p.stat().st_mtime)) if logs else None
 
         title = clean(f"starting the {self.backend.kind} backend: {self.backend.model}")
-        self.push_screen(StartupScreen(title, self.starter, log_path), started)
+        screen = StartupScreen(title, self.starter, log_path)
+        self.push_screen(screen, started)
 
     def copy(self, text: str) -> list[str]:
         """OSC 52 through our own driver (in tmux also wrapped), plus a local clipboard tool."""

@@ -102,3 +102,27 @@ async def test_new_conversation_opens_empty_and_sends_no_old_turns(app_factory, 
         await settle(app, pilot)
         assert app.chat.conversation_id != old
     assert stream.requests == [[{"role": "user", "content": "hi"}]]
+
+
+async def test_text_typed_while_the_backend_starts_waits_in_the_prompt(app_factory):
+    import threading
+
+    from k3tui.tui.screens.startup import StartupScreen
+    from k3tui.tui.widgets.prompt import Prompt
+
+    release, calls = threading.Event(), []
+
+    def starter(on_progress):
+        calls.append(1)
+        release.wait(30)
+        return object()
+
+    app = app_factory(starter=starter)
+    async with app.run_test() as pilot:
+        await wait_until(pilot, lambda: isinstance(app.screen, StartupScreen))
+        await pilot.press(*"hello rivers", "backspace")  # r is a letter here, not a retry
+        await wait_until(pilot, lambda: "typed: hello river" in screen_text(app))
+        release.set()
+        await wait_until(pilot, lambda: app.screen is app.chat)
+        assert app.chat.query_one(Prompt).text == "hello river"
+    assert calls == [1]

@@ -77,7 +77,8 @@ class StartupScreen(Screen[Any]):
     """Runs `start(on_progress)` in a thread; shows progress lines and the log tail.
 
     Dismisses with whatever `start` returned (a RunningBackend). A K3Error stays on screen
-    as its sentence and next step, with r to retry.
+    as its sentence and next step, with r to retry. What is typed while it starts is kept
+    in `typed` (shown here) for the chat's prompt: a user types at once.
     """
 
     BINDINGS = [Binding("r", "retry", "Retry"), Binding("escape", "app.quit", "Quit")]
@@ -90,12 +91,14 @@ class StartupScreen(Screen[Any]):
         self.log_path = log_path
         self.last_line = ""
         self.failure: K3Error | None = None  # why the last attempt failed (read by --smoke)
+        self.typed = ""
 
     def compose(self) -> ComposeResult:
         with Vertical(id="startup"):
             yield Static(Text(f" {self.title_text}", style="bold"), id="startup-title")
             yield Static("starting…", id="startup-progress")
             yield Static("", id="startup-warnings")
+            yield Static("", id="startup-typed", markup=False)
             yield LogView(None, id="startup-log")
         yield Footer()
 
@@ -105,6 +108,25 @@ class StartupScreen(Screen[Any]):
 
     def action_retry(self) -> None:
         self.run_start()
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        # While it starts, r is a letter of the prompt being typed ahead, not a retry.
+        return action != "retry" or self.failure is not None
+
+    def on_key(self, event: Any) -> None:
+        if self.failure is not None:
+            return
+        if event.key == "backspace":
+            self.typed = self.typed[:-1]
+        elif event.is_printable and event.character:
+            self.typed += event.character
+        else:
+            return
+        event.stop()
+        event.prevent_default()
+        self.query_one("#startup-typed", Static).update(
+            Text(f"typed: {self.typed}  (it waits in the prompt)", style="dim")
+            if self.typed else "")
 
     def _progress(self, progress: Any) -> None:
         line = progress.line() if hasattr(progress, "line") else str(progress)
