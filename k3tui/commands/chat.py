@@ -83,6 +83,17 @@ class Session:
         if limit and not self.info.budget_gb:
             self.info.budget_gb = limit / GB  # llama-server's enforced memory limit
 
+    def use_demo(self) -> Callable[[Callable[[Any], None]], Any]:
+        """Become the demo session in place (the app holds this session's info and stream);
+        returns its starter."""
+        from k3tui import demo
+
+        d = demo.demo_session(Session)
+        self.info.__dict__.update(d.info.__dict__)
+        d.info = self.info  # the demo's starter records its budget on the info shown
+        self.starter, self.chat_kwargs, self.system_prompt = d.starter, d.chat_kwargs, ""
+        return d.starter
+
     def alive(self) -> bool:
         return self.running is None or self.running.alive()
 
@@ -206,7 +217,9 @@ def make_app(session: Session, args: argparse.Namespace, **overrides: Any):
         conversation_id=args.conversation, new_conversation=args.new or args.smoke,
         system_prompt=session.system_prompt,
         theme="textual-light" if args.light else None, starter=session.starter,
-        on_started=session.attach, backend_alive=session.alive)
+        on_started=session.attach, backend_alive=session.alive,
+        demo=session.use_demo if session.starter is not None and not session.info.label
+        else None)
     kwargs.update(overrides)
     return ChatApp(**kwargs)
 

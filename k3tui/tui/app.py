@@ -623,7 +623,9 @@ class ChatApp(App):
                  on_ready: Callable[[ChatApp], Any] | None = None,
                  starter: Callable[[Callable[[Any], None]], Any] | None = None,
                  on_started: Callable[[Any], None] | None = None,
-                 backend_alive: Callable[[], bool] | None = None) -> None:
+                 backend_alive: Callable[[], bool] | None = None,
+                 demo: Callable[[], Callable[[Callable[[Any], None]], Any]] | None = None,
+                 ) -> None:
         super().__init__()
         self.stream = stream
         self.history = history
@@ -639,6 +641,7 @@ class ChatApp(App):
         self.starter = starter
         self._on_started = on_started
         self.backend_alive = backend_alive or (lambda: True)
+        self.demo = demo  # switches to the demo model and returns its starter (None: no offer)
         if theme:
             self.theme = theme
 
@@ -700,6 +703,12 @@ class ChatApp(App):
         title = clean(f"starting the {self.backend.kind} backend: {self.backend.model}")
         screen = StartupScreen(title, self.starter, log_path)
         self.push_screen(screen, started)
+
+    def use_demo(self) -> Callable[[Callable[[Any], None]], Any]:
+        """The start-up screen's d: from now on the demo model is the backend."""
+        assert self.demo is not None
+        self.starter, self.demo = self.demo(), None
+        return self.starter
 
     def copy(self, text: str) -> list[str]:
         """OSC 52 through our own driver (in tmux also wrapped), plus a local clipboard tool."""

@@ -94,3 +94,15 @@ def test_smoke_fails_on_an_answer_that_is_all_reasoning(server):
     assert res.returncode == 1, res.stdout
     assert "without writing an answer" in res.stderr
     assert "finish_reason stop" in res.stdout + res.stderr
+
+
+def test_missing_configured_model_advice_names_no_chat_flag(tmp_path):
+    """In `chat`, --model is a model name: the advice for a missing folder is the config key."""
+    cfg = Config()
+    cfg.backend.kind, cfg.model.dir = "bundled", str(tmp_path / "gone")
+    save_config(cfg)
+    res = subprocess.run([sys.executable, "-m", "k3tui", "chat", "--smoke"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1
+    assert "does not exist" in res.stderr
+    assert "k3tui config set model.dir FOLDER" in res.stderr and "--model" not in res.stderr

@@ -126,3 +126,26 @@ async def test_text_typed_while_the_backend_starts_waits_in_the_prompt(app_facto
         await wait_until(pilot, lambda: app.screen is app.chat)
         assert app.chat.query_one(Prompt).text == "hello river"
     assert calls == [1]
+
+
+async def test_failed_start_offers_the_demo_with_one_key(app_factory):
+    from k3tui.errors import K3Error
+    from k3tui.tui.screens.startup import StartupScreen
+
+    def missing(on_progress):
+        raise K3Error("The checkpoint folder /nope does not exist.", "run `k3tui download`")
+
+    switched = []
+
+    def demo():
+        switched.append(1)
+        return lambda on_progress: object()
+
+    app = app_factory(starter=missing, demo=demo)
+    async with app.run_test() as pilot:
+        await wait_until(pilot, lambda: isinstance(app.screen, StartupScreen)
+                         and app.screen.failure is not None)
+        assert "d to try the demo model" in screen_text(app)
+        await pilot.press("d")
+        await wait_until(pilot, lambda: app.screen is app.chat)
+    assert switched == [1] and app.demo is None

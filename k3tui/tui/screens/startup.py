@@ -81,7 +81,8 @@ class StartupScreen(Screen[Any]):
     in `typed` (shown here) for the chat's prompt: a user types at once.
     """
 
-    BINDINGS = [Binding("r", "retry", "Retry"), Binding("escape", "app.quit", "Quit")]
+    BINDINGS = [Binding("r", "retry", "Retry"), Binding("d", "demo", "Try the demo"),
+                Binding("escape", "app.quit", "Quit")]
 
     def __init__(self, title: str, start: Callable[[Callable[[Any], None]], Any],
                  log_path: Callable[[], str | Path | None] | None = None) -> None:
@@ -111,7 +112,17 @@ class StartupScreen(Screen[Any]):
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         # While it starts, r is a letter of the prompt being typed ahead, not a retry.
+        if action == "demo":
+            return self.failure is not None and self.app.demo is not None
         return action != "retry" or self.failure is not None
+
+    def action_demo(self) -> None:
+        """The configured backend did not start: one key starts the demo model instead."""
+        self.start = self.app.use_demo()
+        self.title_text = "starting the demo model (random weights, not Kimi-K3)"
+        self.query_one("#startup-title", Static).update(Text(f" {self.title_text}",
+                                                             style="bold"))
+        self.run_start()
 
     def on_key(self, event: Any) -> None:
         if self.failure is not None:
@@ -165,9 +176,11 @@ class StartupScreen(Screen[Any]):
         except Exception as exc:  # never a traceback on screen
             failure = exc if isinstance(exc, K3Error) else \
                 K3Error(f"The backend did not start: {exc}", "read the log below")
-            self.app.call_from_thread(self._show, f"{failure.message}\nnext: "
-                                      f"{failure.next_step}\npress r to retry, Esc to quit",
-                                      "bold red")
+            demo = ", d to try the demo model" if self.app.demo is not None else ""
             self.failure = failure
+            self.app.call_from_thread(self._show, f"{failure.message}\nnext: "
+                                      f"{failure.next_step}\npress r to retry{demo}, Esc to "
+                                      "quit", "bold red")
+            self.app.call_from_thread(self.refresh_bindings)
             return
         self.app.call_from_thread(self.dismiss, backend)
