@@ -105,6 +105,7 @@ class StartupScreen(Screen[Any]):
 
     def on_mount(self) -> None:
         self.query_one("#startup-warnings", Static).display = False
+        self.query_one("#startup-typed", Static).display = False
         self.run_start()
 
     def action_retry(self) -> None:
@@ -135,9 +136,9 @@ class StartupScreen(Screen[Any]):
             return
         event.stop()
         event.prevent_default()
-        self.query_one("#startup-typed", Static).update(
-            Text(f"typed: {self.typed}  (it waits in the prompt)", style="dim")
-            if self.typed else "")
+        box = self.query_one("#startup-typed", Static)
+        box.update(Text(f"typed: {self.typed}  (it waits in the prompt)", style="dim"))
+        box.display = bool(self.typed)
 
     def _progress(self, progress: Any) -> None:
         line = progress.line() if hasattr(progress, "line") else str(progress)
