@@ -47,7 +47,7 @@ MIGRATIONS: list[str] = [
     """,
 ]
 
-STATUSES = ("done", "streaming", "stopped", "interrupted", "error")
+STATUSES = ("done", "streaming", "stopped", "quit", "interrupted", "error")
 SIDECARS = ("", "-wal", "-shm")  # SQLite's WAL files travel with the database
 _CORRUPT_CODES = {sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB}
 

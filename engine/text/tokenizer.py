@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import base64
 import codecs
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -189,20 +190,31 @@ def build_hf_tokenizer(ranks: dict[bytes, int], pattern: str = SPLIT_PATTERN) ->
 # the tokenizer
 
 
+# Control characters a client would act on (BEL, ESC, C1), not whitespace it shows.
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
+
+def _escape_controls(text: str) -> str:
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
 class StreamDecoder:
     """Token ids in, text out as soon as it is whole: never half a UTF-8 character.
 
-    Invalid byte sequences become U+FFFD (only once they can no longer complete)."""
+    Bytes that can no longer form a character (random weights write them often), and
+    control characters, come out escaped as the text `\\xNN`: never U+FFFD, never a
+    raw BEL or ESC for a client's terminal. A tail still incomplete at the end is escaped
+    by `flush`."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tok = tokenizer
-        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="backslashreplace")
 
     def add(self, token_id: int) -> str:
-        return self._dec.decode(self._tok.id_to_bytes(token_id))
+        return _escape_controls(self._dec.decode(self._tok.id_to_bytes(token_id)))
 
     def flush(self) -> str:
-        return self._dec.decode(b"", final=True)
+        return _escape_controls(self._dec.decode(b"", final=True))
 
 
 @dataclass

@@ -57,7 +57,7 @@ def _model_path(cfg: Any, model: str | Path | None) -> Path:
     path = model or cfg.model.dir
     if not path:
         raise K3Error("No model is configured.",
-                      "run `k3tui setup`, or pass --model PATH")
+                      "run `k3tui setup`, or `k3tui config set model.dir FOLDER`")
     return Path(path).expanduser()
 
 
@@ -159,8 +159,9 @@ def refuse_or_warn(blockers: Sequence[Any], force: bool) -> list[str]:
 def _prepare_bundled(cfg: Any, checkpoint: Path, host: str, port: int) -> Launchable:
     if not checkpoint.exists():
         raise K3Error(f"The checkpoint folder {checkpoint} does not exist.",
-                      "run `k3tui download` (or pass --model with the folder it filled); "
-                      "`k3tui chat --demo` works meanwhile")
+                      "run `k3tui download`, or point the config at the folder it filled "
+                      "(`k3tui config set model.dir FOLDER`); `k3tui chat --demo` works "
+                      "meanwhile")
     args = bundled.memory_flags(cfg.engine)
     if cfg.model.trunk_dir:
         args += ["--trunk", cfg.model.trunk_dir]

@@ -76,6 +76,15 @@ def build_request(messages: list[dict[str, Any]], *, model: str | None = None,
     return body
 
 
+def chat_settings(chat: Any) -> dict[str, Any]:
+    """`stream_chat`'s keyword arguments from a config's [chat] section, so every backend
+    (started by k3tui or given by --url) is asked for the same answer length, temperature
+    and thinking."""
+    return {"max_tokens": chat.max_tokens, "temperature": chat.temperature,
+            "extra": {"chat_template_kwargs": {"thinking": chat.thinking,
+                                               "thinking_effort": chat.thinking_effort}}}
+
+
 def iter_sse_data(lines: list[str]) -> list[str]:
     """Data payloads of complete SSE events in `lines` (for tests and tools)."""
     parser = SSEParser()
@@ -215,6 +224,10 @@ class ChunkInterpreter:
 
 
 def finish_note(turn: _Turn) -> str:
+    if turn.finish_reason == "stop" and turn.content_chars == 0 and turn.reasoning_chars > 0:
+        return ("The model ended its turn after reasoning, without writing an answer "
+                "(finish_reason stop, no response text). Press ctrl+r to regenerate, or "
+                "rephrase the prompt.")
     if turn.finish_reason != "length":
         return ""
     budget = f"max_tokens={turn.max_tokens}" if turn.max_tokens else "the token limit"

@@ -26,11 +26,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="synthesise a small demo model (random weights, not Kimi-K3) "
                         "and chat with it on the bundled engine")
     parser.add_argument("--smoke", action="store_true",
-                        help="no terminal needed: send one scripted prompt headless, print "
-                        "the answer, exit 0 only if tokens streamed")
+                        help="no terminal needed: send one scripted prompt headless in a new "
+                        "conversation, print the answer, exit 0 only if an answer streamed")
     parser.add_argument("--prompt", default=SMOKE_PROMPT, help="the prompt --smoke sends")
-    parser.add_argument("--conversation", type=int, metavar="ID",
-                        help="open this conversation (default: the most recent)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--conversation", type=int, metavar="ID",
+                       help="open this conversation (default: the most recent)")
+    which.add_argument("--new", action="store_true",
+                       help="start a new conversation instead of opening the most recent")
     parser.add_argument("--ascii", action="store_true",
                         help="ASCII sparklines, for terminals without block characters")
     parser.add_argument("--light", action="store_true", help="light theme")
@@ -80,6 +83,17 @@ class Session:
         if limit and not self.info.budget_gb:
             self.info.budget_gb = limit / GB  # llama-server's enforced memory limit
 
+    def use_demo(self) -> Callable[[Callable[[Any], None]], Any]:
+        """Become the demo session in place (the app holds this session's info and stream);
+        returns its starter."""
+        from k3tui import demo
+
+        d = demo.demo_session(Session)
+        self.info.__dict__.update(d.info.__dict__)
+        d.info = self.info  # the demo's starter records its budget on the info shown
+        self.starter, self.chat_kwargs, self.system_prompt = d.starter, d.chat_kwargs, ""
+        return d.starter
+
     def alive(self) -> bool:
         return self.running is None or self.running.alive()
 
@@ -89,13 +103,24 @@ class Session:
 
 
 def _url_session(url: str, api_key_env: str | None, model: str | None) -> Session:
+    from k3tui.config import load_config
+
     api_key = None
     if api_key_env:
         api_key = os.environ.get(api_key_env)
         if not api_key:
             raise K3Error(f"The environment variable {api_key_env} is empty or not set.",
                           f"export {api_key_env}=<your key>, then run this again", 2)
-    return _point_at(Session(), url, api_key, model)
+    return _point_at(_chat_settings(Session(), load_config().chat), url, api_key, model)
+
+
+def _chat_settings(s: Session, chat: Any) -> Session:
+    """The [chat] section (defaults without a config) for whichever backend answers."""
+    from k3tui.backends.openai_stream import chat_settings
+
+    s.chat_kwargs = chat_settings(chat)
+    s.system_prompt = chat.system_prompt
+    return s
 
 
 def _point_at(s: Session, url: str, api_key: str | None, model: str | None,
@@ -134,9 +159,7 @@ def _remote_session(cfg: Any, base: Session) -> Session:
 
 
 def _config_session(cfg: Any) -> Session:
-    s = Session()
-    s.chat_kwargs = {"max_tokens": cfg.chat.max_tokens, "temperature": cfg.chat.temperature}
-    s.system_prompt = cfg.chat.system_prompt
+    s = _chat_settings(Session(), cfg.chat)
     if cfg.backend.kind == "remote":
         url = cfg.remote.url
         if not url:
@@ -191,9 +214,12 @@ def make_app(session: Session, args: argparse.Namespace, **overrides: Any):
     kwargs: dict[str, Any] = dict(
         stream=session.stream, history=History(), backend=session.info,
         monitor=Monitor(session.info.pid), ascii=True if args.ascii else None,
-        conversation_id=args.conversation, system_prompt=session.system_prompt,
+        conversation_id=args.conversation, new_conversation=args.new or args.smoke,
+        system_prompt=session.system_prompt,
         theme="textual-light" if args.light else None, starter=session.starter,
-        on_started=session.attach, backend_alive=session.alive)
+        on_started=session.attach, backend_alive=session.alive,
+        demo=session.use_demo if session.starter is not None and not session.info.label
+        else None)
     kwargs.update(overrides)
     return ChatApp(**kwargs)
 
@@ -262,4 +288,8 @@ def smoke(session: Session, args: argparse.Namespace) -> int:
     print(f"answer: {result['content'][:400]}")
     if result["note"]:
         print(f"note: {result['note']}")
+    if result["tokens"] > 0 and not result["content"].strip():
+        print("smoke: tokens streamed but no answer text"
+              + (f": {result['note']}" if result["note"] else "."), file=sys.stderr)
+        return 1
     return int(app.return_code or 0) if result["tokens"] > 0 else 1

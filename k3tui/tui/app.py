@@ -131,15 +131,17 @@ class ChatScreen(Screen):
         Binding("f6", "machine", "Machine", show=False, priority=True),
     ]
 
-    def __init__(self, session: ChatSession) -> None:
+    def __init__(self, session: ChatSession, new: bool = False) -> None:
         super().__init__()
         self.session = session
+        self.new = new  # start empty instead of opening the most recent conversation
         self.stats = LatencyStats()
         self.k3: dict[str, Any] = {}
         self.last_sample: Sample | None = None
         self._shown_version = -1
         self._shown_at = 0.0
         self._gen: Worker | None = None
+        self.esc_stopped = False  # Esc cancelled the answer (else the app quitting did)
         self.current: AssistantMessage | None = None
         self.current_id: int | None = None
         self.turns_finished = 0
@@ -175,7 +177,8 @@ class ChatScreen(Screen):
     async def on_mount(self) -> None:
         app = self.k3app
         self.set_class(self.app.size.width < NARROW, "narrow")
-        await self.load_conversation(self.conversation_id)
+        if not self.new:
+            await self.load_conversation(self.conversation_id)
         if app.sample_hz > 0:
             self.set_interval(1 / app.sample_hz, self.sample_now)
         self.set_interval(0.25, self.refresh_panes)
@@ -237,6 +240,7 @@ class ChatScreen(Screen):
         await chat.mount(self.current)
         chat.follow()  # sending a prompt jumps to the bottom
         self.stats.start(self.k3app.clock())
+        self.esc_stopped = False
         self._gen = self.run_worker(self._generate(messages, self.current, self.current_id),
                                     group="gen", exclusive=True, exit_on_error=False)
 
@@ -261,14 +265,17 @@ class ChatScreen(Screen):
 
     def backend_failed(self, message: str, next_step: str) -> None:
         """`message` is the server's words: never markup (a `[` must not end the chat)."""
-        hint = f" {next_step}." if next_step else ""
-        self.notify(clean(f"{message}.{hint} Your history is saved; press ctrl+r to retry."),
+        # Each part is a sentence of its own: "…:8099." then "Start it…", never "8099.. start".
+        parts = [p.strip().rstrip(".") for p in (message, next_step) if p.strip()]
+        text = " ".join(f"{p[0].upper()}{p[1:]}." for p in parts)
+        self.notify(clean(f"{text} Your history is saved; press ctrl+r to retry."),
                     title="backend problem", severity="error", timeout=12, markup=False)
 
     # actions ---------------------------------------------------------------------------
     def action_stop(self) -> None:
         """Esc stops the answer (always: it comes first) and ends a highlight."""
         if self.generating and self._gen is not None:
+            self.esc_stopped = True
             self._gen.cancel()
         self.clear_pick(follow=True)
 
@@ -545,12 +552,15 @@ class ChatApp(App):
     def __init__(self, *, stream: StreamFn, history: History,
                  backend: BackendInfo | None = None, monitor: Monitor | None = None,
                  clock: Callable[[], float] = time.monotonic, ascii: bool | None = None,
-                 conversation_id: int | None = None, sample_hz: float = 2.0,
+                 conversation_id: int | None = None, new_conversation: bool = False,
+                 sample_hz: float = 2.0,
                  system_prompt: str = "", theme: str | None = None,
                  on_ready: Callable[[ChatApp], Any] | None = None,
                  starter: Callable[[Callable[[Any], None]], Any] | None = None,
                  on_started: Callable[[Any], None] | None = None,
-                 backend_alive: Callable[[], bool] | None = None) -> None:
+                 backend_alive: Callable[[], bool] | None = None,
+                 demo: Callable[[], Callable[[Callable[[Any], None]], Any]] | None = None,
+                 ) -> None:
         super().__init__()
         self.stream = stream
         self.history = history
@@ -561,10 +571,12 @@ class ChatApp(App):
         self.sample_hz = sample_hz
         self.system_prompt = system_prompt
         self._conversation_id = conversation_id
+        self._new_conversation = new_conversation
         self._on_ready = on_ready
         self.starter = starter
         self._on_started = on_started
         self.backend_alive = backend_alive or (lambda: True)
+        self.demo = demo  # switches to the demo model and returns its starter (None: no offer)
         if theme:
             self.theme = theme
 
@@ -579,7 +591,8 @@ class ChatApp(App):
         }))
 
     def get_default_screen(self) -> Screen:
-        return ChatScreen(ChatSession(self.history, self._conversation_id, self.system_prompt))
+        return ChatScreen(ChatSession(self.history, self._conversation_id, self.system_prompt),
+                          new=self._new_conversation)
 
     @property
     def chat(self) -> ChatScreen:
@@ -607,6 +620,8 @@ class ChatApp(App):
             chat.query_one("#header", Static).update(self.backend.header())
             if self.monitor is not None:
                 self.monitor.set_pid(self.backend.pid)
+            if screen.typed:  # typed while the start-up screen covered the chat: kept
+                chat.query_one(Prompt).insert(screen.typed)
             if then is not None:
                 self.call_later(then)
 
@@ -622,7 +637,14 @@ class ChatApp(App):
             return str(max(logs, key=lambda p: p.stat().st_mtime)) if logs else None
 
         title = clean(f"starting the {self.backend.kind} backend: {self.backend.model}")
-        self.push_screen(StartupScreen(title, self.starter, log_path), started)
+        screen = StartupScreen(title, self.starter, log_path)
+        self.push_screen(screen, started)
+
+    def use_demo(self) -> Callable[[Callable[[Any], None]], Any]:
+        """The start-up screen's d: from now on the demo model is the backend."""
+        assert self.demo is not None
+        self.starter, self.demo = self.demo(), None
+        return self.starter
 
     def copy(self, text: str) -> list[str]:
         """OSC 52 through our own driver (in tmux also wrapped), plus a local clipboard tool."""

@@ -51,6 +51,10 @@ class AnswerHandler:
     def turn_meta(self) -> dict[str, Any]:
         return self.screen.turn_meta()
 
+    def cancelled_status(self) -> str:
+        """Only Esc and the app's exit cancel an answer; say which one it was."""
+        return "stopped" if self.screen.esc_stopped else "quit"
+
     async def done(self, status: str, note: str) -> None:
         await self.widget.finish(status, note)
         self.screen.refresh_panes(force=True)

@@ -38,6 +38,7 @@ class AnswerView(Protocol):
     def waiting(self, message: str) -> None: ...
     def failed(self, message: str, next_step: str) -> None: ...
     def turn_meta(self) -> dict[str, Any]: ...
+    def cancelled_status(self) -> str: ...
     async def done(self, status: str, note: str) -> None: ...
 
 
@@ -107,7 +108,7 @@ class ChatSession:
                     self.history.update_message(message_id, content=view.content,
                                                 reasoning=view.reasoning)
         except asyncio.CancelledError:
-            status = "stopped"
+            status = view.cancelled_status()  # Esc stopped it, or k3tui quit
             raise
         except Exception as exc:  # a client bug or a dropped connection: never a traceback
             status, note = "error", f"{type(exc).__name__}: {exc}"

@@ -127,3 +127,20 @@ def test_tui_e2e_demo_smoke(tmp_path):
     assert time.monotonic() - t0 < 120
     # The model is cached: a second run does not synthesise again.
     assert (tmp_path / "home" / "demo" / "model" / ".k3tui-demo-complete").is_file()
+
+
+def test_tui_e2e_demo_keeps_what_is_typed_while_it_starts(tmp_path):
+    """Typing at once after `k3tui chat --demo`: the start-up screen covers the chat for
+    seconds on a fresh home (it synthesises the model) and must keep the keys."""
+    env = {"K3TUI_HOME": str(tmp_path / "home"), "TERM": "xterm-256color",
+           "PYTHONPATH": str(REPO_ROOT)}
+    tmux = Tmux(f"k3tui-typeahead-{os.getpid()}", env)
+    try:
+        tmux.start(f"{sys.executable} -m k3tui chat --demo")
+        tmux.wait_for(lambda s: "starting the bundled backend" in s)
+        tmux.keys("what is a river", literal=True)
+        tmux.wait_for(lambda s: "typed: what is a river" in s, timeout=30)
+        chat = tmux.wait_for(lambda s: "Stop" in s and "starting the" not in s, timeout=240)
+        assert "what is a river" in chat, chat   # in the prompt, ready to send
+    finally:
+        tmux.close()

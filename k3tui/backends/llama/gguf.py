@@ -106,7 +106,8 @@ def model_shards(model: Path) -> list[Path]:
         if len(choices) != 1:
             raise K3Error(f"{model} holds {len(choices) or 'no'} GGUF models"
                           + (f" ({', '.join(p.name for p in choices)})" if choices else "") + ".",
-                          "set `dir` in [model] (or --model) to the .gguf file to serve")
+                          "point the config at the .gguf file to serve "
+                          "(`k3tui config set model.dir FILE.gguf`)")
         model = choices[0]
     m = SPLIT_RE.match(model.name)
     if not m:
@@ -122,8 +123,8 @@ def check_shards(model: Path) -> list[Path]:
     missing = [p for p in shards if not p.is_file()]
     if missing and len(shards) == 1:
         raise K3Error(f"The GGUF model {shards[0]} does not exist.",
-                      "set `dir` in [model] (or --model) to the .gguf file, or run "
-                      "`k3tui download`")
+                      "point the config at the .gguf file "
+                      "(`k3tui config set model.dir FILE.gguf`), or run `k3tui download`")
     if missing:
         names = ", ".join(p.name for p in missing[:5]) + (" …" if len(missing) > 5 else "")
         raise K3Error(f"{len(missing)} of {len(shards)} GGUF shards are missing in "

@@ -77,10 +77,12 @@ class StartupScreen(Screen[Any]):
     """Runs `start(on_progress)` in a thread; shows progress lines and the log tail.
 
     Dismisses with whatever `start` returned (a RunningBackend). A K3Error stays on screen
-    as its sentence and next step, with r to retry.
+    as its sentence and next step, with r to retry. What is typed while it starts is kept
+    in `typed` (shown here) for the chat's prompt: a user types at once.
     """
 
-    BINDINGS = [Binding("r", "retry", "Retry"), Binding("escape", "app.quit", "Quit")]
+    BINDINGS = [Binding("r", "retry", "Retry"), Binding("d", "demo", "Try the demo"),
+                Binding("escape", "app.quit", "Quit")]
 
     def __init__(self, title: str, start: Callable[[Callable[[Any], None]], Any],
                  log_path: Callable[[], str | Path | None] | None = None) -> None:
@@ -90,21 +92,53 @@ class StartupScreen(Screen[Any]):
         self.log_path = log_path
         self.last_line = ""
         self.failure: K3Error | None = None  # why the last attempt failed (read by --smoke)
+        self.typed = ""
 
     def compose(self) -> ComposeResult:
         with Vertical(id="startup"):
             yield Static(Text(f" {self.title_text}", style="bold"), id="startup-title")
             yield Static("starting…", id="startup-progress")
             yield Static("", id="startup-warnings")
+            yield Static("", id="startup-typed", markup=False)
             yield LogView(None, id="startup-log")
         yield Footer()
 
     def on_mount(self) -> None:
         self.query_one("#startup-warnings", Static).display = False
+        self.query_one("#startup-typed", Static).display = False
         self.run_start()
 
     def action_retry(self) -> None:
         self.run_start()
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        # While it starts, r is a letter of the prompt being typed ahead, not a retry.
+        if action == "demo":
+            return self.failure is not None and self.app.demo is not None
+        return action != "retry" or self.failure is not None
+
+    def action_demo(self) -> None:
+        """The configured backend did not start: one key starts the demo model instead."""
+        self.start = self.app.use_demo()
+        self.title_text = "starting the demo model (random weights, not Kimi-K3)"
+        self.query_one("#startup-title", Static).update(Text(f" {self.title_text}",
+                                                             style="bold"))
+        self.run_start()
+
+    def on_key(self, event: Any) -> None:
+        if self.failure is not None:
+            return
+        if event.key == "backspace":
+            self.typed = self.typed[:-1]
+        elif event.is_printable and event.character:
+            self.typed += event.character
+        else:
+            return
+        event.stop()
+        event.prevent_default()
+        box = self.query_one("#startup-typed", Static)
+        box.update(Text(f"typed: {self.typed}  (it waits in the prompt)", style="dim"))
+        box.display = bool(self.typed)
 
     def _progress(self, progress: Any) -> None:
         line = progress.line() if hasattr(progress, "line") else str(progress)
@@ -143,9 +177,11 @@ class StartupScreen(Screen[Any]):
         except Exception as exc:  # never a traceback on screen
             failure = exc if isinstance(exc, K3Error) else \
                 K3Error(f"The backend did not start: {exc}", "read the log below")
-            self.app.call_from_thread(self._show, f"{failure.message}\nnext: "
-                                      f"{failure.next_step}\npress r to retry, Esc to quit",
-                                      "bold red")
+            demo = ", d to try the demo model" if self.app.demo is not None else ""
             self.failure = failure
+            self.app.call_from_thread(self._show, f"{failure.message}\nnext: "
+                                      f"{failure.next_step}\npress r to retry{demo}, Esc to "
+                                      "quit", "bold red")
+            self.app.call_from_thread(self.refresh_bindings)
             return
         self.app.call_from_thread(self.dismiss, backend)

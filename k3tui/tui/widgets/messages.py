@@ -15,6 +15,7 @@ from k3tui.tui.widgets.markdown import StreamedMarkdown
 
 STATUS_TEXT = {
     "stopped": "■ stopped (Esc) — partial answer kept",
+    "quit": "■ stopped when k3tui quit — partial answer kept",
     "interrupted": "■ interrupted — the backend or the TUI stopped mid-answer",
     "error": "✗ failed",
 }

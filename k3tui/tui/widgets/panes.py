@@ -98,7 +98,8 @@ class IOPane(Vertical):
         if title != self.border_title:
             self.border_title = title
         rss = s.proc_rss_gb if s.proc_rss_gb is not None else k3.get("rss_gb")
-        rss_text = gb_amount(rss)
+        # A remote server's process is not ours to see: the title says so, the line agrees.
+        rss_text = "not visible" if kind == "remote" else gb_amount(rss)
         # Machine-wide figures at 0.1 GB: finer digits flicker with every other process
         # and would repaint the pane at each sample for nothing.
         cg = _num(s.cgroup_current_gb, ".1f", " GB")
@@ -107,10 +108,9 @@ class IOPane(Vertical):
         hit = k3.get("true_hit_rate")
         # The engine counts its own reads (page-cache hits included); the kernel's
         # per-process counter only sees storage, so prefer the engine's when it reports.
-        if k3.get("mb_per_s") is not None:
-            proc = f"engine {_num(k3['mb_per_s'], '.0f', ' MB/s')}"
-        else:
-            proc = f"backend {_num(s.proc_read_mb_s, '.0f', ' MB/s')}"
+        # One label either way: the source changing must not rename the figure.
+        mb_s = k3["mb_per_s"] if k3.get("mb_per_s") is not None else s.proc_read_mb_s
+        proc = f"backend {_num(mb_s, '.0f', ' MB/s')}"
         lines = [
             f"disk {_num(s.disk_read_mb_s, '.0f', ' MB/s')}  {proc}",
             f"read/token {gb_amount(k3.get('gb_read'))}  "

@@ -449,3 +449,19 @@ def test_srv_tokenize_detokenize_apply_template(inproc, test_tok):
     assert "thinking_effort=low" in out["prompt"] and out["n_tokens"] > 50
     r = post(srv.url + "/detokenize", json={"tokens": ["x"]})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_srv_random_weights_stream_no_replacement_or_control_chars(inproc):
+    """Random ids (the demo without --steer-demo) are invalid UTF-8 and control bytes
+    often: each is escaped as text (\\xNN), never U+FFFD nor a raw BEL/ESC."""
+    import re
+
+    srv = inproc(steer_demo=False)
+    out = ""
+    for seed in (1, 2, 3):
+        reasoning, content = texts(chunks_of(stream_lines(
+            srv.url, {"messages": HI, "seed": seed, "max_tokens": 200})))
+        out += reasoning + content
+    assert "\\x" in out  # the random ids did produce bytes to escape
+    assert "\ufffd" not in out
+    assert not re.search(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]", out), repr(out)

@@ -136,10 +136,14 @@ def test_srv_stream_decoder_never_emits_half_a_character(tok):
     assert "".join(sd.add(i) for i in ids) + sd.flush() == tok.decode(ids)
 
 
-def test_srv_stream_decoder_replaces_invalid_bytes(tok):
+def test_srv_stream_decoder_escapes_invalid_bytes_and_controls(tok):
     sd = tok.stream_decoder()
-    out = sd.add(0xFF) + sd.add(ord("a")) + sd.add(0xE4) + sd.flush()
-    assert out == "\ufffda\ufffd"
+    pieces = [sd.add(0xFF), sd.add(ord("a")), sd.add(0xE4), sd.add(0xBD)]
+    assert pieces == ["\\xff", "a", "", ""]  # 0xE4 0xBD may still become 你: held
+    assert sd.flush() == "\\xe4\\xbd"  # it never did: the tail is escaped at the end
+    sd = tok.stream_decoder()
+    out = "".join(sd.add(b) for b in b"a\x07b\x1b[2Jc\td\n\r\xc2\x9b") + sd.flush()
+    assert out == "a\\x07b\\x1b[2Jc\td\n\r\\x9b"  # BEL, ESC and C1 CSI escaped
 
 
 def test_srv_split_pattern_read_from_tokenization_kimi(tmp_path, vocab_dir):
