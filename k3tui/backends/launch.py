@@ -19,6 +19,7 @@ from k3tui.errors import K3Error
 from k3tui.units import GiB
 
 API_KEY_CREDENTIAL = "server_api_key"
+MODEL_NAME = "kimi-k3"  # the name the started server reports
 
 
 @dataclass
@@ -57,7 +58,7 @@ def _model_path(cfg: Any, model: str | Path | None) -> Path:
     path = model or cfg.model.dir
     if not path:
         raise K3Error("No model is configured.",
-                      "run `k3tui setup`, or pass --model PATH")
+                      "run `k3tui setup`, or pass `--model-path PATH` to `k3tui serve`")
     return Path(path).expanduser()
 
 
@@ -114,8 +115,9 @@ def _prepare_llama(cfg: Any, model: Path, host: str, port: int, force: bool, rep
     own_limit = ls.memory_limit_gb > 0
     limit = int(ls.memory_limit_gb * GiB) if own_limit else plan.memory_limit_bytes
     # plan's blockers, less what the launch decides itself: the user's own limit replaces
-    # the computed one, and whether a limit applies is checked by really applying it
-    skip = {"no_isolation"} | ({"memory_limit_too_small"} if own_limit else set())
+    # the computed one, whether a limit applies is checked by really applying it, and the
+    # busy-GPU refusal is server.gpu_guard itself
+    skip = {"no_isolation", "gpu_busy"} | ({"memory_limit_too_small"} if own_limit else set())
     notes = refuse_or_warn([f for f in plan.launch_blockers if f.code not in skip], force)
     if seams.pop("profile", False):
         seams["limit"] = server.assumed_limit(report, limit)
@@ -159,18 +161,20 @@ def refuse_or_warn(blockers: Sequence[Any], force: bool) -> list[str]:
 def _prepare_bundled(cfg: Any, checkpoint: Path, host: str, port: int) -> Launchable:
     if not checkpoint.exists():
         raise K3Error(f"The checkpoint folder {checkpoint} does not exist.",
-                      "run `k3tui download` (or pass --model with the folder it filled); "
+                      "run `k3tui download` (or give `k3tui serve --model-path` the folder it "
+                      "filled); "
                       "`k3tui chat --demo` works meanwhile")
     args = bundled.memory_flags(cfg.engine)
     if cfg.model.trunk_dir:
         args += ["--trunk", cfg.model.trunk_dir]
     key = _api_key(host)
     summary = (f"bundled engine: python -m engine serve {checkpoint} --host {host} "
-               f"--port {port or '<free port>'} {' '.join(args)}".rstrip())
+               f"--port {port or '<free port>'} --model-name {MODEL_NAME} "
+               f"{' '.join(args)}".rstrip())  # the argv start_engine builds
 
     def run(on_progress: ProgressCallback | None) -> RunningBackend:
         return bundled.start_engine(checkpoint, args=args, host=host, port=port, api_key=key,
-                                    model_name="kimi-k3", on_progress=on_progress)
+                                    model_name=MODEL_NAME, on_progress=on_progress)
 
     return Launchable("bundled", summary, run)
 
