@@ -90,6 +90,11 @@ def test_doctor_measure_reports_read_speed(tmp_path):
     s = json.loads(res.stdout)["machine"]["storage"]
     assert s["read_mb_s_qd1"] > 0 and s["read_mb_s_qd8"] > 0
     assert s["measure_note"]
+    # it takes seconds, so each step says what it does as it starts (on stderr: --json stays
+    # parseable)
+    steps = [ln for ln in res.stderr.splitlines() if ln.startswith("k3tui doctor: measuring")]
+    assert [ln.split(": ", 2)[2].split()[0] for ln in steps] == ["writing", "reading", "reading"]
+    assert "queue depth 1" in steps[1] and "queue depth 8" in steps[2]
 
 
 def test_doctor_json_feeds_plan_machine(tmp_path):
