@@ -26,20 +26,23 @@ COMMANDS: dict[str, str] = {
     "jobs": "list, attach to or cancel detached jobs (downloads, packing)",
     "bench": "measure: download, tui, engine",
     "config": "show the config and where k3tui keeps its files",
+    "completion": "print a shell completion script: bash, zsh or fish",
 }
 
 
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+def build_parser(command: str | None = None, full: bool = False) -> argparse.ArgumentParser:
+    """The parser, with the arguments of `command` only (fast), or of every one (`full`:
+    what shell completion is generated from)."""
     parser = argparse.ArgumentParser(
         prog="k3tui",
         description="Run Kimi-K3 (2.78 T parameters) on the machine you have.",
         epilog="Start with `k3tui chat --demo`, then `k3tui setup`.",
     )
-    parser.add_argument("--version", action="version", version=f"k3tui {__version__}")
+    parser.add_argument("-V", "--version", action="version", version=f"k3tui {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in COMMANDS.items():
         sp = sub.add_parser(name, help=help_text, description=help_text)
-        if name == command:
+        if full or name == command:
             importlib.import_module(f"k3tui.commands.{name}").add_arguments(sp)
     return parser
 

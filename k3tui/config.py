@@ -114,8 +114,13 @@ def _copy(value: Any) -> Any:
     return list(value) if isinstance(value, list) else value
 
 
-def _example(tp: Any) -> str:
-    return {"str": "TEXT", "int": "4", "float": "2.5", "bool": "true",
+def _example(section: str, key: str, tp: Any) -> str:
+    """A value to show in `config set` advice: the key's own default where it has one (a
+    generic "4" for chat.max_tokens would read as advice), else a placeholder of its type."""
+    default = getattr(SECTIONS[section](), key)
+    if default not in ("", 0, 0.0, [], False) and not isinstance(default, list):
+        return str(default).lower() if isinstance(default, bool) else str(default)
+    return {"str": "TEXT", "int": "N", "float": "N", "bool": "true",
             "list[str]": "'[\"a\", \"b\"]'"}[str(tp)]
 
 
@@ -142,10 +147,12 @@ def _line_of(text: str, section: str, key: str | None) -> int | None:
 
 
 def _where(path: Path, text: str, section: str, key: str | None = None) -> str:
+    """Where the value came from, as a message prefix ending in ": "; nothing for `k3tui
+    config set` (the error already starts with "k3tui:" and the user just typed the command)."""
     if path == COMMAND_LINE:
-        return "k3tui config set"
+        return ""
     line = _line_of(text, section, key) or _line_of(text, section, None)
-    return f"{path}, line {line}" if line else str(path)
+    return f"{path}, line {line}: " if line else f"{path}: "
 
 
 COMMAND_LINE = Path("<command line>")  # the "file" of `k3tui config set`
@@ -180,12 +187,12 @@ def config_from_dict(data: dict[str, Any], *, path: Path | None = None,
     for section, values in data.items():
         if section not in SECTIONS:
             raise K3Error(
-                f"{_where(where_path, text, section)}: unknown section [{section}] "
+                f"{_where(where_path, text, section)}unknown section [{section}] "
                 f"(known: {', '.join(SECTIONS)}).",
                 "use one of those sections" if cli else
                 "fix or remove it, then run `k3tui config show`", 2)
         if not isinstance(values, dict):
-            raise K3Error(f"{_where(where_path, text, section)}: `{section}` must be a table "
+            raise K3Error(f"{_where(where_path, text, section)}`{section}` must be a table "
                           f"([{section}] with keys under it).",
                           "fix the file, or run `k3tui setup`", 2)
         target = getattr(cfg, section)
@@ -193,30 +200,30 @@ def config_from_dict(data: dict[str, Any], *, path: Path | None = None,
         for key, value in values.items():
             if key not in known:
                 raise K3Error(
-                    f"{_where(where_path, text, section, key)}: unknown key `{key}` in "
+                    f"{_where(where_path, text, section, key)}unknown key `{key}` in "
                     f"[{section}] (known: {', '.join(known)}).",
                     "use one of those keys" if cli else "fix the spelling or remove the line", 2)
             converted = _check_value(section, key, known[key], value)
             if converted is None:
                 raise K3Error(
-                    f"{_where(where_path, text, section, key)}: [{section}] {key} must be "
+                    f"{_where(where_path, text, section, key)}[{section}] {key} must be "
                     f"{_type_name(known[key])}, not {value!r}.",
-                    f"e.g. `k3tui config set {section}.{key} {_example(known[key])}`" if cli
-                    else "fix the value", 2)
+                    f"e.g. `k3tui config set {section}.{key} "
+                    f"{_example(section, key, known[key])}`" if cli else "fix the value", 2)
             allowed = CHOICES.get((section, key))
             if allowed and converted not in allowed:
                 raise K3Error(
-                    f"{_where(where_path, text, section, key)}: [{section}] {key} = "
+                    f"{_where(where_path, text, section, key)}[{section}] {key} = "
                     f"{converted!r} is not one of {', '.join(allowed)}.", "fix the value", 2)
             if isinstance(converted, (int, float)) and not isinstance(converted, bool) \
                     and converted < 0 and key != "reasoning_budget":
                 raise K3Error(
-                    f"{_where(where_path, text, section, key)}: [{section}] {key} must not "
+                    f"{_where(where_path, text, section, key)}[{section}] {key} must not "
                     f"be negative.", "fix the value", 2)
             low, high = RANGES.get((section, key), (None, None))
             if high is not None and not low <= converted <= high:
                 raise K3Error(
-                    f"{_where(where_path, text, section, key)}: [{section}] {key} = "
+                    f"{_where(where_path, text, section, key)}[{section}] {key} = "
                     f"{converted!r} is outside {low}..{high}.", "fix the value", 2)
             setattr(target, key, converted)
     return cfg

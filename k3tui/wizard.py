@@ -20,9 +20,9 @@ from k3tui.config import Config, save_config, save_credential
 from k3tui.errors import K3Error
 from k3tui.hub.metadata import hub_token_source
 from k3tui.paths import get_paths
-from k3tui.planning.plan import (GGUF_BYTES, MODEL_LABELS, PRESETS, SAFETENSORS_BYTES, Plan,
-                        describe_machine, make_plan, recommend_model_kind,
-                        usable_bytes)
+from k3tui.planning.plan import (DOWNLOAD_BLOCKERS, GGUF_BYTES, MODEL_LABELS, PRESETS,
+                                 SAFETENSORS_BYTES, Plan, describe_machine, make_plan,
+                                 recommend_model_kind, usable_bytes)
 from k3tui.probe.report import MachineReport
 from k3tui.probe.storage import StorageInfo
 from k3tui.units import GB, GiB, disk_size, gib
@@ -449,8 +449,9 @@ def answers_from_flags(report: MachineReport, existing: Config, *, model: str | 
                        endpoint_checker: Callable[..., Any] | None = None) -> SetupResult:
     """`k3tui setup --yes`: the same decisions from flags and the recommendation."""
     if model and backend and BACKEND_FOR[model] != backend:
-        raise K3Error(f"--model {model} runs on the {BACKEND_FOR[model]} backend, not {backend}.",
-                      f"drop --backend, or use --model {KIND_FOR[backend]}", 2)
+        raise K3Error(f"--checkpoint-kind {model} runs on the {BACKEND_FOR[model]} backend, "
+                      f"not {backend}.",
+                      f"drop --backend, or use --checkpoint-kind {KIND_FOR[backend]}", 2)
     kind = model or (KIND_FOR[backend] if backend else None) or (
         "remote" if remote_url else recommend_model_kind(report))
     if kind == "remote":
@@ -471,8 +472,11 @@ def answers_from_flags(report: MachineReport, existing: Config, *, model: str | 
     plan = make_plan(report, kind, ctx_size=existing.llama_server.ctx_size,
                      reasoning_budget=existing.llama_server.reasoning_budget)
     if plan.blockers and not force:
+        steps = ["choose another --model-dir" if f.code in DOWNLOAD_BLOCKERS else f.next
+                 for f in plan.blockers]
         raise K3Error("; ".join(f.message for f in plan.blockers) + ".",
-                      "choose another --model-dir, or add --force to save the config anyway", 1)
+                      "; ".join(dict.fromkeys(s for s in steps if s))
+                      + "; or add --force to save the config anyway", 1)
     cfg = _configure(existing, kind, directory, plan)
     if preset:
         if kind != "safetensors":

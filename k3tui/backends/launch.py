@@ -19,6 +19,7 @@ from k3tui.errors import K3Error
 from k3tui.units import GiB
 
 API_KEY_CREDENTIAL = "server_api_key"
+MODEL_NAME = "kimi-k3"  # the name the started server reports
 
 
 @dataclass
@@ -114,8 +115,9 @@ def _prepare_llama(cfg: Any, model: Path, host: str, port: int, force: bool, rep
     own_limit = ls.memory_limit_gb > 0
     limit = int(ls.memory_limit_gb * GiB) if own_limit else plan.memory_limit_bytes
     # plan's blockers, less what the launch decides itself: the user's own limit replaces
-    # the computed one, and whether a limit applies is checked by really applying it
-    skip = {"no_isolation"} | ({"memory_limit_too_small"} if own_limit else set())
+    # the computed one, whether a limit applies is checked by really applying it, and the
+    # busy-GPU refusal is server.gpu_guard itself
+    skip = {"no_isolation", "gpu_busy"} | ({"memory_limit_too_small"} if own_limit else set())
     notes = refuse_or_warn([f for f in plan.launch_blockers if f.code not in skip], force)
     if seams.pop("profile", False):
         seams["limit"] = server.assumed_limit(report, limit)
@@ -167,11 +169,12 @@ def _prepare_bundled(cfg: Any, checkpoint: Path, host: str, port: int) -> Launch
         args += ["--trunk", cfg.model.trunk_dir]
     key = _api_key(host)
     summary = (f"bundled engine: python -m engine serve {checkpoint} --host {host} "
-               f"--port {port or '<free port>'} {' '.join(args)}".rstrip())
+               f"--port {port or '<free port>'} --model-name {MODEL_NAME} "
+               f"{' '.join(args)}".rstrip())  # the argv start_engine builds
 
     def run(on_progress: ProgressCallback | None) -> RunningBackend:
         return bundled.start_engine(checkpoint, args=args, host=host, port=port, api_key=key,
-                                    model_name="kimi-k3", on_progress=on_progress)
+                                    model_name=MODEL_NAME, on_progress=on_progress)
 
     return Launchable("bundled", summary, run)
 

@@ -64,13 +64,20 @@ def tail_lines(path: Path | None, n: int = 20) -> str:
     return "\n".join(text.splitlines()[-n:])
 
 
-def describe_exit(returncode: int, *, memory_limit_bytes: int | None = None) -> str:
-    """Why a process ended, in words a user can act on."""
+def describe_exit(returncode: int, *, memory_limit_bytes: int | None = None,
+                  oom_killed: bool | None = None) -> str:
+    """Why a process ended, in words a user can act on. `oom_killed`: what the kernel log
+    or the cgroup's OOM count says (None: neither could be read)."""
     if returncode == -signal.SIGKILL:
+        if not oom_killed:
+            sender = ("not by the out-of-memory killer (the kernel log shows no OOM kill): by "
+                      "a user or another program" if oom_killed is False else
+                      "by a user, another program or the out-of-memory killer (the kernel log "
+                      "is not readable here to tell)")
+            return f"was killed with SIGKILL, {sender}; k3tui does not restart it"
         limit = (f" (the memory limit was {gib(memory_limit_bytes)})"
                  if memory_limit_bytes else "")
-        return ("was killed with SIGKILL, most likely by the out-of-memory killer"
-                f"{limit}; k3tui does not restart it")
+        return (f"was killed by the out-of-memory killer{limit}; k3tui does not restart it")
     if returncode < 0:
         try:
             name = signal.Signals(-returncode).name
@@ -91,6 +98,7 @@ class RunningBackend:
     command: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # warnings shown before use
     memory_limit_bytes: int | None = None
+    cgroup_dir: Path | None = None  # the cgroup k3tui made for it: its OOM count is there
     process: subprocess.Popen | None = field(default=None, repr=False)
     on_stop: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
@@ -104,11 +112,21 @@ class RunningBackend:
         """A BackendError with the log tail when the process has ended, else None."""
         if self.process is None or self.process.poll() is None:
             return None
-        why = describe_exit(self.process.returncode, memory_limit_bytes=self.memory_limit_bytes)
+        why = self.exit_reason()
         return BackendError(f"The {self.kind} backend {why}.",
                             f"read its log ({self.log_path}) and start it again with "
                             "`k3tui serve`" if self.log_path else "start it again",
                             log_tail=self.log_tail())
+
+    def exit_reason(self) -> str:
+        """Why the process ended; an OOM kill only when the kernel or the cgroup says so."""
+        code = self.process.returncode if self.process is not None else 0
+        oom = None
+        if code == -signal.SIGKILL:
+            from k3tui.probe.limits import oom_kill_seen
+
+            oom = oom_kill_seen(self.pid, self.cgroup_dir)
+        return describe_exit(code, memory_limit_bytes=self.memory_limit_bytes, oom_killed=oom)
 
     def wait(self, timeout: float | None = None) -> int | None:
         if self.process is None:

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from k3tui.errors import K3Error
 
 MARK = {"ok": "ok  ", "warn": "warn", "fail": "FAIL"}
 FINDING_STATUS = {"info": "ok", "warn": "warn", "blocker": "fail"}
+REMOTE_TIMEOUT_S = 15.0  # the doctor answers in seconds; setup waits longer for a busy cluster
 
 
 @dataclass
@@ -49,11 +51,12 @@ def _model_bytes_present(directory: Path, kind: str) -> int:
     return total
 
 
-def run_checks(target: str | None, measure: bool) -> tuple[list[Check], dict]:
+def run_checks(target: str | None, measure: bool,
+               say: Callable[[str], None] | None = None) -> tuple[list[Check], dict]:
     from k3tui.config import Config, config_exists, load_config
     from k3tui.paths import get_paths
     from k3tui.planning.plan import ISOLATION_NEXT, describe_machine, make_plan
-    from k3tui.units import disk_size, gib
+    from k3tui.units import gib
     from k3tui.probe import probe_machine
 
     checks: list[Check] = []
@@ -72,7 +75,7 @@ def run_checks(target: str | None, measure: bool) -> tuple[list[Check], dict]:
             checks.append(Check("config", "fail", exc.message, exc.next_step or "k3tui setup"))
 
     model_dir = Path(target or cfg.model.dir or paths.models_dir).expanduser()
-    report = probe_machine(model_dir, measure=measure)
+    report = probe_machine(model_dir, measure=measure, say=say)
     report.description = f"this machine ({report.hostname})"
     have = _model_bytes_present(model_dir, cfg.model.kind) if model_dir.is_dir() else 0
     plan = make_plan(report, cfg.model.kind, ctx_size=cfg.llama_server.ctx_size,
@@ -97,13 +100,8 @@ def run_checks(target: str | None, measure: bool) -> tuple[list[Check], dict]:
             for x in g.gpus)
         gpu_detail += f"; driver {g.driver_version}" if g.driver_version else ""
     checks.append(Check("gpu", "ok", gpu_detail))
+    checks.append(_disk_check(report.storage, model_dir, explicit_dir=bool(target)))
     s = report.storage
-    disk = f"{model_dir}: {disk_size(s.free_bytes)} free on {s.fstype or '?'} ({s.fs_class}), " \
-           f"{s.disk_kind} {s.device}".rstrip()
-    disk += "; O_DIRECT " + {True: "works", False: "refused", None: "not tested"}[s.o_direct]
-    if s.read_mb_s_qd1 is not None:
-        disk += f"; read {s.read_mb_s_qd1:.0f} MB/s at QD1, {s.read_mb_s_qd8:.0f} MB/s at QD8"
-    checks.append(Check("disk", "ok", disk))
     if measure and s.measure_note:
         checks.append(Check("measure", "ok" if s.read_mb_s_qd1 else "warn", s.measure_note))
     iso = report.isolation
@@ -127,6 +125,42 @@ def run_checks(target: str | None, measure: bool) -> tuple[list[Check], dict]:
                     "model_dir": str(model_dir), "model_bytes_present": have}
 
 
+def _disk_check(s, model_dir: Path, explicit_dir: bool) -> Check:
+    """Free space and O_DIRECT of the folder; a folder that does not exist yet is measured on
+    its nearest existing parent, and the line says so."""
+    from k3tui.units import disk_size
+
+    where = str(model_dir)
+    missing = not model_dir.exists()
+    if missing:
+        where += f" (does not exist; checked on {s.probed_path})"
+    disk = f"{where}: {disk_size(s.free_bytes)} free on {s.fstype or '?'} ({s.fs_class}), " \
+           f"{s.disk_kind} {s.device}".rstrip()
+    disk += "; O_DIRECT " + {True: "works", False: "refused", None: "not tested"}[s.o_direct]
+    if s.read_mb_s_qd1 is not None:
+        disk += f"; read {s.read_mb_s_qd1:.0f} MB/s at QD1, {s.read_mb_s_qd8:.0f} MB/s at QD8"
+    if missing and explicit_dir:
+        return Check("disk", "warn", disk, f"create it (`mkdir -p {model_dir}`) or give an "
+                     "existing folder to --dir")
+    return Check("disk", "ok", disk)
+
+
+def _remote_check(cfg) -> list[Check]:
+    """The endpoint tested as `k3tui setup` tests it (health, models, one token), briefly."""
+    if not cfg.remote.url:
+        return [Check("remote", "fail", "the config chooses a remote endpoint but gives no URL",
+                      "k3tui setup")]
+    from k3tui.backends.endpoint import check_endpoint, resolve_api_key
+
+    key, _ = resolve_api_key(cfg.remote.api_key_env)
+    check = check_endpoint(cfg.remote.url, key, cfg.remote.verify_tls,
+                           model=cfg.remote.model or None, timeout=REMOTE_TIMEOUT_S)
+    out = [Check("remote", "ok" if check.ok else "fail",
+                 f"{cfg.remote.url}: {check.message}", check.next_step)]
+    out += [Check("remote_tls", "warn", w) for w in check.warnings]
+    return out
+
+
 def _model_checks(cfg, model_dir: Path, have: int, explicit_dir: bool = False,
                   configured: bool = True) -> list[Check]:
     from k3tui.planning.plan import GGUF_BYTES, SAFETENSORS_BYTES
@@ -135,12 +169,7 @@ def _model_checks(cfg, model_dir: Path, have: int, explicit_dir: bool = False,
     out: list[Check] = []
     kind = cfg.model.kind
     if kind == "remote":
-        if cfg.remote.url:
-            out.append(Check("remote", "ok", f"endpoint {cfg.remote.url} (`k3tui setup` tests it)"))
-        else:
-            out.append(Check("remote", "fail", "the config chooses a remote endpoint but gives "
-                             "no URL", "k3tui setup"))
-        return out
+        return _remote_check(cfg)
     need = GGUF_BYTES if kind == "gguf" else SAFETENSORS_BYTES
     if have >= need * 0.999:
         out.append(Check("model", "ok", f"{kind} checkpoint present in {model_dir} "
@@ -191,7 +220,10 @@ def format_checks(checks: list[Check], title: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    checks, data = run_checks(args.dir, args.measure)
+    def say(line: str) -> None:  # --measure takes seconds: show each step as it starts
+        print(f"k3tui doctor: {line}…", file=sys.stderr, flush=True)
+
+    checks, data = run_checks(args.dir, args.measure, say=say)
     failed = any(c.status == "fail" for c in checks)
     if args.json:
         data["checks"] = [asdict(c) for c in checks]

@@ -15,6 +15,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=["list", "attach", "cancel", "log", "clean"],
                         help="list (default), attach (live progress; Ctrl-C detaches), "
                         "cancel, log (print the job's log), or clean (forget finished jobs)")
+    parser.add_argument("--json", action="store_true",
+                        help="with list: print the jobs' states as JSON")
     parser.add_argument("id", nargs="?", help="job id, or a unique part of it "
                         "(default: the newest running job)")
 
@@ -23,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     from k3tui import jobs
 
     if args.action == "list":
-        return _list()
+        return _list(as_json=args.json)
     if args.action == "clean":
         gone = jobs.forget_finished()
         print(f"Forgot {len(gone)} finished job(s); files they downloaded or packed stay.")
@@ -67,10 +69,16 @@ def summary_line(state: dict) -> str:
     return "  ".join(bits)
 
 
-def _list() -> int:
+def _list(as_json: bool = False) -> int:
+    import json
+    import textwrap
+
     from k3tui import jobs
 
     rows = jobs.list_jobs()
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return 0
     if not rows:
         print("No jobs. Start one with `k3tui download` or `k3tui pack`.")
         return 0
@@ -79,8 +87,9 @@ def _list() -> int:
         print(f"{s['id']}  {s['status']:<9}  {started}")
         print(f"  {summary_line(s)}")
         print(f"  {s.get('target', '')}")
-        if s.get("message"):
-            print(f"  {s['message']}"[:240])
+        if s.get("message"):  # wrapped at word boundaries, at most three lines
+            print(textwrap.fill(s["message"], 80, initial_indent="  ", subsequent_indent="  ",
+                                max_lines=3, placeholder=f" … (`k3tui jobs log {s['id']}`)"))
     return 0
 
 

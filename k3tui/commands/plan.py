@@ -15,8 +15,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--machine", metavar="FILE|NAME",
                         help=f"a machine report JSON, or a profile: {', '.join(list_profiles())} "
                              "(default: probe this machine)")
-    parser.add_argument("--model", choices=("safetensors", "gguf", "remote"),
+    from k3tui.commands import old_spelling
+
+    kinds = ("safetensors", "gguf", "remote")
+    parser.add_argument("--checkpoint-kind", "--kind", dest="kind", choices=kinds,
                         help="checkpoint kind (default: the config's, else the recommended one)")
+    old_spelling(parser, "--model", "--checkpoint-kind", dest="kind", choices=kinds)
     parser.add_argument("--dir", metavar="PATH",
                         help="where the checkpoint would go (default: the config's model dir)")
     parser.add_argument("--json", action="store_true", help="print JSON (machine + plan)")
@@ -44,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         target = args.dir or (cfg.model.dir if cfg and cfg.model.dir else get_paths().models_dir)
         report = probe_machine(target)
         report.description = f"this machine ({report.hostname})"
-    kind = args.model or (cfg.model.kind if cfg else None) or recommend_model_kind(report)
+    kind = args.kind or (cfg.model.kind if cfg else None) or recommend_model_kind(report)
     kwargs = {}
     if cfg is not None:
         kwargs = {"ctx_size": cfg.llama_server.ctx_size,
@@ -72,5 +76,5 @@ def run(args: argparse.Namespace) -> int:
             from k3tui.planning.forecast import plan_lines
 
             lines = plan_lines(plan.preset)
-        print(fit_to_width(format_plan(plan, report, lines), width))
+        print(fit_to_width(format_plan(plan, report, forecast=lines), width))
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from pathlib import Path
 
 from k3tui.errors import K3Error
 
@@ -17,8 +18,11 @@ from k3tui.errors import K3Error
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=["bundled", "llama-server"],
                         help="which backend to start (default: [backend] kind of the config)")
-    parser.add_argument("--model", metavar="PATH",
+    from k3tui.commands import old_spelling
+
+    parser.add_argument("--model-path", dest="model_path", metavar="PATH",
                         help="checkpoint folder (bundled) or .gguf file / folder (llama-server)")
+    old_spelling(parser, "--model", "--model-path", dest="model_path", metavar="PATH")
     parser.add_argument("--port", type=int, help="port to listen on (default: a free one)")
     parser.add_argument("--force", action="store_true",
                         help="start despite a refusal: other processes holding GPU memory "
@@ -43,17 +47,22 @@ def run(args: argparse.Namespace) -> int:
     from k3tui.backends.llama.server import exit_story
 
     cfg = _config()
-    kind = args.backend or _kind_of(args.model) or cfg.backend.kind
+    kind = args.backend or _kind_of(args.model_path) or cfg.backend.kind
     if kind == "remote":
         raise K3Error("The configured backend is a remote endpoint; there is nothing to serve "
                       "here.", "use `k3tui chat`, or pass --backend bundled|llama-server", 2)
     if args.machine and not args.dry_run:
         raise K3Error("--machine only describes another machine; it cannot start a server "
                       "here.", "add --dry-run", 2)
-    if args.dry_run and args.machine and not (args.model or cfg.model.dir):
-        return _plan_without_model(args)
-    ready = prepare_launch(cfg, kind=kind, model=args.model, port=args.port, force=args.force,
-                           machine=args.machine)
+    model = args.model_path or cfg.model.dir
+    if args.dry_run and args.machine and not (model and Path(model).expanduser().exists()):
+        from k3tui.config import config_exists
+
+        chosen = args.backend or _kind_of(args.model_path) \
+            or (cfg.backend.kind if config_exists() else None)
+        return _plan_without_model(args, chosen)
+    ready = prepare_launch(cfg, kind=kind, model=args.model_path, port=args.port,
+                           force=args.force, machine=args.machine)
     shown = ready.describe()
     print(shown, flush=True)
     if args.dry_run:
@@ -92,12 +101,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _kind_of(model: str | None) -> str | None:
-    """The backend a `--model` path needs: a .gguf (or a folder of them) runs only in
+    """The backend a `--model-path` needs: a .gguf (or a folder of them) runs only in
     llama-server, a safetensors checkpoint folder only in the bundled engine."""
     if not model:
         return None
-    from pathlib import Path
-
     path = Path(model).expanduser()
     if path.suffix == ".gguf" or (path.is_dir() and any(path.glob("*.gguf"))
                                   and not (path / "config.json").is_file()):
@@ -107,18 +114,19 @@ def _kind_of(model: str | None) -> str | None:
     return None
 
 
-def _plan_without_model(args: argparse.Namespace) -> int:
-    """`serve --dry-run --machine NAME` before any model is here: the plan for that machine,
-    with a placeholder for the model path, instead of refusing."""
-    from k3tui.config import config_exists
-    from k3tui.planning.plan import format_plan, make_plan, recommend_model_kind
+def _plan_without_model(args: argparse.Namespace, kind: str | None) -> int:
+    """`serve --dry-run --machine NAME` for a machine you don't have, so without its model
+    files: the plan for that machine from the model's published size and shard count."""
+    from k3tui.planning.plan import MODEL_LABELS, format_plan, make_plan, recommend_model_kind
     from k3tui.probe import load_report
 
     report = load_report(args.machine)
-    backend = args.backend or (_config().backend.kind if config_exists() else None)
-    kind = {"bundled": "safetensors", "llama-server": "gguf"}.get(backend or "") \
+    checkpoint = {"bundled": "safetensors", "llama-server": "gguf"}.get(kind or "") \
         or recommend_model_kind(report)
-    print(f"No model is configured here; this is what k3tui would run on {args.machine} "
-          f"(the model path is a placeholder; `--model PATH` checks real files).")
-    print(format_plan(make_plan(report, kind), report))
+    given = args.model_path
+    what = f"{given} is not here" if given else "No model is configured here"
+    print(f"{what}; this is what k3tui would run on {args.machine}, from the published "
+          f"size of {MODEL_LABELS[checkpoint].removeprefix('Kimi-K3 ')}"
+          + ("" if given else " (the model path is a placeholder)") + ".")
+    print(format_plan(make_plan(report, checkpoint), report, model_path=given))
     return 0

@@ -16,8 +16,12 @@ from k3tui.errors import K3Error
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--yes", "-y", action="store_true",
                         help="no questions: take the recommendation and the flags below")
-    parser.add_argument("--model", choices=("safetensors", "gguf", "remote"),
+    from k3tui.commands import old_spelling
+
+    kinds = ("safetensors", "gguf", "remote")
+    parser.add_argument("--checkpoint-kind", "--kind", dest="kind", choices=kinds,
                         help="checkpoint kind (with --yes)")
+    old_spelling(parser, "--model", "--checkpoint-kind", dest="kind", choices=kinds)
     parser.add_argument("--backend", choices=("bundled", "llama-server", "remote"),
                         help="backend (with --yes; implies the checkpoint kind)")
     parser.add_argument("--preset", choices=("laptop", "desktop", "workstation", "server", "max",
@@ -44,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     if interactive and not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise K3Error("`k3tui setup` asks questions, but this is not a terminal.",
                       "run it in a terminal, or answer with flags: `k3tui setup --yes "
-                      "[--model …] [--preset …] [--model-dir PATH]`", 2)
+                      "[--checkpoint-kind …] [--preset …] [--model-dir PATH]`", 2)
     existing = load_config() if config_exists() else None
     from k3tui.config import Config
 
@@ -58,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     if interactive:
         return run_interactive(report, base, forecaster=forecast.measure)
     result = wizard.answers_from_flags(
-        report, base, model=args.model, backend=args.backend, preset=args.preset,
+        report, base, model=args.kind, backend=args.backend, preset=args.preset,
         model_dir=args.model_dir, remote_url=args.remote_url, api_key_env=args.api_key_env,
         force=args.force)
     if result.config.model.kind == "safetensors":

@@ -13,7 +13,9 @@ from k3tui.probe.report import MachineReport
 from k3tui.units import GB, GiB, disk_size, gib
 
 SAFETENSORS_BYTES = 1_560_936_091_448  # 96 shards
-TRUNK_PACK_BYTES = 113_490_000_000  # 93 trunk runs (108.81 GB) + embed/lm_head (4.70 GB)
+# what `k3tui pack` writes: the 93 trunk runs (spec §2.2); embed/lm_head (4.70 GB) stay in
+# their shard and are not copied
+TRUNK_PACK_BYTES = 108_810_000_000
 GGUF_BYTES = 579_500_000_000  # Kimi-K3 IQ1_S, 34 files
 
 MODEL_LABELS = {
@@ -29,15 +31,23 @@ class Preset:
     trunk_gb: float
     cache_gb: float
     peak_rss_gb: float  # measured by the peer engine at this preset
-    note: str
+    s_per_token: str  # the peer's measured range (spec §4, v0.1 and v1.0 runs); README's table
+    role: str = ""  # "the floor", "fastest"
+
+    @property
+    def note(self) -> str:
+        speed = f"{self.s_per_token} s/token" if self.s_per_token[0] == "~" else self.s_per_token
+        return f"{self.role}, {speed}" if self.role else speed
 
 
+# The one table of expected speeds (wizard, plan and README) until issue 15's forecast
+# replaces it with figures measured on this machine.
 PRESETS: dict[str, Preset] = {p.name: p for p in [
-    Preset("laptop", 3.0, 1.0, 8.2, "the floor, ~27 s/token"),
-    Preset("desktop", 16.0, 10.0, 31.9, "~24 s/token"),
-    Preset("workstation", 60.0, 30.0, 95.5, "~6-20 s/token"),
-    Preset("server", 110.0, 13.0, 128.0, "fastest, ~6 s/token"),
-    Preset("max", 110.0, 109.0, 224.0, "no faster than server"),
+    Preset("laptop", 3.0, 1.0, 8.2, "~27–33", "the floor"),
+    Preset("desktop", 16.0, 10.0, 31.9, "~24–31"),
+    Preset("workstation", 60.0, 30.0, 95.5, "~20–24"),
+    Preset("server", 110.0, 13.0, 128.0, "~6–11", "fastest"),
+    Preset("max", 110.0, 109.0, 224.0, "not faster than server"),
 ]}
 PRESET_HEADROOM = 1.05  # the peer's forecast missed peak RSS by up to 1.84 GB
 MIN_USABLE_BYTES = 3 * GB  # the peer's `--preset auto` refuses below this
@@ -187,10 +197,18 @@ def _storage_findings(report: MachineReport, need: int, extra: int, have: int,
     return out
 
 
-def _gpu_findings(report: MachineReport) -> list[Finding]:
+def _gpu_findings(report: MachineReport, backend: str) -> list[Finding]:
     apps = report.gpu.apps
     if not apps:
         return []
+    if backend == "llama-server":
+        from k3tui.backends.llama.server import gpu_refusal
+
+        refusal = gpu_refusal(report)
+        if refusal is not None:  # what the launch itself decides, word for word
+            return [Finding("blocker", "gpu_busy",
+                            f"`k3tui serve` will refuse to start llama-server: {refusal[0]}",
+                            refusal[1])]
     held = report.gpu.held_by_apps_bytes
     who = ", ".join(f"{a.name or '?'} (pid {a.pid}, {gib(a.used_bytes or 0)})" for a in apps)
     return [Finding("warn", "gpu_busy", f"GPU memory held by other processes: {who}",
@@ -219,8 +237,7 @@ def _plan_bundled(report: MachineReport, plan: Plan) -> None:
     plan.preset_reason = (f"{preset.name} (trunk {preset.trunk_gb:g} GB, cache "
                           f"{preset.cache_gb:g} GB, peak ~{preset.peak_rss_gb:g} GB): "
                           f"{usable / GB:.1f} GB usable of {report.memory.total_bytes / GB:.1f} GB "
-                          f"RAM (= {gib(report.memory.total_bytes)}); {preset.note} "
-                          "(the C peer's figure, on its machine)")
+                          f"RAM; {preset.note} (the C peer's figure, on its machine)")
     if usable < MIN_USABLE_BYTES:
         plan.findings.append(Finding(
             "blocker", "memory_floor",
@@ -260,7 +277,7 @@ def _plan_llama(report: MachineReport, plan: Plan, ctx: int, budget: int) -> Non
     else:
         add(["--n-gpu-layers", "0"], "no GPU: everything on the CPU")
     add(["--load-mode", "mmap"], "map the GGUF instead of reading it into RAM: the model is "
-                                 "far larger than memory (--no-mmap/--mmap no longer exist)")
+                                 "far larger than memory (--mmap/--no-mmap are deprecated for it)")
     add(["--parallel", "1"], "one slot: a single user gets the whole context and KV cache")
     add(["--ctx-size", str(ctx)], "explicit, so --fit does not shrink it")
     add(["--reasoning-budget", str(budget)], "cap thinking tokens so an answer arrives")
@@ -278,7 +295,10 @@ def _plan_llama(report: MachineReport, plan: Plan, ctx: int, budget: int) -> Non
             "warn", "unified_memory",
             "unified memory is shared by the GPU and the page cache: an uncapped mmap of the "
             "GGUF can starve CUDA and lock the machine up (the DGX Spark lockup)",
-            "nothing to do: k3tui starts llama-server under the memory limit above"))
+            "nothing to do: k3tui starts llama-server under the memory limit above"
+            if report.isolation.method != "none" else
+            "`k3tui serve` refuses to start llama-server here until the limit can be "
+            "enforced (see no_isolation)"))
     else:
         reserve = max(2 * GiB, int(0.1 * mem.effective_total_bytes))
         limit = mem.effective_total_bytes - reserve
@@ -339,7 +359,7 @@ def make_plan(report: MachineReport, model_kind: str, *, ctx_size: int = DEFAULT
     plan.download_bytes = max(0, need - have_bytes)
     plan.disk_needed_bytes = need + extra
     plan.findings[:0] = _storage_findings(report, need, extra, have_bytes, model_kind)
-    plan.findings += _gpu_findings(report) + _memory_findings(report)
+    plan.findings += _gpu_findings(report, plan.backend) + _memory_findings(report)
     return plan
 
 
@@ -365,9 +385,11 @@ def describe_machine(report: MachineReport) -> list[str]:
     return lines
 
 
-def format_plan(plan: Plan, report: MachineReport, forecast: list[str] | None = None) -> str:
-    """`forecast`: the lines of this machine's measured forecast (k3tui/planning/forecast.py),
-    shown under the preset."""
+def format_plan(plan: Plan, report: MachineReport, model_path: str | None = None,
+                forecast: list[str] | None = None) -> str:
+    """The plan as `k3tui plan` prints it; `model_path` names the model in the command
+    (default: a placeholder for the first of the published shards); `forecast`: the lines of
+    this machine's measured forecast (k3tui/planning/forecast.py), shown under the preset."""
     out = []
     title = report.description or report.source
     out.append(f"Machine: {title}")
@@ -384,7 +406,8 @@ def format_plan(plan: Plan, report: MachineReport, forecast: list[str] | None = 
         iso = getattr(report, "isolation", None)
         method = getattr(iso, "method", "none") or "none"
         limit = plan.memory_limit_bytes
-        cmd = planned_command(plan.llama_server_args, limit_bytes=limit, method=method)
+        shown = {"model": model_path} if model_path else {}
+        cmd = planned_command(plan.llama_server_args, limit_bytes=limit, method=method, **shown)
         out.append("Command: " + " ".join(cmd))
         if limit is not None:
             out.append(f"Memory limit: {gib(limit)} ({limit} bytes) = "

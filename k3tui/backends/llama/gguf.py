@@ -103,6 +103,12 @@ def model_shards(model: Path) -> list[Path]:
         firsts = [p for p in ggufs if (m := SPLIT_RE.match(p.name)) and int(m["no"]) == 1]
         singles = [p for p in ggufs if not SPLIT_RE.match(p.name)]
         choices = firsts + singles
+        later = [m for p in ggufs if (m := SPLIT_RE.match(p.name)) and int(m["no"]) != 1]
+        if not choices and later:  # a split model whose first shard is missing
+            first = f"{later[0]['prefix']}-00001-of-{int(later[0]['count']):05d}.gguf"
+            raise K3Error(f"{model} holds {len(later)} shards of a split GGUF but not its "
+                          f"first shard, {first}.",
+                          "run `k3tui download` to fetch (or resume) it, then start again")
         if len(choices) != 1:
             raise K3Error(f"{model} holds {len(choices) or 'no'} GGUF models"
                           + (f" ({', '.join(p.name for p in choices)})" if choices else "") + ".",
@@ -135,7 +141,8 @@ def check_shards(model: Path) -> list[Path]:
         try:
             head = read_gguf_header(p)
         except (OSError, ValueError, EOFError, KeyError, UnicodeError) as exc:
-            problems.append(f"{p.name} has an unreadable header ({exc or 'truncated'})")
+            why = str(exc) or "the file ends inside it"  # a bare EOFError has no words
+            problems.append(f"{p.name} has an unreadable header ({why})")
             continue
         size = p.stat().st_size
         if head.expected_size is not None and size < head.expected_size:

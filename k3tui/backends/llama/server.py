@@ -20,7 +20,7 @@ from k3tui.backends.llama.binary import (BinaryInfo, binary_env, find_binary, in
                                         install_hint)
 from k3tui.backends.llama.command import BASE_ARGS, LlamaCommand, build_command, write_key_file
 from k3tui.backends.llama.gguf import check_shards
-from k3tui.backends.running import LoadProgress, ProgressCallback, RunningBackend, describe_exit
+from k3tui.backends.running import LoadProgress, ProgressCallback, RunningBackend
 from k3tui.errors import K3Error
 from k3tui.paths import get_paths, private_open
 from k3tui.probe.limits import (check_systemd_scope, own_cgroup_v2_dir, pid_reads_back,
@@ -32,10 +32,10 @@ from k3tui.units import gib
 # --- the busy-GPU guard ----------------------------------------------------------------------
 
 
-def gpu_guard(report: Any, *, force: bool = False) -> str | None:
-    """Refuse to start on a unified-memory machine whose GPU memory other processes hold.
-
-    Returns a warning when `force` overrides a refusal; raises K3Error otherwise."""
+def gpu_refusal(report: Any) -> tuple[str, str] | None:
+    """(why, next step) when llama-server must not start because other processes hold GPU
+    memory on a unified-memory machine; None when nothing holds it. The one rule that
+    `k3tui serve`, the chat, `k3tui doctor` and `k3tui plan` state."""
     gpu = getattr(report, "gpu", None)
     if gpu is None or not getattr(gpu, "unified_memory", False):
         return None
@@ -43,13 +43,24 @@ def gpu_guard(report: Any, *, force: bool = False) -> str | None:
     if not holders:
         return None
     listing = ", ".join(f"pid {a.pid} {a.name} {gib(a.used_bytes or 0)}" for a in holders)
+    return (f"other processes hold GPU memory on this unified-memory machine ({listing}); "
+            "with the model's page cache that can exhaust memory and freeze the machine",
+            "stop them first (e.g. `sudo systemctl stop ollama`, or `kill <pid>`), or start "
+            "anyway with `k3tui serve --force` (then `k3tui chat --url URL`)")
+
+
+def gpu_guard(report: Any, *, force: bool = False) -> str | None:
+    """Refuse to start on a unified-memory machine whose GPU memory other processes hold.
+
+    Returns a warning when `force` overrides a refusal; raises K3Error otherwise."""
+    refusal = gpu_refusal(report)
+    if refusal is None:
+        return None
+    why, step = refusal
     if force:
-        return (f"--force: starting although other processes hold GPU memory ({listing}); on "
-                "unified memory this can freeze the whole machine")
-    raise K3Error(f"Other processes hold GPU memory on this unified-memory machine ({listing}); "
-                  "with the model's page cache that can exhaust memory and freeze the machine.",
-                  "stop them first (e.g. `sudo systemctl stop ollama`, or `kill <pid>`), or start "
-                  "anyway with `k3tui serve --force` (then `k3tui chat --url URL`)", exit_code=2)
+        return (f"--force: starting although {why.split('; ')[0]}; on unified memory this "
+                "can freeze the whole machine")
+    raise K3Error(why[0].upper() + why[1:] + ".", step, exit_code=2)
 
 
 # --- the memory limit ------------------------------------------------------------------------
@@ -269,6 +280,7 @@ def start(prepared: Prepared, *, on_progress: ProgressCallback | None = None,
         kind="llama-server", base_url=f"http://{scheme_host}:{cmd.port}", api_key=cmd.api_key,
         model=cmd.alias, pid=proc.pid, log_path=log_path, command=argv,
         notes=list(prepared.notes) + list(cmd.warnings), process=proc,
+        cgroup_dir=prepared.limit.cgroup_dir,
         memory_limit_bytes=prepared.limit.limit_bytes if prepared.limit.method != "none" else None)
     backend.on_stop.append(cleanup)
     if prepared.limit.method == "none":
@@ -307,8 +319,7 @@ def wait_ready(backend: RunningBackend, *, total_bytes: int | None = None,
         while True:
             failed = backend.failure()
             if failed is not None:
-                why = describe_exit(backend.process.returncode,
-                                    memory_limit_bytes=backend.memory_limit_bytes)
+                why = backend.exit_reason()
                 reason = log_reason(failed.log_tail)
                 raise K3Error(f"{backend.kind} {why} while loading"
                               + (f": {reason}" if reason else "") + ".\n"
@@ -429,5 +440,4 @@ def _load_phase(body: object) -> str:
 
 def exit_story(backend: RunningBackend) -> str:
     """One line for a server that ended (used by `k3tui serve`)."""
-    code = backend.process.returncode if backend.process else 0
-    return describe_exit(code, memory_limit_bytes=backend.memory_limit_bytes)
+    return backend.exit_reason()

@@ -57,15 +57,21 @@ def test_doctor_text_is_fast_and_names_next_steps(tmp_path):
 
 
 def test_doctor_warnings_alone_exit_zero(tmp_path, _isolated_home):
-    # a remote config: no disk is needed, so nothing blocks; warnings stay warnings
-    (_isolated_home / "config.toml").write_text(
-        '[model]\nkind = "remote"\n[backend]\nkind = "remote"\n'
-        '[remote]\nurl = "http://127.0.0.1:9/v1"\n')
-    res = doctor("--json", "--dir", str(tmp_path))
+    # a remote config: no disk is needed, so nothing blocks; warnings stay warnings. The
+    # endpoint is really tested, so it is a real one on loopback.
+    from fnd_helpers import fake_endpoint
+
+    with fake_endpoint(tmp_path, "sekrit") as (port, log):
+        (_isolated_home / "config.toml").write_text(
+            '[model]\nkind = "remote"\n[backend]\nkind = "remote"\n'
+            f'[remote]\nurl = "http://127.0.0.1:{port}/v1"\napi_key_env = "RMT_KEY"\n')
+        res = doctor("--json", "--dir", str(tmp_path), env=dict(os.environ, RMT_KEY="sekrit"))
+        requests = log.read_text()
     data = json.loads(res.stdout)
     assert res.returncode == 0, [c for c in data["checks"] if c["status"] == "fail"]
     assert data["ok"] is True
     assert any(c["name"] == "remote" and c["status"] == "ok" for c in data["checks"])
+    assert "/v1/models key" in requests and "/v1/chat/completions key" in requests
 
 
 def test_doctor_bad_config_is_a_blocker_with_file_and_line(_isolated_home, tmp_path):
@@ -84,6 +90,11 @@ def test_doctor_measure_reports_read_speed(tmp_path):
     s = json.loads(res.stdout)["machine"]["storage"]
     assert s["read_mb_s_qd1"] > 0 and s["read_mb_s_qd8"] > 0
     assert s["measure_note"]
+    # it takes seconds, so each step says what it does as it starts (on stderr: --json stays
+    # parseable)
+    steps = [ln for ln in res.stderr.splitlines() if ln.startswith("k3tui doctor: measuring")]
+    assert [ln.split(": ", 2)[2].split()[0] for ln in steps] == ["writing", "reading", "reading"]
+    assert "queue depth 1" in steps[1] and "queue depth 8" in steps[2]
 
 
 def test_doctor_json_feeds_plan_machine(tmp_path):

@@ -54,7 +54,7 @@ def test_config_set_errors_speak_of_the_command_not_a_file_line():
     assert "remove the line" not in info.value.next_step
     with pytest.raises(K3Error) as info:
         set_value(load_config(), "engine.threads", "many")
-    assert "k3tui config set engine.threads 4" in info.value.next_step
+    assert "k3tui config set engine.threads N" in info.value.next_step
 
 
 def test_port_outside_the_tcp_range_is_refused():
@@ -81,10 +81,10 @@ def test_not_enough_disk_says_how_much_is_short_and_what_the_disk_line_counts():
     r.storage.free_bytes = 77 * GB
     plan = make_plan(r, "safetensors")
     msg = plan.blockers[0].message
-    assert "77.0 GB free" in msg and "1.56 TB" in msg and "113.5 GB" in msg
-    assert "1.60 TB short" in msg  # 1,560.9 + 113.5 - 77.0 GB
+    assert "77.0 GB free" in msg and "1.56 TB" in msg and "108.8 GB" in msg
+    assert "1.59 TB short" in msg  # 1,560.9 + 108.8 - 77.0 GB
     text = format_plan(plan, r)
-    assert "113.5 GB for the packed trunk" in text
+    assert "108.8 GB for the packed trunk" in text
 
 
 def test_laptop_floor_advice_names_a_command_that_takes_effect():
@@ -92,8 +92,8 @@ def test_laptop_floor_advice_names_a_command_that_takes_effect():
     plan = make_plan(r, "safetensors")
     floor = [f for f in plan.findings if f.code == "below_laptop_floor"]
     assert floor and "custom" in floor[0].next
-    # the machine line says GiB, the presets GB: the preset line gives both for the total
-    assert "of 8.2 GB RAM (= 7.6 GiB)" in plan.preset_reason
+    # the presets are in GB, so the preset line is in GB only (no GiB in the same sentence)
+    assert "of 8.2 GB RAM;" in plan.preset_reason and "GiB" not in plan.preset_reason
 
 
 def _closed_port() -> int:
