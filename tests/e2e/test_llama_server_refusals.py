@@ -16,11 +16,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from llama_helpers import real_binary, write_tiny_gguf
+from llama_helpers import gguf_config, real_binary, systemd_that_applies, write_tiny_gguf
 
 from k3tui.backends.llama import server
 from k3tui.backends.launch import prepare_launch
-from k3tui.config import Config
 from k3tui.errors import K3Error
 
 GIB = 2**30
@@ -40,17 +39,6 @@ def started():
     yield backends
     for b in backends:
         b.stop(grace_s=3)
-
-
-def gguf_config(model: Path) -> Config:
-    cfg = Config()
-    cfg.model.kind, cfg.model.dir, cfg.backend.kind = "gguf", str(model), "llama-server"
-    return cfg
-
-
-def systemd_that_applies(argv):
-    limit = next(a.split("=", 1)[1] for a in argv if a.startswith("MemoryMax="))
-    return subprocess.CompletedProcess(argv, 0, stdout=limit + "\n", stderr="")
 
 
 @contextlib.contextmanager

@@ -15,16 +15,9 @@ from engine.text.tokenizer import SPLIT_PATTERN, Tokenizer, read_ranks
 N_RANKS = 1792
 
 
-@pytest.fixture(scope="module")
-def vocab_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("vocab")
-    write_test_tokenizer(d, N_RANKS)
-    return d
-
-
-@pytest.fixture(scope="module")
-def tok(vocab_dir) -> Tokenizer:
-    return Tokenizer.from_dir(vocab_dir)
+@pytest.fixture
+def tok(test_tok) -> Tokenizer:
+    return test_tok  # the session's test vocabulary (tests/engine/conftest.py)
 
 
 @pytest.fixture(scope="module")

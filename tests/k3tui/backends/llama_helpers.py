@@ -19,6 +19,8 @@ import httpx
 import numpy as np
 import pytest
 
+from k3tui.config import Config
+
 CHAT_TEMPLATE = (
     "{%- for m in messages -%}"
     "{%- if m['role'] == 'assistant' -%}"
@@ -272,3 +274,16 @@ class ReplayServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(5)
+
+
+def gguf_config(model: Path) -> Config:
+    """A config that serves `model` with llama-server."""
+    cfg = Config()
+    cfg.model.kind, cfg.model.dir, cfg.backend.kind = "gguf", str(model), "llama-server"
+    return cfg
+
+
+def systemd_that_applies(argv):
+    """What a systemd user manager with the memory controller delegated answers."""
+    limit = next(a.split("=", 1)[1] for a in argv if a.startswith("MemoryMax="))
+    return subprocess.CompletedProcess(argv, 0, stdout=limit + "\n", stderr="")

@@ -8,11 +8,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from llama_helpers import real_binary, write_tiny_gguf
+from llama_helpers import gguf_config, real_binary, systemd_that_applies, write_tiny_gguf
 
 from k3tui.backends.llama import binary, command, server
 from k3tui.backends.launch import prepare_launch
-from k3tui.config import Config
 from k3tui.errors import K3Error
 
 GIB = 2**30
@@ -22,18 +21,6 @@ GIB = 2**30
 def split(tmp_path_factory):
     real_binary()
     return write_tiny_gguf(tmp_path_factory.mktemp("m") / "k3.gguf", split_max_tensors=8)
-
-
-def gguf_config(model: Path) -> Config:
-    cfg = Config()
-    cfg.model.kind, cfg.model.dir, cfg.backend.kind = "gguf", str(model), "llama-server"
-    return cfg
-
-
-def systemd_that_applies(argv):
-    """What a systemd user manager with the memory controller delegated answers."""
-    limit = next(a.split("=", 1)[1] for a in argv if a.startswith("MemoryMax="))
-    return subprocess.CompletedProcess(argv, 0, stdout=limit + "\n", stderr="")
 
 
 def spark_report():
