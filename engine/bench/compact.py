@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -198,6 +199,14 @@ def _checkpoint(args: argparse.Namespace) -> tuple[Path, Path]:
 
 
 def main(args: argparse.Namespace) -> int:
+    try:
+        return _main(args)
+    except EngineError as exc:  # one sentence, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _main(args: argparse.Namespace) -> int:
     fractions = _numbers(args.budgets, "--budgets")
     budgets_gb = _numbers(args.budgets_gb, "--budgets-gb") if args.budgets_gb else None
     ck, work = _checkpoint(args)
