@@ -10,31 +10,42 @@
   plan's reads (sampled right after), the bytes read ÷ that speed (the I/O bound of a
   token) and the time compute waited on the trunk: where s/token is well above the I/O
   bound the disk is not what bounds it, and fewer bytes cannot make a token faster.
-The default checkpoint is synthesised `medium` in --workdir (reused). A separate
-subcommand so `bench stream` can change without it.
+The default checkpoint is synthesised `medium` in --workdir (reused); `--size bench` takes
+`bench stream`'s 6.38 GB one, where the trunk streams from disk at budgets such as
+`--budgets-gb 0.53,1.06`. Both trunks are packed once beside the checkpoint (the pack
+time is reported) and reused. A separate subcommand so `bench stream` can change without it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from engine.bench.stream import default_workdir
+from engine.bench.stream import default_workdir, ensure_checkpoint
+from engine.errors import EngineError
 
 PROMPT = [3, 7, 11, 5, 9, 200, 17]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", metavar="DIR", help="an existing checkpoint")
-    parser.add_argument("--workdir", type=Path, default=None, help="where to synthesise/pack")
+    parser.add_argument("--size", choices=("medium", "bench"), default="medium",
+                        help="the synthesised checkpoint without --checkpoint (bench: the "
+                        "6.38 GB one `bench stream` uses)")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="where to synthesise the checkpoint and pack its trunks (default: "
+                        "beside the checkpoint)")
     parser.add_argument("--tokens", type=int, default=6, help="tokens decoded per run")
     parser.add_argument("--budgets", default="0.1,0.5,1.0",
                         help="budgets as fractions of the BF16 trunk + minimal cache")
+    parser.add_argument("--budgets-gb", default=None, metavar="LIST",
+                        help="budgets in GB instead, e.g. 0.53,1.06 on --size bench")
     parser.add_argument("--json", action="store_true")
 
 
@@ -125,19 +136,28 @@ def _decode(ck: Path, trunk: Path, budget_gb: float, tokens: int) -> dict[str, A
                 "streamed_trunk_gb": plan.streamed_trunk_bytes / GB}
 
 
-def decode_section(ck: Path, work: Path, fractions: list[float], tokens: int) -> list[dict]:
+def pack_trunks(ck: Path, work: Path) -> tuple[dict[str, Path], dict[str, dict]]:
+    """Both trunks of `ck` in `work`, packed once and reused; each pack's summary."""
     from engine.checkpoint.trunk import pack
+
+    trunks = {"bf16": work / "trunk-bf16", "c12": work / "trunk-c12"}
+    packed = {kind: pack(ck, path, compact=kind == "c12") for kind, path in trunks.items()}
+    return trunks, packed
+
+
+def decode_section(ck: Path, work: Path, fractions: list[float], tokens: int,
+                   budgets_gb: list[float] | None = None) -> list[dict]:
+    """BF16 vs c12 interleaved at each budget: `budgets_gb`, else `fractions` of the BF16
+    trunk above the smallest budget that decodes."""
     from engine.weights.planner import GB
     from engine.weights.streaming import CheckpointMap
 
-    trunks = {"bf16": work / "trunk-bf16", "c12": work / "trunk-c12"}
-    pack(ck, trunks["bf16"])
-    pack(ck, trunks["c12"], compact=True)
+    trunks, _ = pack_trunks(ck, work)
     g = CheckpointMap(ck, trunks["bf16"]).geometry()
     floor = max(g.layer_bytes) * 2 + g.min_expert_slots * g.expert_slot_bytes
+    budgets = budgets_gb or [(floor + f * g.trunk_bytes) / GB for f in fractions]
     rows = []
-    for f in fractions:
-        budget = (floor + f * g.trunk_bytes) / GB
+    for budget in budgets:
         runs: dict[str, list] = {"bf16": [], "c12": []}
         for _ in range(2):  # interleaved
             for kind in ("bf16", "c12"):
@@ -149,23 +169,61 @@ def decode_section(ck: Path, work: Path, fractions: list[float], tokens: int) ->
     return rows
 
 
-def main(args: argparse.Namespace) -> int:
+def _numbers(text: str, flag: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(0 < v < 1e6 for v in values):
+        raise EngineError(f"{flag} takes positive numbers separated by commas, e.g. 0.53,1.06.")
+    return values
+
+
+def _checkpoint(args: argparse.Namespace) -> tuple[Path, Path]:
+    """The checkpoint and the folder its trunks are packed into."""
     from engine.checkpoint.synth import synthesize
 
-    work = args.workdir or default_workdir() / "compact"
+    if args.checkpoint:
+        ck = Path(args.checkpoint)
+        if not (ck / "config.json").is_file():
+            raise EngineError(f"{ck} holds no config.json; pass a checkpoint folder.")
+    elif args.size == "bench":
+        ck = ensure_checkpoint(args.workdir or default_workdir(), None)
+    else:
+        ck = (args.workdir or default_workdir() / "compact") / "ck-medium"
+        if not (ck / "config.json").is_file():
+            synthesize(ck, "medium", seed=0)
+    work = args.workdir or ck.parent / f"{ck.name}-trunks"
     work.mkdir(parents=True, exist_ok=True)
-    ck = Path(args.checkpoint) if args.checkpoint else work / "ck-medium"
-    if not args.checkpoint and not (ck / "config.json").is_file():
-        synthesize(ck, "medium", seed=0)
+    return ck, work
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        return _main(args)
+    except EngineError as exc:  # one sentence, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _main(args: argparse.Namespace) -> int:
+    fractions = _numbers(args.budgets, "--budgets")
+    budgets_gb = _numbers(args.budgets_gb, "--budgets-gb") if args.budgets_gb else None
+    ck, work = _checkpoint(args)
     load = open("/proc/loadavg").read().split()[:3]
-    result = {"loadavg_start": load, "format": format_section(ck), "kernel": kernel_section(),
-              "decode": decode_section(ck, work, [float(v) for v in args.budgets.split(",")],
-                                       args.tokens),
+    _, packed = pack_trunks(ck, work)  # timed here, once; decode_section reuses them
+    result = {"loadavg_start": load, "checkpoint": str(ck), "pack": packed,
+              "format": format_section(ck), "kernel": kernel_section(),
+              "decode": decode_section(ck, work, fractions, args.tokens, budgets_gb),
               "loadavg_end": open("/proc/loadavg").read().split()[:3]}
     if args.json:
         print(json.dumps(result))
         return 0
     print(f"load average {' '.join(load)} (shared machine: ratios only)")
+    print(f"checkpoint {ck}")
+    for kind, p in packed.items():
+        print(f"  trunk {kind}: {p['total_bytes'] / 1e9:.3f} GB, " + (
+            "already packed" if p.get("already_packed") else f"packed in {p['seconds']:.1f} s"))
     for name, s in result["format"].items():
         print(f"  {name:18} {s['bits_per_weight']:6.2f} bits/weight, "
               f"exceptions {100 * s['exception_rate']:.3f}%")

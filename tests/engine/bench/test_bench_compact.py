@@ -16,3 +16,15 @@ def test_compact_bench_streams_fewer_bytes_for_the_same_ids(tmp_path):
     assert b["trunk_gb_per_token"] > 0 and row["bytes_ratio"] < 0.9
     for run in (b, c):
         assert run["disk_gb_s"] > 0 and run["io_bound_s"] > 0 and run["wait_trunk_s"] >= 0
+
+
+def test_compact_bench_refuses_bad_budgets_before_touching_the_disk(tmp_path, capsys):
+    from engine.cli import main
+
+    for bad in ("0.53,abc", "-1", ",", "nan"):
+        assert main(["bench", "compact", "--size", "bench", "--workdir", str(tmp_path),
+                     "--budgets-gb", bad]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: --budgets-gb takes positive numbers") and "Traceback" \
+            not in err
+    assert list(tmp_path.iterdir()) == []  # nothing synthesised or packed
