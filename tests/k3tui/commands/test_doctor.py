@@ -59,7 +59,7 @@ def test_doctor_text_is_fast_and_names_next_steps(tmp_path):
 def test_doctor_warnings_alone_exit_zero(tmp_path, _isolated_home):
     # a remote config: no disk is needed, so nothing blocks; warnings stay warnings. The
     # endpoint is really tested, so it is a real one on loopback.
-    from fnd_helpers import fake_endpoint
+    from probe_helpers import fake_endpoint
 
     with fake_endpoint(tmp_path, "sekrit") as (port, log):
         (_isolated_home / "config.toml").write_text(

@@ -19,6 +19,7 @@ from k3tui.commands.setup import run_interactive
 from k3tui.config import Config, load_config
 from k3tui.paths import get_paths
 from k3tui.planning import forecast
+from k3tui.planning.plan import PRESETS
 from k3tui.probe import load_report
 
 KEYS = {"name", "fits", "s_per_token", "bound", "first_token_s"}
@@ -127,7 +128,7 @@ def test_the_wizard_measures_and_shows_the_forecast_beside_each_preset(tmp_path,
     stored = forecast.load_stored()[0]
     laptop = stored.preset("laptop")
     shown = "".join(screen.getvalue().split())  # the choice, wrapped at 80 columns
-    beside = f"laptop trunk 3 + cache 1 GB, peak ~8.2 GB, the floor, ~27 s/token | " \
+    beside = f"laptop trunk 3 + cache 1 GB, peak ~8.2 GB, {PRESETS['laptop'].note} | " \
              f"{laptop.brief()} — measured here"
     assert "".join(beside.split()) in shown
     assert load_config().engine.preset == "laptop"
