@@ -1,21 +1,20 @@
-"""Copy text over SSH (OSC 52, wrapped for tmux) and to the local clipboard if there is one.
+"""Copy text beyond the terminal's own OSC 52: into tmux's buffer and to a local clipboard.
 
-OSC 52 asks the *user's* terminal to set its clipboard, which is what works over SSH.
-Inside tmux it is sent twice: plain, which tmux takes into its own buffer and forwards to
-the outer terminal when `set -g set-clipboard on`; and wrapped in a DCS passthrough, which
-tmux hands straight to the outer terminal when `allow-passthrough on` (or tmux < 3.3).
-Either setting is enough. A local tool (wl-copy, xclip, xsel, pbcopy) is tried as well
-when a display is present. No UI imports.
+The TUI's Textual App writes the OSC 52 sequence (it asks the *user's* terminal to set its
+clipboard, which is what works over SSH). Inside tmux that sequence only reaches tmux, which
+takes it when `set -g set-clipboard on`; so the text is also loaded into tmux's buffer with
+`tmux load-buffer -w -`, which passes it on to the outer terminal's clipboard with tmux's
+default setting too. A local tool (wl-copy, xclip, xsel, pbcopy) is tried as well when a
+display is present. No UI imports.
 """
 
 from __future__ import annotations
 
-import base64
 import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 LOCAL_TOOLS: list[tuple[str, list[str], str]] = [
     ("wl-copy", ["wl-copy"], "WAYLAND_DISPLAY"),
@@ -25,16 +24,22 @@ LOCAL_TOOLS: list[tuple[str, list[str], str]] = [
 ]
 
 
-def osc52_sequence(text: str, env: Mapping[str, str] | None = None) -> str:
-    """The escape sequence that sets the terminal clipboard; in tmux, plain then wrapped."""
+def _feed(argv: list[str], text: str, env: Mapping[str, str]) -> bool:
+    """Run `argv` with `text` on stdin; True when it took it (found, ran, exit 0)."""
+    if shutil.which(argv[0], path=env.get("PATH")) is None:
+        return False
+    try:
+        subprocess.run(argv, input=text.encode("utf-8"), timeout=2, check=True, env=dict(env),
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return True
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def copy_tmux(text: str, env: Mapping[str, str] | None = None) -> bool:
+    """Inside tmux: set tmux's buffer and (-w, tmux ≥ 3.2) the outer terminal's clipboard."""
     env = os.environ if env is None else env
-    payload = base64.b64encode(text.encode("utf-8")).decode("ascii")
-    seq = f"\x1b]52;c;{payload}\x07"
-    if env.get("TMUX"):
-        # tmux's default (set-clipboard external) drops the plain one and allow-passthrough
-        # off drops the wrapped one (DCS passthrough: every ESC inside is doubled).
-        seq += "\x1bPtmux;" + seq.replace("\x1b", "\x1b\x1b") + "\x1b\\"
-    return seq
+    return bool(env.get("TMUX")) and _feed(["tmux", "load-buffer", "-w", "-"], text, env)
 
 
 def copy_local(text: str, env: Mapping[str, str] | None = None) -> str | None:
@@ -45,39 +50,13 @@ def copy_local(text: str, env: Mapping[str, str] | None = None) -> str | None:
             continue
         if name == "pbcopy" and sys.platform != "darwin":
             continue
-        if shutil.which(argv[0]) is None:
-            continue
-        try:
-            subprocess.run(argv, input=text.encode("utf-8"), timeout=2, check=True,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if _feed(argv, text, env):
             return name
-        except (OSError, subprocess.SubprocessError):
-            continue
     return None
 
 
-def copy(text: str, *, write: Callable[[str], None] | None = None, tty_path: str = "/dev/tty",
-         env: Mapping[str, str] | None = None, local: bool = True) -> list[str]:
-    """Copy by every route available; returns the routes that accepted the text.
-
-    `write` sends the OSC 52 sequence through the caller's terminal writer (the TUI's
-    driver, so it does not interleave with a frame); otherwise it goes to `tty_path`.
-    """
-    routes: list[str] = []
-    seq = osc52_sequence(text, env)
-    try:
-        if write is not None:
-            write(seq)
-        else:
-            with open(tty_path, "w", encoding="ascii") as tty:
-                tty.write(seq)
-                tty.flush()
-        routes.append("osc52")
-    except OSError:
-        pass
-    if not local:
-        return routes
+def copy_beyond_terminal(text: str, env: Mapping[str, str] | None = None) -> list[str]:
+    """The routes besides OSC 52 that accepted the text: "tmux" and/or a local tool's name."""
+    routes = ["tmux"] if copy_tmux(text, env) else []
     tool = copy_local(text, env)
-    if tool:
-        routes.append(tool)
-    return routes
+    return routes + [tool] if tool else routes

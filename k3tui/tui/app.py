@@ -8,7 +8,6 @@ it, which closes the HTTP stream.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -413,8 +412,7 @@ class ChatScreen(Screen):
     # copying -------------------------------------------------------------------------------
     def _copy(self, text: str, what: str, then: str = "") -> None:
         routes = self.k3app.copy(text)
-        names = {"osc52": "OSC 52 through tmux" if os.environ.get("TMUX") else "OSC 52",
-                 "app": "the app only: no terminal"}
+        names = {"osc52": "OSC 52", "tmux": "tmux's buffer", "app": "the app only: no terminal"}
         how = " + ".join(names.get(r, r) for r in routes) or "nothing"
         if not then and self._picked() is None and len(self._messages()) > 2:
             then = " Ctrl+Up highlights an earlier message to copy."
@@ -647,9 +645,9 @@ class ChatApp(App):
         return self.starter
 
     def copy(self, text: str) -> list[str]:
-        """OSC 52 through our own driver (in tmux also wrapped), plus a local clipboard tool."""
-        self._clipboard = text  # Textual's in-app clipboard, for pasting into the prompt
-        driver = self._driver
-        if driver is None or self.is_headless:
+        """Textual's copy (the in-app clipboard, for pasting into the prompt, and OSC 52 to
+        the terminal), then tmux's buffer and a local clipboard tool where there are."""
+        self.copy_to_clipboard(text)
+        if self.is_headless:
             return ["app"]
-        return clipboard.copy(text, write=driver.write)
+        return ["osc52", *clipboard.copy_beyond_terminal(text)]

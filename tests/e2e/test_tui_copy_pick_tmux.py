@@ -1,5 +1,6 @@
 """Copying an earlier message in the real app in a real tmux: Ctrl+Up / Alt+Up arrive
-through tmux, and tmux's own clipboard ends up holding what was picked."""
+through tmux, and tmux's own buffer ends up holding what was picked, with tmux's default
+settings (the app loads it there itself; its OSC 52 alone needs `set-clipboard on`)."""
 
 from __future__ import annotations
 
@@ -36,9 +37,10 @@ ChatApp(stream=Stream(""), history=History(Path(sys.argv[1])),
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
-def test_copy_pick_in_real_tmux_sets_its_clipboard(tmp_path):
-    """Ctrl+Up / Alt+Up arrive through tmux, and with `set-clipboard on` (what the README
-    asks for) tmux's buffer holds exactly the picked answer, its code block, a prompt."""
+def test_copy_pick_in_real_tmux_sets_its_buffer(tmp_path):
+    """Ctrl+Up / Alt+Up arrive through tmux, and tmux's buffer holds exactly the picked
+    answer, its code block, a prompt; `set-clipboard external` (tmux's default) ignores the
+    app's own OSC 52, so this is `tmux load-buffer` at work."""
     script = tmp_path / "app.py"
     script.write_text(APP.format(answers=TMUX_ANSWERS))
     env = {"K3TUI_HOME": str(tmp_path / "home"), "TERM": "xterm-256color",
@@ -56,7 +58,7 @@ def test_copy_pick_in_real_tmux_sets_its_clipboard(tmp_path):
 
     try:
         tmux.start(f"{sys.executable} {script} {tmp_path / 'history.sqlite3'}")
-        subprocess.run([*tmux.base, "set-option", "-s", "set-clipboard", "on"], check=True)
+        subprocess.run([*tmux.base, "set-option", "-s", "set-clipboard", "external"], check=True)
         tmux.wait_for(lambda s: "Stop" in s)  # the footer is drawn
         for prompt, seen in (("first q", "One: plain."), ("second q", "end of two."),
                              ("third q", "Three: last.")):
@@ -66,7 +68,7 @@ def test_copy_pick_in_real_tmux_sets_its_clipboard(tmp_path):
         tmux.keys("C-Up", "C-Up", "C-Up")  # answer 3, prompt 3, answer 2
         tmux.wait_for(lambda s: "answer 2 of 3 · ctrl+y copies" in s)
         tmux.keys("C-y")
-        tmux.wait_for(lambda s: "Copied answer 2 of 3" in s)
+        tmux.wait_for(lambda s: "Copied answer 2 of 3" in s and "tmux's buffer" in s)
         buffer_is(TMUX_ANSWERS[1])
         tmux.keys("C-g")
         buffer_is("echo two\n")

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import base64
 import subprocess
 import sys
 
 import pytest
 
 from k3tui.backends.events import Finished, TokenStats
-from k3tui.clipboard import copy, osc52_sequence
+from k3tui.clipboard import copy_beyond_terminal
 from k3tui.monitor import Monitor
 from k3tui.tui.stats import LatencyStats, format_rate, percentile
 from k3tui.tui.widgets.sparkline import bucket_max, render_sparkline
@@ -83,18 +82,16 @@ def test_tui_core_modules_do_not_import_ui():
 
 
 # --- clipboard -----------------------------------------------------------------------
-def test_tui_clipboard_osc52_plain_and_tmux():
-    seq = osc52_sequence("héllo", env={})
-    assert seq == "\x1b]52;c;" + base64.b64encode("héllo".encode()).decode() + "\x07"
-    # In tmux: plain (for set-clipboard on), then DCS-wrapped (for allow-passthrough on).
-    plain = osc52_sequence("x", env={})
-    in_tmux = osc52_sequence("x", env={"TMUX": "/tmp/tmux-0/default,1,0"})
-    assert in_tmux.startswith(plain)
-    wrapped = in_tmux[len(plain):]
-    assert wrapped == "\x1bPtmux;" + plain.replace("\x1b", "\x1b\x1b") + "\x1b\\"
-    sent = []
-    assert copy("x", write=sent.append, env={}, local=False) == ["osc52"]
-    assert sent == [osc52_sequence("x", env={})]
+def test_tui_clipboard_beyond_terminal_only_inside_tmux(tmp_path):
+    """Outside tmux and with no display nothing is run, though `tmux` is on PATH."""
+    tmux = tmp_path / "tmux"
+    tmux.write_text("#!/bin/sh\n: > \"$0.ran\"\n")  # builtins only: PATH is just here
+    tmux.chmod(0o755)
+    assert copy_beyond_terminal("x", env={"PATH": str(tmp_path)}) == []
+    assert not (tmp_path / "tmux.ran").exists()
+    env = {"PATH": str(tmp_path), "TMUX": "/tmp/tmux-0/default,1,0"}
+    assert copy_beyond_terminal("x", env=env) == ["tmux"]  # and inside, tmux is asked
+    assert (tmp_path / "tmux.ran").exists()
 
 
 # --- latency maths -------------------------------------------------------------------

@@ -19,7 +19,7 @@ KEYS: list[tuple[str, str]] = [
     ("Ctrl+Up/Down", "highlight an earlier / later message (Alt+Up/Down too)"),
     ("Ctrl+Y", "copy the highlighted message, else the last answer"),
     ("Ctrl+G", "copy its last code block; again: the block before"),
-    ("", "(copies use OSC 52, also in tmux, + a local clipboard)"),
+    ("", "(copies: OSC 52, tmux's buffer, a local clipboard)"),
     ("Ctrl+T", "show / hide the reasoning (highlighted or last answer)"),
     ("Ctrl+O", "conversations: open, r rename, d d delete, x export"),
     ("Ctrl+N", "new conversation"),

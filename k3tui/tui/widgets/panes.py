@@ -19,8 +19,8 @@ def _set_text(widget: Static, lines: list[str]) -> None:
     """Update only on change, and without a layout pass: the text's height is fixed in CSS,
     and a layout of a long chat is what costs CPU, several times a second when idle."""
     text = "\n".join(lines)
-    if getattr(widget, "_k3_text", None) != text:
-        widget._k3_text = text  # type: ignore[attr-defined]
+    shown = widget.content
+    if not (isinstance(shown, Text) and shown.plain == text):
         widget.update(Text(text, no_wrap=True, overflow="ellipsis"), layout=False)
 
 

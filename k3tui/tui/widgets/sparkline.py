@@ -63,11 +63,12 @@ class Sparkline(Static):
         self.floor = floor
         self.values: list[float] = []
         self._line_style = style
+        self._drawn: str | None = None  # the line last rendered
 
     def set_values(self, values: list[float]) -> None:
         self.values = list(values)
         # Repaint only when the drawn line changes (an idle disk appends zeros forever).
-        if self._line() != getattr(self, "_drawn", None):
+        if self._line() != self._drawn:
             self.refresh()  # no layout: the height is always one line
 
     def _line(self) -> str:
