@@ -370,6 +370,9 @@ def run_job(
         )
         gen = loaded.generate(job.prompt_ids, params, cancel=job.cancel, logits_hook=hook)
         job.finish = _decode(job, gen, text, loaded, metrics, emit)
+        # Closed before the client hears the end: closing keeps the reply's state, and a
+        # streamed response that ends sets the cancel, which keeps nothing.
+        _close(gen)
         if job.finish == "cancelled":
             metrics.add("requests_cancelled_total")
             emit(Stopped())
@@ -391,12 +394,17 @@ def run_job(
                 message = f"generation failed: {type(exc).__name__}: {exc}"
             emit(Failed(message))
     finally:
-        if gen is not None and hasattr(gen, "close"):
-            try:
-                gen.close()
-            except Exception:  # noqa: BLE001 - closing a failed generator
-                pass
+        _close(gen)
         metrics.set("requests_processing", 0)
+
+
+def _close(gen: Any) -> None:
+    """End a generation now (idempotent); the generator keeps its final state on close."""
+    if gen is not None and hasattr(gen, "close"):
+        try:
+            gen.close()
+        except Exception:  # noqa: BLE001 - closing a failed generator
+            pass
 
 
 def load_engine(

@@ -4,12 +4,17 @@ as llama-server does, and --snapshot-gb 0 turns it off with a note."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import signal
 
 import httpx
 import pytest
 
+from engine.serve.app import add_arguments
+from engine.serve.protocol import End, parse_chat_request
+from engine.serve.worker import Job, LoadProgress, Metrics, _Text, load_engine, run_job
+from engine.text.chat_template import ChatTemplate
 from tests.engine.serve.test_serve_process import CHAT, ServeProcess, small_ckpt  # noqa: F401
 
 
@@ -76,3 +81,39 @@ def test_srv_snapshot_gb_zero_turns_reuse_off(small_ckpt):  # noqa: F811
         assert ask(srv, msgs)["timings"]["cache_n"] == 0
     finally:
         srv.stop()
+
+
+def test_srv_reply_the_model_ended_is_kept_before_the_client_hears_the_end(small_ckpt):  # noqa: F811
+    """A streamed response that ends sets the job's cancel (the client is gone): the
+    reply's state must be kept by then, or the follow-up resumes only the first prompt."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([str(small_ckpt), "--steer-demo"])
+    loaded = load_engine(small_ckpt, small_ckpt, args, LoadProgress(), args.ctx_size)
+    template = ChatTemplate(loaded.tok)
+
+    def turn(messages):
+        req = parse_chat_request({"messages": messages, "seed": 1, "max_tokens": 200}, -1)
+        prompt = template.render(req.messages, replies=loaded.snapshots.replies())
+        job, events = Job(req, prompt, max_new=200), []
+
+        def emit(event):
+            events.append(event)
+            if isinstance(event, End):  # what EventStream does once the last chunk is out
+                job.cancel.set()
+
+        run_job(job, loaded, template, Metrics(), True, emit)
+        text = _Text(template, req)
+        reasoning = content = ""
+        for i in job.generated:
+            r, c, _ = text.feed(i)
+            reasoning, content = reasoning + r, content + c
+        reply = {"role": "assistant", "content": content, "reasoning_content": reasoning}
+        return job, reply
+
+    msgs = [{"role": "user", "content": "hello there"}]
+    first, reply = turn(msgs)
+    assert first.finish == "stop" and first.generated[-1] in template.end_ids()  # self-ended
+    second, _ = turn(msgs + [reply, {"role": "user", "content": "And then?"}])
+    # the first prompt and the reply as generated, all but the end id (never fed)
+    assert second.cache_n == len(first.prompt_ids) + len(first.generated) - 1
