@@ -21,14 +21,6 @@ def checkpoint(tmp_path_factory):
     return synthesize(tmp_path_factory.mktemp("ck") / "small", size="small")
 
 
-@pytest.fixture
-def started():
-    backends = []
-    yield backends
-    for b in backends:
-        b.stop(grace_s=3)
-
-
 async def test_ls_engine_starts_streams_k3_stats_and_stops(checkpoint, started):
     progress = []
     backend = launch_engine(checkpoint, steer_demo=True, on_progress=progress.append)

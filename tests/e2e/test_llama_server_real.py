@@ -34,14 +34,6 @@ def models(tmp_path_factory):
     return {"single": single, "split": split}
 
 
-@pytest.fixture
-def started():
-    backends = []
-    yield backends
-    for b in backends:
-        b.stop(grace_s=3)
-
-
 def run_server(started, model, **kw):
     kw.setdefault("ctx_size", 4096)
     kw.setdefault("threads", 1)

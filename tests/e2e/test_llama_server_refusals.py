@@ -33,14 +33,6 @@ def model(tmp_path_factory):
     return write_tiny_gguf(tmp_path_factory.mktemp("m") / "tiny.gguf")[0]
 
 
-@pytest.fixture
-def started():
-    backends = []
-    yield backends
-    for b in backends:
-        b.stop(grace_s=3)
-
-
 @contextlib.contextmanager
 def health_server():
     """Another program's server on a loopback port: answers /health 200 to anyone."""

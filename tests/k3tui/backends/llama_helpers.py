@@ -193,17 +193,18 @@ def raw_server(model: Path, *extra: str, log: Path | None = None):
             if attempt == 2:
                 raise
         except BaseException:
-            _end(proc)
+            end_process(proc)
             raise
     try:
         yield f"http://127.0.0.1:{port}", proc
     finally:
-        _end(proc)
+        end_process(proc)
         if log:
             out.close()
 
 
-def _end(proc: subprocess.Popen) -> None:
+def end_process(proc: subprocess.Popen) -> None:
+    """Terminate, and kill after 5 s."""
     proc.terminate()
     try:
         proc.wait(5)

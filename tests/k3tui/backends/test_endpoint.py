@@ -199,12 +199,7 @@ def fake_endpoint(tmp: Path, *, certfile: Path | None = None, keyfile: Path | No
         yield f"{scheme}://127.0.0.1:{port}/v1", proc, log
     finally:
         if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            llama_helpers.end_process(proc)
 
 
 @pytest.fixture(scope="module")
