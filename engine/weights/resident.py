@@ -11,8 +11,11 @@ import numpy as np
 
 from engine.checkpoint.safetensors import SafetensorsIndex
 from engine.checkpoint.schema import TensorNames
-from engine.errors import CheckpointError
+from engine.errors import CheckpointError, ReadError
+from engine.weights.io import FileTable, Read, ReadPool, align_down, aligned_buffer
 from engine.weights.source import ExpertTable, ExpertWeights, expert_from_arrays
+
+LOAD_THREADS = 8  # requests in flight: a virtual disk is bound by requests per second
 
 
 class ResidentSource:
@@ -27,16 +30,26 @@ class ResidentSource:
         by_file: dict[Path, list] = {}
         for info in self.index.tensors.values():
             by_file.setdefault(info.file, []).append(info)
-        for file, infos in by_file.items():
-            lo = min(t.offset for t in infos)
-            hi = max(t.end for t in infos)
-            buf = np.empty(hi - lo, np.uint8)
-            with open(file, "rb") as f:
-                f.seek(lo)
-                if f.readinto(memoryview(buf)) != hi - lo:
-                    raise CheckpointError(f"{file}: short read; the file is truncated.")
+        # One aligned O_DIRECT window per file, all files in flight at once: the page cache
+        # would hold a second copy of every byte, and filling it cost ~10x the disk's time.
+        files, pool, spans = FileTable(), ReadPool(LOAD_THREADS, reserve=0), []
+        try:
+            reads = []
+            for file, infos in by_file.items():
+                start = align_down(min(t.offset for t in infos))
+                end = max(t.end for t in infos)
+                buf = aligned_buffer(end - start)
+                reads.append(Read(files.get(Path(file)), start, buf, end - start))
+                spans.append((start, buf, infos))
+            pool.submit(reads, (0,)).wait()
+        except ReadError as exc:
+            raise CheckpointError(str(exc)) from None
+        finally:
+            pool.close()
+            files.close()
+        for start, buf, infos in spans:
             for t in infos:
-                raw = buf[t.offset - lo : t.end - lo]
+                raw = buf[t.offset - start : t.end - start]
                 self._arrays[t.name] = raw.view(t.np_dtype).reshape(t.shape)
         self._layers: dict[int, dict[str, np.ndarray]] = {}
         for name, arr in self._arrays.items():
