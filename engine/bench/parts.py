@@ -8,7 +8,7 @@
 * compute of one real-width KDA-MoE layer, MLA-MoE layer, dense layer 0 and the head
   (BF16 163,840 x 7168), one decode token each through the engine's decoder layer and
   kernels on this machine's cores (random weights in the on-disk dtypes);
-* the memory bandwidth (array copy) in the same run, for the kernels' fraction of it.
+* the memory read bandwidth (the kernels' threads) in the same run, for the kernels' fraction of it.
 With `--json`, one object on stdout (a k3tui command consumes it), schema:
   {"schema": 1, "load_average": [1, 5, 15 min],
    "disk": {"dir": str, "direct": bool, "scratch_gb": float,
@@ -180,7 +180,7 @@ def preset_forecasts(parts_json: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def measure(folder: Path, scratch_gb: float, tokens: int, quick: bool = False) -> dict[str, Any]:
-    from engine.bench.forward import copy_bandwidth
+    from engine.bench.forward import read_bandwidth
     from engine.checkpoint.synth import flat_config
     from engine.weights.plan_cli import geometry_from_config, real_config
 
@@ -194,7 +194,7 @@ def measure(folder: Path, scratch_gb: float, tokens: int, quick: bool = False) -
     log("compute: " + ("tiny" if quick else "real") + "-width KDA-MoE, MLA-MoE, dense layer 0 "
         "and head ...")
     res["compute"] = measure_compute(tokens, flat_config("tiny") if quick else None)
-    res["memory_bandwidth_gb_per_s"] = copy_bandwidth(0.05 if quick else 0.5) / GB
+    res["memory_bandwidth_gb_per_s"] = read_bandwidth(0.05 if quick else 0.5) / GB
     res["presets"] = preset_forecasts(res)
     res["load_average_after"] = list(os.getloadavg())
     res["note"] = NOTE

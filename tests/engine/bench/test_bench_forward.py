@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import numpy as np
+
 from engine.bench import forward as bench_forward
 from engine.checkpoint.synth import flat_config, synthesize
 from engine.decode.generate import GenParams, generate
@@ -18,7 +20,7 @@ def test_bench_forward_reports_fractions(monkeypatch, tmp_path, capsys):
     ckpt = synthesize(tmp_path / "m", "tiny")
     parser = argparse.ArgumentParser()
     bench_forward.add_arguments(parser)
-    args = parser.parse_args(["--json", "--tokens", "1", "--pool", "4", "--copy-gb", "0.01",
+    args = parser.parse_args(["--json", "--tokens", "1", "--pool", "4", "--read-gb", "0.01",
                               "--checkpoint", str(ckpt), "--gen", "2"])
     assert bench_forward.main(args) == 0
     res = json.loads(capsys.readouterr().out)
@@ -35,3 +37,10 @@ def test_bench_forward_reports_fractions(monkeypatch, tmp_path, capsys):
     one_expert = 3 * (inter * lat // 2 + inter * lat // 32)
     want = round(cfg.num_experts_per_token * one_expert / 1e9, 4)
     assert res["active_experts_gb_per_layer"] == want
+
+
+def test_memory_reader_reads_every_word_once():
+    # the bandwidth reference divides the array's bytes by its time: every word must be read
+    read = bench_forward.memory_reader()
+    for n in (1, 7, 1001, 1 << 16):
+        assert float(read(np.ones(n, np.float32)).sum()) == n
