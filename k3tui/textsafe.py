@@ -3,7 +3,8 @@
 A model or any OpenAI-compatible server can write escape sequences: OSC 52 sets the
 clipboard, OSC 0 the window title, OSC 8 hides a link, CSI 6n makes the terminal type its
 answer into our stdin, CSI 2J clears the screen. `clean` removes every escape sequence
-(7-bit and 8-bit forms) and every other C0/C1 control character; newline and tab stay.
+(7-bit and 8-bit forms), every other C0/C1 control character and the bidi overrides;
+newline and tab stay.
 Markup is the UI's job: show the result with markup off (or as a `rich.text.Text`).
 No UI imports here.
 """
@@ -19,8 +20,11 @@ _SEQUENCE = re.compile(
     r"[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)"                  # ... up to BEL or ST
     r"|\x1b[ -/]*[0-~]"                                      # two-byte escapes (ESC c, ESC 7)
 )
-# What is left of an unterminated or cut sequence, and any other control character.
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# What is left of an unterminated or cut sequence, any other control character, and the
+# bidi embeddings, overrides and isolates, which make a line display in another order than
+# it reads (code or a command that is not what it looks like); right-to-left text keeps
+# its direction without them.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
 
 def clean(text: str) -> str:

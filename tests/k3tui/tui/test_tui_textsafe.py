@@ -100,3 +100,13 @@ def test_the_backend_log_view_is_cleaned(tmp_path):
     log = tmp_path / "server.log"
     log.write_bytes(f"loading{ESC}]52;c;QQ==\x07 model\n{ESC}[2Jready\x9b6n\n".encode())
     assert tail(log) == ["loading model", "ready"]
+
+
+def test_bidi_overrides_are_removed_and_rtl_text_is_kept():
+    # "Trojan source": RLO ... PDI makes `rm -rf ~ # safe` display as something else
+    tricky = "echo safe\u202e ~ fr- mr\u2066 # \u2069\u202c"
+    assert clean(tricky) == "echo safe ~ fr- mr # "
+    for ch in "\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069":
+        assert clean(f"a{ch}b") == "ab"
+    hebrew_arabic = "שלום עולם — مرحبا بالعالم"
+    assert clean(hebrew_arabic) == hebrew_arabic
