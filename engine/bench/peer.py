@@ -140,6 +140,10 @@ def run_child(argv: list[str], timeout: float, env: dict[str, str] | None = None
         timer.start()
         try:
             _, wstatus, usage = os.wait4(proc.pid, 0)
+        except BaseException:  # Ctrl-C: leave no peer running behind us
+            kill()
+            proc.wait()
+            raise
         finally:
             timer.cancel()
         proc.returncode = os.waitstatus_to_exitcode(wstatus)  # reaped here, not by Popen

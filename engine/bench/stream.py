@@ -7,7 +7,8 @@ Everything is measured side by side in one run, because the machine is shared an
 * decoding at each budget of a small ladder, each rung in its own process so its peak RSS
   is its own, with `s/token`, GB read per token and the compute time;
 * compute-only s/token: the same decode with every weight already in RAM;
-* the trunk packer against a plain copy of the same bytes.
+* the trunk packer against a plain copy of the same bytes;
+* with --peer PATH, the C peer's `k3` beside the engine at every budget (engine/bench/peer.py).
 efficiency = (GB read per token / raw GB/s) / (s/token): 1.0 means the disk never idled.
 The default checkpoint is the peer's "bench" shape (6.38 GB), synthesised once into
 `$K3TUI_HOME/bench` (or --workdir) and reused.
