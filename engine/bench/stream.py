@@ -7,7 +7,8 @@ Everything is measured side by side in one run, because the machine is shared an
 * decoding at each budget of a small ladder, each rung in its own process so its peak RSS
   is its own, with `s/token`, GB read per token and the compute time;
 * compute-only s/token: the same decode with every weight already in RAM;
-* the trunk packer against a plain copy of the same bytes.
+* the trunk packer against a plain copy of the same bytes;
+* with --peer PATH, the C peer's `k3` beside the engine at every budget (engine/bench/peer.py).
 efficiency = (GB read per token / raw GB/s) / (s/token): 1.0 means the disk never idled.
 The default checkpoint is the peer's "bench" shape (6.38 GB), synthesised once into
 `$K3TUI_HOME/bench` (or --workdir) and reused.
@@ -63,6 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "kept (default $K3TUI_HOME/bench)")
     parser.add_argument("--no-pack", action="store_true", help="skip the packer vs copy ratio")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    parser.add_argument("--peer", metavar="PATH", help="also run the C peer's `k3` binary "
+                        "(kimi-k3-in-c v1.0.0) at every budget, in turn with the engine, and "
+                        "print the ratio and whether the ids agree (engine/bench/peer.py)")
+    parser.add_argument("--peer-runs", type=int, default=3, metavar="N",
+                        help="runs of each engine per budget with --peer (default 3)")
+    parser.add_argument("--peer-timeout", type=float, default=600.0, metavar="S",
+                        help="seconds one peer run may take before it is stopped")
     parser.add_argument("--rung", help=argparse.SUPPRESS)  # internal: one budget, one process
 
 
@@ -412,6 +420,11 @@ def _main(args: argparse.Namespace) -> int:
     from engine.weights.planner import GB
     from engine.weights.streaming import CheckpointMap
 
+    peer_bin = None
+    if getattr(args, "peer", None):
+        from engine.bench.peer import check_binary
+
+        peer_bin = check_binary(args.peer)  # refused before anything is synthesised
     workdir = Path(args.workdir) if args.workdir else default_workdir()
     if args.checkpoint:
         ck = Path(args.checkpoint)
@@ -433,6 +446,7 @@ def _main(args: argparse.Namespace) -> int:
         _log(f"note: the checkpoint is only {ck_gb / args.budget_gb:.1f}x the budget; the "
              "issue's target is for budgets <= 1/8 of it")
     packed = {} if args.no_pack else pack_ratio(ck, workdir / "scratch")
+    peer = None if peer_bin is None else _peer(peer_bin, ck, workdir, budgets, g, args)
     rungs = []
     for b in budgets:
         _log(f"budget {b} ...")
@@ -470,12 +484,29 @@ def _main(args: argparse.Namespace) -> int:
             "device_gb_per_s", "engine_device_gb_per_s", "disk_busy_fraction", "load_s",
             "threads", "raw_sweep")}
             for r in ladder],
+        "peer": peer,
     }
     if args.json:
         print(json.dumps(result))
     else:
         print(render(result))
     return 0
+
+
+def _peer(binary: Path, ck: Path, workdir: Path, budgets: list[str], g,
+          args: argparse.Namespace) -> dict:
+    """The peer beside the engine, both streaming the same packed BF16 trunk (the peer
+    needs one; it is packed once beside the checkpoint's other trunks and reused)."""
+    from engine.bench.peer import compare
+    from engine.checkpoint.trunk import pack
+    from engine.weights.planner import gb_arg
+
+    trunk = workdir / f"{ck.name}-trunks" / "trunk-bf16"
+    pack(ck, trunk)
+    full = gb_arg(g.trunk_bytes + g.all_experts_bytes)
+    return compare(binary, ck, trunk, [full if b == "max" else b for b in budgets],
+                   args.tokens, max(1, args.peer_runs), args.threads, args.guess_experts,
+                   args.peer_timeout, _log)
 
 
 def _f(x: float | None, spec: str, scale: float = 1.0) -> str:
@@ -519,6 +550,10 @@ def render(res: dict[str, Any]) -> str:
             f"{_f(r.get('raw_gb_per_s'), '.0f', 1000):>8} "
             f"{_f(r.get('disk_busy_fraction'), '.0%'):>5} {r['peak_rss_gb']:>8.2f}")
     lines += errors
+    if res.get("peer"):
+        from engine.bench import peer
+
+        lines += ["", peer.render(res["peer"]), ""]
     lines.append("useful GB = read per token and used; wasted = read on wrong guesses; compute = "
                  "s/token of the engine without a memory flag, decoded in alternation with the "
                  "streamed one; I/O s = useful GB / raw; bound = max of the two; overlap = "
