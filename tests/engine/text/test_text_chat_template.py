@@ -221,3 +221,13 @@ def test_srv_parser_stray_tag_text_is_not_lost(tok, tpl):
     p = tpl.parser(thinking=False)
     _, content, _ = _feed_all(p, tok.encode("a") + [tok.special("<|open|>")] + tok.encode("b"))
     assert content == "a<|open|>b"
+
+
+def test_real_vocab_chat_template_puts_the_specials_at_kimis_ids(real_tok):
+    tpl = ChatTemplate(real_tok)
+    ids = tpl.render(SPEC_MESSAGES, thinking=False)
+    assert [i for i in ids if i >= REAL_BASE] == [i for i in SPEC_VECTOR if i >= REAL_BASE]
+    assert set(tpl.end_ids()) == {163585, 163586}
+    text = real_tok.decode(ids)
+    assert "<|open|>" in text and "You are helpful." in text and "Hello" in text
+    assert real_tok.decode(ids, skip_special=True).count("<|") == 0
