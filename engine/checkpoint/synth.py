@@ -4,7 +4,8 @@
 nested config.json, one safetensors shard per decoder layer (its trunk tensors sorted by
 name, then its routed experts 0..N−1, six tensors each, MXFP4), a final shard with the
 embedding, head and model-level vectors, and model.safetensors.index.json. Every size but
-tiny also gets a test tokenizer (engine/text/bpe_train.py) so the checkpoint can be served.
+tiny also gets a test tokenizer (engine/text/bpe_train.py) so the checkpoint can be served;
+`--tokenizer-only` adds just that tokenizer to a checkpoint already written.
 
 Initialisation follows the peer's tiny oracle recipe, so the tricky paths are exercised:
 matrices N(0, 0.02); shared and dense gate/up weights with std 1.2 and routed-expert
