@@ -4,7 +4,8 @@
 nested config.json, one safetensors shard per decoder layer (its trunk tensors sorted by
 name, then its routed experts 0..N−1, six tensors each, MXFP4), a final shard with the
 embedding, head and model-level vectors, and model.safetensors.index.json. Every size but
-tiny also gets a test tokenizer (engine/text/bpe_train.py) so the checkpoint can be served.
+tiny also gets a test tokenizer (engine/text/bpe_train.py) so the checkpoint can be served;
+`--tokenizer-only` adds just that tokenizer to a checkpoint already written.
 
 Initialisation follows the peer's tiny oracle recipe, so the tricky paths are exercised:
 matrices N(0, 0.02); shared and dense gate/up weights with std 1.2 and routed-expert
@@ -32,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from engine.checkpoint.schema import EXPERT_PARTS, TensorNames, expected_tensors
+from engine.errors import EngineError
 from engine.model.config import ModelConfig
 
 _BASE: dict[str, Any] = dict(
@@ -471,14 +473,11 @@ def synthesize(
 
 
 def _write_tokenizer(out: Path, n_ranks: int) -> None:
-    try:
-        from engine.text.bpe_train import write_test_tokenizer
-    except ImportError:
-        print("note: engine.tokenizer is missing; no tokenizer written", file=sys.stderr)
-        return
+    from engine.text.bpe_train import write_test_tokenizer  # HF tokenizers: only when needed
+
     try:
         write_test_tokenizer(out, n_ranks=n_ranks)
-    except ValueError as exc:  # e.g. more ranks than the embedded training text supports
+    except ValueError as exc:  # more ranks than a test vocabulary has
         print(
             f"note: no tokenizer written ({exc}); the checkpoint runs from token ids",
             file=sys.stderr,
@@ -517,10 +516,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="slice only: decoder layers (default 4: dense, KDA-MoE x2, MLA-MoE)")
     parser.add_argument("--experts", type=int, default=None, metavar="N",
                         help="slice only: routed experts per MoE layer (default 64; 896 = real)")
+    parser.add_argument("--tokenizer-only", action="store_true",
+                        help="write only the test tokenizer (tiktoken.model, "
+                        "tokenizer_config.json) for the checkpoint already in OUT, or for "
+                        "--size's vocabulary; the shards are left as they are")
+
+
+def _tokenizer_only(out: Path, size: str) -> int:
+    """Add the test tokenizer to a checkpoint folder (e.g. a slice written before synth
+    could make one at the real vocabulary) without touching its shards."""
+    have = [p.name for p in (out / "tiktoken.model", out / "tokenizer_config.json") if p.exists()]
+    if have:
+        print(f"error: {out} already has {' and '.join(have)}; move them away first to "
+              "write the test tokenizer there.", file=sys.stderr)
+        return 2
+    try:
+        cfg = (ModelConfig.from_dir(out) if (out / "config.json").is_file()
+               else ModelConfig.from_dict(nested_config(flat_config(size))))
+    except (EngineError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if cfg.vocab_size <= N_SPECIAL:
+        print(f"error: a vocabulary of {cfg.vocab_size} has no room for the {N_SPECIAL} "
+              "special tokens.", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    _write_tokenizer(out, cfg.vocab_size - N_SPECIAL)
+    if not (out / "tiktoken.model").is_file():
+        return 1
+    print(f"{out}: test tokenizer of {cfg.vocab_size} ids written (not Kimi's vocabulary)")
+    return 0
 
 
 def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
+    if getattr(args, "tokenizer_only", False):
+        return _tokenizer_only(out, args.size)
     if out.exists() and any(out.glob("*.safetensors")):
         print(f"error: {out} already holds a checkpoint; choose an empty folder.", file=sys.stderr)
         return 2

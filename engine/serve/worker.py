@@ -378,7 +378,8 @@ def run_job(
             emit(Stopped())
         else:
             if loaded.snapshots is not None:  # its next turn renders this reply as these ids
-                loaded.snapshots.remember_reply(*template.reply(job.generated))
+                cut_in = text.parser.channel if job.finish == "length" else ""
+                loaded.snapshots.remember_reply(*template.reply(job.generated, cut_in))
             emit(End(job.finish))
     except Exception as exc:  # noqa: BLE001 - reported to the client as an error chunk
         if job.cancel.is_set():

@@ -1,16 +1,21 @@
-"""A small test vocabulary in Kimi's tokenizer format, learned deterministically by BPE
-training on an embedded text (`TRAINING_TEXT`), so a synthesised checkpoint is a complete,
-servable model. Not Kimi's vocabulary; the demo steering (engine/decode/steer.py) reuses the
-text's words."""
+"""A test vocabulary in Kimi's tokenizer format, learned deterministically by BPE training
+on an embedded text (`TRAINING_TEXT`), so a synthesised checkpoint is a complete, servable
+model. The text supports ~50k ranks; larger vocabularies (the real 163,584) are grown past
+that with generated word merges (`grow_ranks`). Not Kimi's vocabulary; the demo steering
+(engine/decode/steer.py) reuses the text's words."""
 
 from __future__ import annotations
 
 import base64
 import heapq
 import json
+import random
+import re
 from pathlib import Path
 
-from engine.text.tokenizer import special_token_names, split_pieces
+from engine.text.tokenizer import bpe_parts, special_token_names, split_pieces
+
+MAX_RANKS = 1 << 18  # the real vocabulary has 163,584 ranks
 
 
 def _training_counts(extended: bool) -> dict[bytes, int]:
@@ -44,26 +49,46 @@ def _training_counts(extended: bool) -> dict[bytes, int]:
 def learn_ranks(n_ranks: int) -> dict[bytes, int]:
     """256 single bytes then `n_ranks - 256` merges, by BPE training (deterministic:
     the most frequent pair wins, ties go to the smaller byte string pair). The letter
-    trigram fillers (slow to train on) are used only when the vocabulary needs them."""
-    try:
-        return _learn(n_ranks, extended=False)
-    except _Exhausted:
-        pass
-    try:
-        return _learn(n_ranks, extended=True)
-    except _Exhausted as exc:
-        raise ValueError(
-            f"the embedded training text supports only {exc.args[0]} ranks, not {n_ranks}"
-        ) from None
+    trigram fillers (slow to train on) are used only when the vocabulary needs them, and
+    past what the text supports the vocabulary is grown (`grow_ranks`)."""
+    if not 256 <= n_ranks <= MAX_RANKS:
+        raise ValueError(f"a test vocabulary has 256 to {MAX_RANKS} ranks, not {n_ranks}")
+    ranks = _learn(n_ranks, extended=False)
+    if len(ranks) < n_ranks:
+        ranks = _learn(n_ranks, extended=True)
+    return grow_ranks(ranks, n_ranks)
 
 
-class _Exhausted(Exception):
-    pass
+_HEAD = re.compile(rb" ?[A-Z]*[a-z]*")  # with a lowercase tail, still one pre-split piece
+_TAIL = re.compile(rb"[a-z]+")
+_MAX_GROWN_BYTES = 16
+
+
+def grow_ranks(ranks: dict[bytes, int], n_ranks: int) -> dict[bytes, int]:
+    """`ranks` extended to `n_ranks` by generated merges, deterministically (seeded).
+
+    Each new token is a word-like token + a lowercase one (so text can produce it: it stays
+    one piece of the split regex), kept only if it has exactly one split into two existing
+    tokens and tiktoken's merge loop over the lower ranks ends at that split: then
+    `derive_merges` finds its merge and HF's merge-list BPE encodes as tiktoken does."""
+    ranks = dict(ranks)
+    heads = [t for t in sorted(ranks, key=ranks.__getitem__) if _HEAD.fullmatch(t)]
+    tails = [t for t in heads if _TAIL.fullmatch(t)]
+    rng = random.Random(0)
+    while len(ranks) < n_ranks:
+        a, b = heads[rng.randrange(len(heads))], tails[rng.randrange(len(tails))]
+        token = a + b
+        if len(token) > _MAX_GROWN_BYTES or token in ranks:
+            continue
+        splits = sum(token[:k] in ranks and token[k:] in ranks for k in range(1, len(token)))
+        if splits == 1 and bpe_parts(ranks, token, len(ranks)) == [a, b]:
+            ranks[token] = len(ranks)
+            heads.append(token)
+    return ranks
 
 
 def _learn(n_ranks: int, extended: bool) -> dict[bytes, int]:
-    if n_ranks < 256:
-        raise ValueError("a byte-level vocabulary needs at least 256 ranks")
+    """Up to `n_ranks` ranks: fewer when the text has no pair left to merge."""
     ranks = {bytes([b]): b for b in range(256)}
     words = [([bytes([b]) for b in w], c) for w, c in sorted(_training_counts(extended).items())]
     pair_count: dict[tuple[bytes, bytes], int] = {}
@@ -89,7 +114,7 @@ def _learn(n_ranks: int, extended: bool) -> dict[bytes, int]:
             if pair_count.get(pair, 0) == -neg and -neg > 0 and pair[0] + pair[1] not in ranks:
                 break
         else:
-            raise _Exhausted(len(ranks))
+            return ranks
         merged = pair[0] + pair[1]
         ranks[merged] = len(ranks)
         for wi in sorted(where.pop(pair, ())):
@@ -141,7 +166,8 @@ def write_test_tokenizer(out_dir: str | Path, n_ranks: int) -> None:
         "unk_token": None,
         "model_max_length": 1048576,
         "tokenizer_class": "TikTokenTokenizer",
-        "k3_test_vocabulary": "learned from engine/text/bpe_train.py's embedded text; not Kimi's",
+        "k3_test_vocabulary": "learned from engine/text/bpe_train.py's embedded text "
+        "(grown by generated merges past what it supports); not Kimi's",
     }
     text = json.dumps(config, indent=2) + "\n"
     (out / "tokenizer_config.json").write_text(text, encoding="utf-8")

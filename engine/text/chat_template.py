@@ -206,10 +206,12 @@ class ChatTemplate:
                 ids += next(encoded)
         return ids
 
-    def reply(self, ids: Sequence[int]) -> tuple[ReplyKey, tuple[int, ...]]:
+    def reply(self, ids: Sequence[int], cut_in: str = "") -> tuple[ReplyKey, tuple[int, ...]]:
         """A generated reply as `render(replies=…)` takes it: the shape of its text (text
-        runs decoded, control tokens apart, so text that merely spells a control token never
-        matches one) and its ids, both without the end the template renders for itself."""
+        runs as the client got them, control tokens apart, so text that merely spells a
+        control token never matches one) and its ids, both without the end the template
+        renders for itself. `cut_in`: the channel the reply stopped in without closing it
+        (the token limit), whose closing tags the template renders after it."""
         ends = set(self.end_ids())
         ids = [int(i) for i in ids]
         while ids and ids[-1] in ends:
@@ -218,7 +220,24 @@ class ChatTemplate:
         if key[-3:] == _key(_close("message")):  # the model closed the message itself
             close = self.control_ids[CLOSE]
             ids, key = ids[: len(ids) - 1 - ids[::-1].index(close)], key[:-3]
+        tail = {"think": _close("think") + _open("response"), "response": []}.get(cut_in)
+        if tail is not None:
+            tail += _close("response")
+            ids += self._ids(tail)
+            key += _key(tail)
         return key, tuple(ids)
+
+    def _ids(self, segments: Iterable[Segment]) -> list[int]:
+        out: list[int] = []
+        for s in segments:
+            out += [self.control_ids[s.name]] if isinstance(s, Control) else self.tok.encode(s)
+        return out
+
+    def _text(self, ids: Sequence[int]) -> str:
+        """Text as the output parser gives it to the client: invalid bytes and controls
+        escaped, stray special ids dropped."""
+        dec = self.tok.stream_decoder()
+        return "".join(dec.add(i) for i in ids if not self.tok.is_special(i)) + dec.flush()
 
     def _shape(self, ids: Sequence[int]) -> ReplyKey:
         names = {i: name for name, i in self.control_ids.items()}
@@ -227,7 +246,7 @@ class ChatTemplate:
         for i in [*ids, None]:
             if i is None or i in names:
                 if run:
-                    parts.append(self.tok.decode(run))
+                    parts.append(self._text(run))
                     run = []
                 if i is not None:
                     parts.append(Control(names[i]))

@@ -145,7 +145,7 @@ def split_pattern_from_dir(directory: Path) -> str:
     return SPLIT_PATTERN
 
 
-def _bpe(ranks: dict[bytes, int], token: bytes, max_rank: int) -> list[bytes]:
+def bpe_parts(ranks: dict[bytes, int], token: bytes, max_rank: int) -> list[bytes]:
     """tiktoken's merge loop restricted to ranks below `max_rank`."""
     parts = [bytes([b]) for b in token]
     while True:
@@ -165,7 +165,7 @@ def derive_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
         if len(token) < 2:
             continue
-        parts = _bpe(ranks, token, rank)
+        parts = bpe_parts(ranks, token, rank)
         if len(parts) == 2:
             merges.append((parts[0], parts[1]))
     return merges

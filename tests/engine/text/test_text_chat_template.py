@@ -221,3 +221,37 @@ def test_srv_parser_stray_tag_text_is_not_lost(tok, tpl):
     p = tpl.parser(thinking=False)
     _, content, _ = _feed_all(p, tok.encode("a") + [tok.special("<|open|>")] + tok.encode("b"))
     assert content == "a<|open|>b"
+
+
+def test_real_vocab_chat_template_puts_the_specials_at_kimis_ids(real_tok):
+    tpl = ChatTemplate(real_tok)
+    ids = tpl.render(SPEC_MESSAGES, thinking=False)
+    assert [i for i in ids if i >= REAL_BASE] == [i for i in SPEC_VECTOR if i >= REAL_BASE]
+    assert set(tpl.end_ids()) == {163585, 163586}
+    text = real_tok.decode(ids)
+    assert "<|open|>" in text and "You are helpful." in text and "Hello" in text
+    assert real_tok.decode(ids, skip_special=True).count("<|") == 0
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_real_vocab_a_reply_cut_by_the_limit_renders_as_its_ids(real_tok, thinking):
+    """A random model at the real vocabulary writes ids whose text re-encodes otherwise,
+    invalid UTF-8 and stray reserved ids, and the token limit cuts it inside its channel:
+    the follow-up must still render the reply as the ids generated (prompt reuse)."""
+    tpl = ChatTemplate(real_tok)
+    prompt = tpl.render(SPEC_MESSAGES, thinking=thinking)
+    word = real_tok.encode(" lighthouse")
+    reply = [*real_tok.encode(" light"), *real_tok.encode("house"), 163600, *word,
+             *real_tok.encode("\u4f60")[:1], 0x07, *word, 150_000]
+    parser = tpl.parser(thinking=thinking)
+    deltas = [parser.feed(i) for i in reply] + [parser.finish()]
+    got = {"reasoning_content": "".join(d.reasoning for d in deltas),
+           "content": "".join(d.content for d in deltas)}
+    assert "\ufffd" not in str(got) and "\x07" not in str(got)
+    key, ids = tpl.reply(reply, parser.channel)
+    follow = SPEC_MESSAGES + [{"role": "assistant", **got}, {"role": "user", "content": "More"}]
+    again = tpl.render(follow, thinking=thinking, replies={key: ids})
+    assert again[: len(prompt) + len(reply)] == prompt + reply
+    # after the reply: the closing tags and the next turn, as the text renders them
+    rest = again[len(prompt) + len(reply):]
+    assert tpl.render(follow, thinking=thinking)[-len(rest):] == rest
