@@ -132,7 +132,10 @@ def rung(folder: Path, budget: float, gen: int) -> dict[str, Any]:
         # the run's count leaves out the streamed head, so the forecast's does here too
         "forecast_gb_read_per_token": f["gb_read_per_token"] - head,
         "gb_read_trunk_per_token": t["gb_read_trunk_per_token"], "terms": terms,
-        "layers": layer_table(before), "load_average": before["load_average"],
+        "layers": layer_table(before), "disk_gb_per_s": {k: [x["disk"][f"{k}_gb_per_s"]
+                                                           for x in (before, after)]
+                                                       for k in ("sequential", "chunk", "expert")},
+        "load_average": before["load_average"],
         "load_average_after": after["load_average_after"],
         "stream_tables": plan.stream_tables, "pinned_layers": len(plan.pinned),
         "ring_slots": plan.ring_slots, "expert_slots": plan.expert_slots,
