@@ -10,8 +10,10 @@
   (BF16 163,840 x 7168), one decode token each through the engine's decoder layer and
   kernels on this machine's cores (random weights in the on-disk dtypes; the router, the
   shared and the routed experts included; the MoE layers also timed up to the moment they
-  ask for their experts), the top-k routed experts alone, and the share of the routed
-  experts that the attention-time guess (the engine's expert read-ahead) names;
+  ask for their experts), the token's work outside its layers (embedding row, output
+  aggregation, norm, head: `head_s`), all timed inside decode tokens through the engine's
+  `Model.step`; the top-k routed experts alone, the head's matvec alone, and the share of
+  the routed experts that the attention-time guess (the engine's expert read-ahead) names;
   `--widths DIR`: at the widths of the checkpoint in DIR instead (bench slice uses it);
 * the memory bandwidth (array copy) in the same run, for the kernels' fraction of it.
 With `--json`, one object on stdout (a k3tui command consumes it), schema:
@@ -21,7 +23,7 @@ With `--json`, one object on stdout (a k3tui command consumes it), schema:
             "queue_depth": int},
    "compute": {"kda_moe_layer_s", "mla_moe_layer_s", "dense_layer0_s", "head_s",
                "kda_moe_pre_experts_s", "mla_moe_pre_experts_s", "routed_experts_s",
-               "guess_hit_rate": float, "threads": int,
+               "head_matvec_s", "guess_hit_rate": float, "threads": int,
                "kernels": "fused (numba)" | "numpy reference"},
    "memory_bandwidth_gb_per_s": float,
    "presets": [{"name", "fits" (bool: forecast peak RSS <= 95 % of available memory here),
@@ -62,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measure the disk holding PATH (where the model would live)")
     parser.add_argument("--scratch-gb", type=float, default=1.0, metavar="X",
                         help="size of the scratch file read back (default 1)")
-    parser.add_argument("--tokens", type=int, default=2, help="timed tokens per layer")
+    parser.add_argument("--tokens", type=int, default=4, help="timed decode tokens")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     parser.add_argument("--widths", metavar="DIR",
                         help="measure compute at the widths of the checkpoint in DIR")
@@ -149,25 +151,55 @@ def _runs(pool, files, path: Path, size: int, run: int, priority: tuple) -> floa
 
 
 # ---- compute ------------------------------------------------------------------------------
-def _timed_source(cfg, pool: int):
-    """The bench's in-memory source, noting when a layer asks for its experts and how many
-    of the routed experts the attention-time guess named (the model guesses, as it does
-    under a plan with expert read-ahead)."""
+def _timed_source(cfg, pool: int, fill):
+    """The bench's in-memory source with every layer of `cfg` (the dense, KDA-MoE and
+    MLA-MoE layers' weights shared by the layers of their kind) and the model tensors (the
+    embedding shares the head's array: same shape). It notes the wall time spent inside
+    each layer, when each layer asks for its experts, and how many of the routed experts
+    the attention-time guess named (the model guesses, as under expert read-ahead)."""
     from engine.bench.forward import BenchSource
+    from engine.checkpoint.schema import expected_tensors
+
+    shapes = expected_tensors(cfg)
 
     class TimedSource(BenchSource):
         wants_guesses = True
 
         def __init__(self) -> None:
             super().__init__(cfg, pool=pool)
-            self.asked_at, self.guessed, self.named, self.routed = 0.0, set(), 0, 0
+            self.layers[0] = {s[len("layers.0."):]: fill.tensor(s, shape, cfg)
+                              for s, shape in shapes.items() if s.startswith("layers.0.")}
+            for L in range(cfg.num_hidden_layers):
+                self.layers.setdefault(L, self.layers[0 if not cfg.is_moe(L) else
+                                                      3 if cfg.is_mla(L) else 1])
+            head = fill.tile(fill.bf16, (cfg.vocab_size, cfg.hidden_size))
+            self.model = {"lm_head.weight": head, "embed_tokens.weight": head}
+            for short in ("norm.weight", "output_attn_res_norm.weight",
+                          "output_attn_res_proj.weight"):
+                self.model[short] = fill.tensor(short, shapes[short], cfg)
+            self.inside: dict[int, float] = {}
+            self.asked: dict[int, float] = {}
+            self.guessed, self.named, self.routed = set(), 0, 0
+
+        @contextmanager
+        def layer(self, index):
+            t = time.perf_counter()
+            self.asked[index] = t
+            try:
+                yield self.layers[index]
+            finally:
+                self.inside[index] = time.perf_counter() - t
+                self.asked[index] -= t
+
+        def model_tensor(self, name):
+            return self.model[name]
 
         def guess(self, layer, ids):
             self.guessed = {int(e) for e in ids}
 
         @contextmanager
         def experts(self, layer, ids):
-            self.asked_at = time.perf_counter()
+            self.asked[layer] = time.perf_counter()
             self.named += len(self.guessed & {int(e) for e in ids})
             self.routed += len(ids)
             with super().experts(layer, ids) as out:
@@ -176,66 +208,62 @@ def _timed_source(cfg, pool: int):
     return TimedSource()
 
 
-def _time_layer(model, layer: int, tokens: int, context: int, rng) -> tuple[float, float]:
-    """Median seconds of one decode token through the engine's decoder layer, and of its
-    start until it asks for its experts (0 for a dense layer)."""
-    from engine.model.kda import KDAState
-    from engine.model.mla import MLAState
-
-    cfg, src = model.config, model.source
-    state = MLAState.empty(cfg, context + tokens + 2) if cfg.is_mla(layer) else KDAState.zeros(cfg)
-    if isinstance(state, MLAState):
-        state.append(rng.standard_normal((context, cfg.mla_latent_width)).astype(np.float32))
-    full, pre = [], []
-    for i in range(tokens + 1):  # the first token compiles and warms up
-        h = rng.standard_normal((1, cfg.hidden_size)).astype(np.float32)
-        blocks = [rng.standard_normal((1, cfg.hidden_size)).astype(np.float32)]
-        with src.layer(layer) as w:
-            src.asked_at = t = time.perf_counter()
-            model.decoder_layer(layer, w, h, blocks, state)
-            if i:
-                full.append(time.perf_counter() - t)
-                pre.append(src.asked_at - t)
-    return statistics.median(full), statistics.median(pre)
-
-
 def measure_compute(tokens: int, cfg) -> dict[str, Any]:
-    """One decode token through a real-width KDA-MoE, MLA-MoE and dense layer 0 (the
-    engine's decoder layer, kernels and threads; the router, shared and routed experts
-    included), the top-k routed experts alone, and the head's BF16 matvec."""
+    """Decode tokens through the engine's `Model.step` at `cfg`'s widths (its kernels and
+    threads, weights in memory): per layer kind the median seconds of a layer (router,
+    shared and routed experts included) and of its start until it asks for its experts;
+    the token's work outside its layers (embedding row, output aggregation, norm, head);
+    the top-k routed experts alone; and the head's BF16 matvec alone."""
     from engine import kernels
     from engine.bench.forward import _Filler, time_mxfp4
-    from engine.checkpoint.schema import expected_tensors
+    from engine.model.mla import MLAState
     from engine.model.transformer import Model
 
     rng = np.random.default_rng(2)
-    src = _timed_source(cfg, 3 * cfg.num_experts_per_token)
     fill = _Filler(3)
-    shapes = expected_tensors(cfg)
-    src.layers[0] = {s[len("layers.0."):]: fill.tensor(s, shape, cfg)
-                     for s, shape in shapes.items() if s.startswith("layers.0.")}
+    src = _timed_source(cfg, cfg.num_experts_per_token + 1, fill)  # more than the CPU cache
     model = Model(cfg, src)
-    out: dict[str, Any] = {}
-    for name, layer in (("kda_moe", 1), ("mla_moe", 3), ("dense", 0)):
-        full, pre = _time_layer(model, layer, tokens, 256, rng)
-        out["dense_layer0_s" if name == "dense" else f"{name}_layer_s"] = full
-        if name != "dense":
-            out[f"{name}_pre_experts_s"] = pre
-    out["guess_hit_rate"] = src.named / max(src.routed, 1)
+    state = model.new_state()
+    context = 256  # MLA cache positions before the timed tokens
+    for layer_state in state.layers:
+        if isinstance(layer_state, MLAState):
+            layer_state.append(rng.standard_normal((context, cfg.mla_latent_width))
+                               .astype(np.float32))
+    state.position = context
+    kinds = {L: "dense" if not cfg.is_moe(L) else "mla_moe" if cfg.is_mla(L) else "kda_moe"
+             for L in range(cfg.num_hidden_layers)}
+    full: dict[str, list[float]] = {k: [] for k in set(kinds.values())}
+    pre: dict[str, list[float]] = {k: [] for k in full}
+    outside = []
+    for i in range(tokens + 1):  # the first token compiles and warms up
+        t = time.perf_counter()
+        model.step(int(rng.integers(cfg.vocab_size)), state)
+        wall = time.perf_counter() - t
+        if i:
+            for L, kind in kinds.items():
+                full[kind].append(src.inside[L])
+                pre[kind].append(src.asked[L])
+            outside.append(wall - sum(src.inside.values()))
+    out: dict[str, Any] = {"kda_moe_layer_s": statistics.median(full["kda_moe"]),
+                           "mla_moe_layer_s": statistics.median(full["mla_moe"]),
+                           "dense_layer0_s": statistics.median(full["dense"]),
+                           "kda_moe_pre_experts_s": statistics.median(pre["kda_moe"]),
+                           "mla_moe_pre_experts_s": statistics.median(pre["mla_moe"]),
+                           "head_s": statistics.median(outside),
+                           "guess_hit_rate": src.named / max(src.routed, 1)}
     trunk = {1: src.trunk_bytes(1), 3: src.trunk_bytes(3), 0: src.trunk_bytes(0)}
     runs = [time_mxfp4(src, cfg, cfg.num_experts_per_token, rng) for _ in range(3)]
     wall, nbytes, _ = min(runs)
     out["routed_experts_s"] = statistics.median(r[0] for r in runs)
     out["mxfp4_gb_per_s"] = nbytes / wall / GB  # one token through top-16 experts
-    del src, model
-    head = fill.tile(fill.bf16, (cfg.vocab_size, cfg.hidden_size))
+    head = src.model["lm_head.weight"]
     x = rng.standard_normal((1, cfg.hidden_size)).astype(np.float32)
     times = []
     for _ in range(tokens + 1):
         t = time.perf_counter()
         kernels.linear(x, head)
         times.append(time.perf_counter() - t)
-    out["head_s"] = statistics.median(times[1:])
+    out["head_matvec_s"] = statistics.median(times[1:])
     out["trunk_gb"] = {"kda_moe": trunk[1] / GB, "mla_moe": trunk[3] / GB, "dense": trunk[0] / GB,
                        "head": head.nbytes / GB}
     out["kernels"] = "fused (numba)" if kernels.FUSED else "numpy reference"

@@ -156,7 +156,7 @@ def layer_table(parts: dict[str, Any]) -> dict[str, Any]:
         "kda_moe_s": c["kda_moe_layer_s"], "mla_moe_s": c["mla_moe_layer_s"],
         "dense_s": c["dense_layer0_s"], "head_s": c["head_s"],
         # the head is one BF16 matvec; the experts one MXFP4 token through top-16
-        "bf16_fraction_of_bandwidth": gb["head"] / c["head_s"] / bw,
+        "bf16_fraction_of_bandwidth": gb["head"] / c["head_matvec_s"] / bw,
         "mxfp4_fraction_of_bandwidth": c["mxfp4_gb_per_s"] / bw,
         "memory_bandwidth_gb_per_s": bw,
     }
