@@ -101,3 +101,16 @@ def test_bench_parts_refuses_a_missing_folder(tmp_path):
     out = subprocess.run([sys.executable, "-m", "engine", "bench", "parts", "--dir",
                           str(tmp_path / "nope")], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "not a folder" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_bench_parts_refuses_widths_that_are_not_a_release_layout(tmp_path):
+    from engine.checkpoint.synth import synthesize
+
+    small = synthesize(tmp_path / "small", "small")  # its layer 3 is a KDA layer
+    for widths, says in ((tmp_path, "config.json does not exist"),
+                         (small, "not dense, KDA-MoE and MLA-MoE")):
+        out = subprocess.run([sys.executable, "-m", "engine", "bench", "parts", "--dir",
+                              str(tmp_path), "--widths", str(widths), "--quick"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and says in out.stderr, out.stderr
+        assert out.stderr.startswith("error: --widths:") and "Traceback" not in out.stderr
