@@ -2,27 +2,39 @@
 
 `python -m engine bench parts [--dir PATH] [--json]`:
 * disk under PATH (default: the current folder) with the engine's read pattern: a scratch
-  file is written, then read O_DIRECT through the engine's ReadPool as trunk-sized
-  sequential runs and as 17.5 MB expert reads at unaligned offsets, top-k at a time at the
-  engine's queue depth; the scratch file is removed;
+  file is written, then read O_DIRECT through the engine's ReadPool at the plan's queue
+  depth as trunk-sized runs at read-ahead priority (the ring's), as the streamed head's
+  64 MB urgent chunks, and as 17.5 MB expert reads at unaligned offsets, top-k at once,
+  urgent, in the engine's 1 MB expert chunks; the scratch file is removed;
 * compute of one real-width KDA-MoE layer, MLA-MoE layer, dense layer 0 and the head
   (BF16 163,840 x 7168), one decode token each through the engine's decoder layer and
-  kernels on this machine's cores (random weights in the on-disk dtypes);
-* the memory read bandwidth (the kernels' threads) in the same run, for the kernels' fraction of it.
+  kernels on this machine's cores (random weights in the on-disk dtypes; the router, the
+  shared and the routed experts included; the MoE layers also timed up to the moment they
+  ask for their experts), the token's work outside its layers (embedding row, output
+  aggregation, norm, head: `head_s`), all timed inside decode tokens through the engine's
+  `Model.step`; the top-k routed experts alone, the head's matvec alone, and the share of
+  the routed experts that the attention-time guess (the engine's expert read-ahead) names;
+  `--widths DIR`: at the widths of the checkpoint in DIR instead (bench slice uses it);
+* the memory read bandwidth (the kernels' threads) in the same run, for the kernels'
+  fraction of it.
 With `--json`, one object on stdout (a k3tui command consumes it), schema:
   {"schema": 1, "load_average": [1, 5, 15 min],
    "disk": {"dir": str, "direct": bool, "scratch_gb": float,
-            "sequential_gb_per_s": float, "expert_gb_per_s": float, "queue_depth": int},
-   "compute": {"kda_moe_layer_s", "mla_moe_layer_s", "dense_layer0_s", "head_s": float,
-               "threads": int, "kernels": "fused (numba)" | "numpy reference"},
+            "sequential_gb_per_s", "chunk_gb_per_s", "expert_gb_per_s": float,
+            "queue_depth": int},
+   "compute": {"kda_moe_layer_s", "mla_moe_layer_s", "dense_layer0_s", "head_s",
+               "kda_moe_pre_experts_s", "mla_moe_pre_experts_s", "routed_experts_s",
+               "head_matvec_s", "guess_hit_rate": float, "threads": int,
+               "kernels": "fused (numba)" | "numpy reference"},
    "memory_bandwidth_gb_per_s": float,
    "presets": [{"name", "fits" (bool: forecast peak RSS <= 95 % of available memory here),
                 "s_per_token", "bound" ("disk"|"compute"), "first_token_s" (50-token prompt),
                 "first_token_s_by_prompt": {"50", "500"}, "prefill_expert_gb_by_prompt",
                 "peak_rss_gb", "gb_read_per_token"}], "note": str}
 `presets` is the real 93-layer model's forecast (engine.decode.forecast) per preset.
-Hidden `--quick` (for tests of the commands that consume this JSON): a 32 MB scratch file,
-1 MB "expert" reads and the tiny synth widths instead of the real ones, in a few seconds.
+Hidden `--quick`, or K3_BENCH_PARTS_QUICK=1 in the environment (so a test can run any
+command that measures, e.g. `k3tui setup --yes --forecast`, end to end): a 32 MB scratch
+file and the tiny synth widths (or --widths') instead of the real ones, in a few seconds.
 Its figures are not the machine's; only the schema is the same (and "quick": true).
 """
 
@@ -35,10 +47,13 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from engine.errors import EngineError
 
 GB = 1e9
 NOTE = ("a forecast from measured parts (this disk, these cores, real-width layers with "
@@ -50,8 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measure the disk holding PATH (where the model would live)")
     parser.add_argument("--scratch-gb", type=float, default=1.0, metavar="X",
                         help="size of the scratch file read back (default 1)")
-    parser.add_argument("--tokens", type=int, default=2, help="timed tokens per layer")
+    parser.add_argument("--tokens", type=int, default=4, help="timed decode tokens")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    parser.add_argument("--widths", metavar="DIR",
+                        help="measure compute at the widths of the checkpoint in DIR")
     parser.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -62,7 +79,12 @@ def log(msg: str) -> None:
 # ---- disk ---------------------------------------------------------------------------------
 def measure_disk(folder: Path, scratch_bytes: int, expert_bytes: int, top_k: int,
                  threads: int, trunk_run: int) -> dict[str, Any]:
-    from engine.weights.io import FileTable, Layout, ReadPool, TensorSpec, aligned_buffer
+    """The three ways the engine reads, each as the engine issues it: trunk runs at
+    read-ahead priority (the ring's), the streamed head's chunks urgent and one at a time,
+    and top-k experts at once, urgent, in the engine's expert chunks."""
+    from engine.weights.io import FileTable, ReadPool, aligned_buffer
+    from engine.weights.streaming import EXPERT_CHUNK, EXPERT_PRIORITY, TRUNK_PRIORITY
+    from engine.weights.tables import HEAD_CHUNK_BYTES
 
     fd, name = tempfile.mkstemp(prefix=".k3-bench-parts-", dir=folder)
     path = Path(name)
@@ -77,35 +99,21 @@ def measure_disk(folder: Path, scratch_bytes: int, expert_bytes: int, top_k: int
         files, pool = FileTable(), ReadPool(threads)
         try:
             direct = files.get(path).direct
-
-            def read(specs: list, buf) -> float:
-                lay = Layout(specs)
-                t = time.perf_counter()
-                pool.submit(lay.reads(files, buf[: lay.nbytes]), (0,)).wait()
-                return time.perf_counter() - t
-
-            run = min(trunk_run, size // 2)
-            buf = aligned_buffer(run + 8192)
-            buf[:] = 0  # the engine's ring is touched once; page faults are not disk time
-            secs, n = 0.0, 0
-            for start in range(0, size - run + 1, run):
-                secs += read([TensorSpec("t", path, start, run, np.dtype(np.uint8), (run,))], buf)
-                n += run
-            seq = n / secs
+            seq = _runs(pool, files, path, size, min(trunk_run, size // 2), (TRUNK_PRIORITY, 0))
+            chunk = _runs(pool, files, path, size, min(HEAD_CHUNK_BYTES, size // 2),
+                          (EXPERT_PRIORITY, -1))
             ebuf = aligned_buffer(top_k * (expert_bytes + 8192))
             ebuf[:] = 0
             rng = np.random.default_rng(1)
             secs, n = 0.0, 0
             for _ in range(3):
                 offs = rng.choice((size - expert_bytes) // 4099, top_k, replace=False) * 4099
-                specs = [TensorSpec(f"e{i}", path, int(o), expert_bytes, np.dtype(np.uint8),
-                                    (expert_bytes,)) for i, o in enumerate(sorted(offs))]
                 t = time.perf_counter()
-                lays = [Layout([s]) for s in specs]
                 pos, batches = 0, []
-                for lay in lays:
-                    window = ebuf[pos : pos + lay.nbytes]
-                    batches.append(pool.submit(lay.reads(files, window), (0,)))
+                for i, o in enumerate(sorted(offs)):
+                    lay = _layout(path, int(o), expert_bytes)
+                    batches.append(pool.submit(lay.reads(files, ebuf[pos : pos + lay.nbytes]),
+                                               (EXPERT_PRIORITY, i), chunk=EXPERT_CHUNK))
                     pos += lay.nbytes
                 for b in batches:
                     b.wait()
@@ -117,42 +125,146 @@ def measure_disk(folder: Path, scratch_bytes: int, expert_bytes: int, top_k: int
     finally:
         path.unlink(missing_ok=True)
     return {"dir": str(folder), "direct": bool(direct), "scratch_gb": size / GB,
-            "sequential_gb_per_s": seq / GB, "expert_gb_per_s": n / secs / GB,
-            "queue_depth": threads}
+            "sequential_gb_per_s": seq / GB, "chunk_gb_per_s": chunk / GB,
+            "expert_gb_per_s": n / secs / GB, "queue_depth": threads}
+
+
+def _layout(path: Path, start: int, nbytes: int):
+    from engine.weights.io import Layout, TensorSpec
+
+    return Layout([TensorSpec("t", path, start, nbytes, np.dtype(np.uint8), (nbytes,))])
+
+
+def _runs(pool, files, path: Path, size: int, run: int, priority: tuple) -> float:
+    """Bytes per second reading the file start to end in runs of `run` bytes, one at a time."""
+    from engine.weights.io import aligned_buffer
+
+    buf = aligned_buffer(run + 8192)
+    buf[:] = 0  # the engine's buffers are touched once; page faults are not disk time
+    secs, n = 0.0, 0
+    for start in range(0, size - run + 1, run):
+        lay = _layout(path, start, run)
+        t = time.perf_counter()
+        pool.submit(lay.reads(files, buf[: lay.nbytes]), priority).wait()
+        secs += time.perf_counter() - t
+        n += run
+    return n / secs
 
 
 # ---- compute ------------------------------------------------------------------------------
-def measure_compute(tokens: int, widths: dict[str, Any] | None = None) -> dict[str, Any]:
-    from engine import kernels
-    from engine.bench.forward import REAL_WIDTHS, BenchSource, _Filler, time_layer, time_mxfp4
+def _timed_source(cfg, pool: int, fill):
+    """The bench's in-memory source with every layer of `cfg` (the dense, KDA-MoE and
+    MLA-MoE layers' weights shared by the layers of their kind) and the model tensors (the
+    embedding shares the head's array: same shape). It notes the wall time spent inside
+    each layer, when each layer asks for its experts, and how many of the routed experts
+    the attention-time guess named (the model guesses, as under expert read-ahead)."""
+    from engine.bench.forward import BenchSource
     from engine.checkpoint.schema import expected_tensors
-    from engine.model.config import ModelConfig
+
+    shapes = expected_tensors(cfg)
+
+    class TimedSource(BenchSource):
+        wants_guesses = True
+
+        def __init__(self) -> None:
+            super().__init__(cfg, pool=pool)
+            self.layers[0] = {s[len("layers.0."):]: fill.tensor(s, shape, cfg)
+                              for s, shape in shapes.items() if s.startswith("layers.0.")}
+            for L in range(cfg.num_hidden_layers):
+                self.layers.setdefault(L, self.layers[0 if not cfg.is_moe(L) else
+                                                      3 if cfg.is_mla(L) else 1])
+            head = fill.tile(fill.bf16, (cfg.vocab_size, cfg.hidden_size))
+            self.model = {"lm_head.weight": head, "embed_tokens.weight": head}
+            for short in ("norm.weight", "output_attn_res_norm.weight",
+                          "output_attn_res_proj.weight"):
+                self.model[short] = fill.tensor(short, shapes[short], cfg)
+            self.inside: dict[int, float] = {}
+            self.asked: dict[int, float] = {}
+            self.guessed, self.named, self.routed = set(), 0, 0
+
+        @contextmanager
+        def layer(self, index):
+            t = time.perf_counter()
+            self.asked[index] = t
+            try:
+                yield self.layers[index]
+            finally:
+                self.inside[index] = time.perf_counter() - t
+                self.asked[index] -= t
+
+        def model_tensor(self, name):
+            return self.model[name]
+
+        def guess(self, layer, ids):
+            self.guessed = {int(e) for e in ids}
+
+        @contextmanager
+        def experts(self, layer, ids):
+            self.asked[layer] = time.perf_counter()
+            self.named += len(self.guessed & {int(e) for e in ids})
+            self.routed += len(ids)
+            with super().experts(layer, ids) as out:
+                yield out
+
+    return TimedSource()
+
+
+def measure_compute(tokens: int, cfg) -> dict[str, Any]:
+    """Decode tokens through the engine's `Model.step` at `cfg`'s widths (its kernels and
+    threads, weights in memory): per layer kind the median seconds of a layer (router,
+    shared and routed experts included) and of its start until it asks for its experts;
+    the token's work outside its layers (embedding row, output aggregation, norm, head);
+    the top-k routed experts alone; and the head's BF16 matvec alone."""
+    from engine import kernels
+    from engine.bench.forward import _Filler, time_mxfp4
+    from engine.model.mla import MLAState
     from engine.model.transformer import Model
 
-    cfg = ModelConfig.from_dict(widths or REAL_WIDTHS)
     rng = np.random.default_rng(2)
-    src = BenchSource(cfg, pool=3 * cfg.num_experts_per_token)
     fill = _Filler(3)
-    shapes = expected_tensors(cfg)
-    src.layers[0] = {s[len("layers.0."):]: fill.tensor(s, shape, cfg)
-                     for s, shape in shapes.items() if s.startswith("layers.0.")}
+    src = _timed_source(cfg, cfg.num_experts_per_token + 1, fill)  # more than the CPU cache
     model = Model(cfg, src)
-    out = {name: statistics.median(time_layer(model, layer, tokens, 256, rng))
-           for name, layer in (("kda_moe_layer_s", 1), ("mla_moe_layer_s", 3),
-                               ("dense_layer0_s", 0))}
+    state = model.new_state()
+    context = 256  # MLA cache positions before the timed tokens
+    for layer_state in state.layers:
+        if isinstance(layer_state, MLAState):
+            layer_state.append(rng.standard_normal((context, cfg.mla_latent_width))
+                               .astype(np.float32))
+    state.position = context
+    kinds = {L: "dense" if not cfg.is_moe(L) else "mla_moe" if cfg.is_mla(L) else "kda_moe"
+             for L in range(cfg.num_hidden_layers)}
+    full: dict[str, list[float]] = {k: [] for k in set(kinds.values())}
+    pre: dict[str, list[float]] = {k: [] for k in full}
+    outside = []
+    for i in range(tokens + 1):  # the first token compiles and warms up
+        t = time.perf_counter()
+        model.step(int(rng.integers(cfg.vocab_size)), state)
+        wall = time.perf_counter() - t
+        if i:
+            for L, kind in kinds.items():
+                full[kind].append(src.inside[L])
+                pre[kind].append(src.asked[L])
+            outside.append(wall - sum(src.inside.values()))
+    out: dict[str, Any] = {"kda_moe_layer_s": statistics.median(full["kda_moe"]),
+                           "mla_moe_layer_s": statistics.median(full["mla_moe"]),
+                           "dense_layer0_s": statistics.median(full["dense"]),
+                           "kda_moe_pre_experts_s": statistics.median(pre["kda_moe"]),
+                           "mla_moe_pre_experts_s": statistics.median(pre["mla_moe"]),
+                           "head_s": statistics.median(outside),
+                           "guess_hit_rate": src.named / max(src.routed, 1)}
     trunk = {1: src.trunk_bytes(1), 3: src.trunk_bytes(3), 0: src.trunk_bytes(0)}
     runs = [time_mxfp4(src, cfg, cfg.num_experts_per_token, rng) for _ in range(3)]
     wall, nbytes, _ = min(runs)
+    out["routed_experts_s"] = statistics.median(r[0] for r in runs)
     out["mxfp4_gb_per_s"] = nbytes / wall / GB  # one token through top-16 experts
-    del src, model
-    head = fill.tile(fill.bf16, (cfg.vocab_size, cfg.hidden_size))
+    head = src.model["lm_head.weight"]
     x = rng.standard_normal((1, cfg.hidden_size)).astype(np.float32)
     times = []
     for _ in range(tokens + 1):
         t = time.perf_counter()
         kernels.linear(x, head)
         times.append(time.perf_counter() - t)
-    out["head_s"] = statistics.median(times[1:])
+    out["head_matvec_s"] = statistics.median(times[1:])
     out["trunk_gb"] = {"kda_moe": trunk[1] / GB, "mla_moe": trunk[3] / GB, "dense": trunk[0] / GB,
                        "head": head.nbytes / GB}
     out["kernels"] = "fused (numba)" if kernels.FUSED else "numpy reference"
@@ -179,21 +291,42 @@ def preset_forecasts(parts_json: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def measure(folder: Path, scratch_gb: float, tokens: int, quick: bool = False) -> dict[str, Any]:
-    from engine.bench.forward import read_bandwidth
-    from engine.checkpoint.synth import flat_config
-    from engine.weights.plan_cli import geometry_from_config, real_config
+def checkpoint_widths(folder: Path):
+    """The config of the checkpoint in `folder`, to measure compute at its widths: its
+    layers 0, 1 and 3 must be dense, KDA-MoE and MLA-MoE, as in the release."""
+    from engine.model.config import ModelConfig
 
-    g = geometry_from_config(real_config())
-    expert, top_k, run = g.expert_bytes, g.top_k, max(g.layer_bytes[1:])
+    cfg = ModelConfig.from_dir(folder)
+    if cfg.num_hidden_layers < 4 or cfg.is_moe(0) or cfg.is_mla(1) or not cfg.is_mla(3) \
+            or not (cfg.is_moe(1) and cfg.is_moe(3)):
+        raise ValueError(f"{folder}'s layers 0, 1 and 3 are not dense, KDA-MoE and MLA-MoE "
+                         "as in the release")
+    return cfg
+
+
+def measure(folder: Path, scratch_gb: float, tokens: int, quick: bool = False,
+            cfg=None) -> dict[str, Any]:
+    """Disk, compute and bandwidth; compute at `cfg`'s widths (default: the release's)."""
+    from engine.bench.forward import REAL_WIDTHS, read_bandwidth
+    from engine.checkpoint.synth import flat_config
+    from engine.model.config import ModelConfig
+    from engine.weights.plan_cli import geometry_from_config, real_config
+    from engine.weights.planner import default_threads
+
     if quick:  # the schema at toy cost: for tests of the consumers, not a measurement
-        scratch_gb, expert, top_k, run = 0.032, 1 << 20, 4, 8 << 20
+        scratch_gb = 0.032
+        cfg = cfg or ModelConfig.from_dict(flat_config("tiny"))
+    own = cfg is not None
+    cfg = cfg or ModelConfig.from_dict(REAL_WIDTHS)
+    g = geometry_from_config(cfg if own else real_config())
+    expert, top_k, run = g.expert_bytes, g.top_k, max(g.layer_bytes[1:])
     res: dict[str, Any] = {"schema": 1, "quick": quick, "load_average": list(os.getloadavg())}
     log(f"disk under {folder}: {scratch_gb:g} GB scratch file, trunk runs and expert reads ...")
-    res["disk"] = measure_disk(folder, int(scratch_gb * GB), expert, top_k, 8, run)
-    log("compute: " + ("tiny" if quick else "real") + "-width KDA-MoE, MLA-MoE, dense layer 0 "
-        "and head ...")
-    res["compute"] = measure_compute(tokens, flat_config("tiny") if quick else None)
+    res["disk"] = measure_disk(folder, int(scratch_gb * GB), expert, top_k, default_threads(g),
+                               run)
+    log(("compute: " + ("the checkpoint's" if own else "real") + "-width KDA-MoE, MLA-MoE, "
+         "dense layer 0 and head ..."))
+    res["compute"] = measure_compute(tokens, cfg)
     res["memory_bandwidth_gb_per_s"] = read_bandwidth(0.05 if quick else 0.5) / GB
     res["presets"] = preset_forecasts(res)
     res["load_average_after"] = list(os.getloadavg())
@@ -210,8 +343,15 @@ def main(args: argparse.Namespace) -> int:
     if not 0.1 <= args.scratch_gb <= 64 or args.tokens < 1:
         print("error: --scratch-gb must be 0.1 to 64 and --tokens at least 1.", file=sys.stderr)
         return 2
+    quick = args.quick or os.environ.get("K3_BENCH_PARTS_QUICK") == "1"
     try:
-        res = measure(folder, args.scratch_gb, args.tokens, args.quick)
+        cfg = checkpoint_widths(Path(args.widths)) if args.widths else None
+    except (EngineError, ValueError) as exc:
+        print(f"error: --widths: {exc}; give a checkpoint folder laid out as the release.",
+              file=sys.stderr)
+        return 2
+    try:
+        res = measure(folder, args.scratch_gb, args.tokens, quick, cfg)
     except OSError as exc:
         print(f"error: cannot measure the disk under {folder} ({exc.strerror or exc}); "
               "check it is writable and has space.", file=sys.stderr)

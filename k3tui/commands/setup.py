@@ -72,24 +72,28 @@ def run(args: argparse.Namespace) -> int:
 
 
 def forecast_notes(cfg, *, measure: bool) -> list[str]:
-    """`--yes`: the forecast for the chosen preset, measured now (`--forecast`) or stored."""
+    """`--yes`: the forecast for the chosen preset, measured now (`--forecast`: with the
+    table of every preset) or stored."""
     from pathlib import Path
 
     from k3tui.planning import forecast
 
+    table: list[str] = []
     if measure:
         d = Path(cfg.model.dir)
         fc = forecast.measure(next(p for p in (d, *d.parents) if p.is_dir()))
         forecast.store(fc)
+        table = forecast.format_forecast(fc)  # every preset, beside its forecast
     else:
         fc, why = forecast.load_stored()
         if fc is None:
             return [f"forecast: {why or 'none measured yet: ' + forecast.HOW} (or add --forecast)"]
     p = fc.preset(cfg.engine.preset)
     if p is None:
-        return [f"forecast: none for the {cfg.engine.preset} preset (`k3tui bench forecast` "
-                "shows the named presets)"]
-    return [f"forecast: {p.name} {p.brief()} — measured here {fc.date} ({forecast.SAYS})"]
+        return table + [f"forecast: none for the {cfg.engine.preset} preset (`k3tui bench "
+                        "forecast` shows the named presets)"]
+    return table + [f"forecast: {p.name} {p.brief()} — measured here {fc.date} "
+                    f"({forecast.SAYS})"]
 
 
 def run_interactive(report, base, *, installer=None, **wizard_kwargs) -> int:

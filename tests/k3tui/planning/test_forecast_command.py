@@ -143,3 +143,30 @@ def test_setup_yes_shows_a_stored_forecast(tmp_path):
     assert res.returncode == 0, res.stderr
     laptop = forecast.load_stored()[0].preset("laptop")
     assert f"forecast: laptop {laptop.brief()} — measured here" in res.stdout
+
+
+def test_setup_yes_forecast_measures_through_the_real_cli(tmp_path):
+    """The full path of `setup --yes --forecast`: the engine's own `bench parts` (no
+    --quick flag: K3_BENCH_PARTS_QUICK scales the measurement down so it runs here in
+    seconds), stored 0600, the forecast printed beside each preset and the chosen one."""
+    models = tmp_path / "models" / "Kimi-K3"  # not there yet: its nearest folder is measured
+    res = subprocess.run(
+        [sys.executable, "-m", "k3tui", "setup", "--yes", "--forecast", "--model-dir",
+         str(models), "--preset", "desktop", "--force"], capture_output=True, text=True,
+        timeout=300, stdin=subprocess.DEVNULL, env={**os.environ, "K3_BENCH_PARTS_QUICK": "1"})
+    assert res.returncode == 0, res.stderr
+    assert "disk under" in res.stderr  # the engine's progress, relayed: it really measured
+    path = get_paths().bench_dir / "forecast.json"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    stored = json.loads(path.read_text())
+    assert stored["dir"] == str(tmp_path) and stored["quick"] is True
+    assert not any(p.name.startswith(".k3-bench-parts-") for p in tmp_path.rglob("*"))
+    fc = forecast.load_stored()[0]
+    lines = res.stdout.splitlines()
+    for p in fc.presets:  # the table: each preset beside its forecast
+        assert any(ln.split()[:4] == [p.name, "yes" if p.fits else "no",
+                                      f"{p.s_per_token:.1f}", p.bound] for ln in lines), p.name
+    assert "toy sizes for tests" in res.stdout  # a scaled-down measurement says so
+    desktop = fc.preset("desktop")
+    assert f"forecast: desktop {desktop.brief()} — measured here {fc.date}" in res.stdout
+    assert load_config().engine.preset == "desktop"
