@@ -16,7 +16,8 @@ Contract (everything the model asks of a source is declared in `WeightSource`):
   prefill chunk, asked for at once so the reads can be issued together), valid inside the
   block. `ex.concurrent` says whether every expert stays valid for the whole block and may
   be fetched from several threads in any order (the MoE then runs them side by side); when
-  false, fetch them in the order of `ids` and use each at once.
+  false, fetch them in the order of `ids` and use each at once. `ex.arrival(e)` says which
+  experts are in memory and in what order the others' reads will land.
 * `source.model_tensor(name)` — model-level tensors by short name (`"embed_tokens.weight"`,
   `"lm_head.weight"`, `"norm.weight"`, `"output_attn_res_norm.weight"`,
   `"output_attn_res_proj.weight"`), kept resident. `TensorNames` maps short names to the
@@ -72,11 +73,19 @@ class ExpertSet(Protocol):
 
     def __getitem__(self, e: int) -> ExpertWeights: ...
 
+    def arrival(self, e: int) -> int:
+        """0 when e's bytes are in memory, else the queue position of its read (a lower
+        one arrives sooner): a concurrent set's experts are computed in that order."""
+        ...
+
 
 class ExpertTable(dict):
     """Experts already in memory, as a plain table: all valid at once, from any thread."""
 
     concurrent = True
+
+    def arrival(self, e: int) -> int:
+        return 0
 
 
 class WeightSource(Protocol):

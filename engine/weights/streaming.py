@@ -226,6 +226,10 @@ class StreamingSource:
         self._unadopted: set[tuple[int, int]] = set()
         self.wants_guesses = plan.guess_experts
         self._model: dict[str, np.ndarray] = {}
+        # slot -> (key, its ExpertWeights): views of the slot's bytes built once while the
+        # slot holds that key (a cached expert costs no views per token); checked by key, so a
+        # slot refilled with another expert gets new views.
+        self._weights: dict[int, tuple[tuple[int, int], ExpertWeights]] = {}
         self._wait_lock = threading.Lock()
         self._waiters = 0
         self._wait_t0 = 0.0
@@ -424,6 +428,16 @@ class StreamingSource:
         self._c["expert_misses"] += len(missing)
         return got
 
+    def _expert_weights(self, slot: int, key: tuple[int, int]) -> ExpertWeights:
+        """The ExpertWeights of `key`, whose bytes are in `slot`."""
+        known = self._weights.get(slot)
+        if known is not None and known[0] == key:
+            return known[1]
+        views = self.map.expert_layout(*key).views(self.cache.buffer(slot))
+        weights = expert_from_arrays([views[n] for n in self.names.expert(*key)])
+        self._weights[slot] = (key, weights)
+        return weights
+
     def _adopt_preload(self, layer: int) -> None:
         """The up-front reads of `layer`'s experts become cached experts (a failed one is
         simply not cached: it is read on demand like any miss)."""
@@ -610,10 +624,15 @@ class _Group:
                 src.cache.publish(slot, (self.layer, e))
                 src._c["expert_bytes"] += src.map.expert_layout(self.layer, e).payload
                 self.held[e] = (slot, None)
-            views = src.map.expert_layout(self.layer, e).views(src.cache.buffer(slot))
-            weights = expert_from_arrays([views[n] for n in src.names.expert(self.layer, e)])
-            self.ready[e] = weights
+            self.ready[e] = weights = src._expert_weights(slot, (self.layer, e))
             return weights
+
+    def arrival(self, e: int) -> int:
+        """0 once e's bytes are in memory (or its read failed: `get` raises at once), else
+        its read's queue position + 1."""
+        held = self.held.get(e)
+        batch = None if held is None else held[1]
+        return 0 if batch is None or batch.done() else batch.seq + 1
 
     def release(self) -> None:
         """Unpin the slots; reads still in flight finish before their slot can be reused."""
@@ -647,6 +666,9 @@ class _ExpertsAtOnce(Mapping[int, ExpertWeights]):
         if int(e) not in self._asked:
             raise KeyError(e)
         return self.group.get(int(e))
+
+    def arrival(self, e: int) -> int:
+        return self.group.arrival(int(e))
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.wanted)
@@ -683,6 +705,10 @@ class _ExpertGroups(Mapping[int, ExpertWeights]):
             self.current = self.group_of[e]
             self.group = _Group(self.src, self.layer, self.groups[self.current])
         return self.group.get(e)
+
+    def arrival(self, e: int) -> int:
+        """Not concurrent: the MoE takes these in the order of `ids`, never by arrival."""
+        return 0
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.wanted)
