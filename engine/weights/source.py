@@ -25,7 +25,9 @@ Contract (everything the model asks of a source is declared in `WeightSource`):
 * `source.wants_guesses` / `source.guess(L, ids)` — when `wants_guesses` is true the model
   calls `guess` before layer L's attention in a one-token step with the experts L will
   probably route to, so their reads can start early. A hint only; `experts()` still
-  receives the router's choice.
+  receives the router's choice. The model also guesses a layer ahead, from the previous
+  layer's FFN input, with `source.resident_layer(L)`: layer L's tensors if they are in
+  memory for good and already read (pinned), else None; never waits.
 * `source.stats()` — a flat dict of numbers. Keys in `CUMULATIVE_STATS` are running totals
   since the source opened; generate turns them into each token's `compute_s`, waits, GB
   read, `mb_per_s`, `true_hit_rate` (hits / (hits + misses)) and `evictions`, and passes
@@ -96,6 +98,8 @@ class WeightSource(Protocol):
     def experts(self, layer: int, ids: Sequence[int]) -> AbstractContextManager[ExpertSet]: ...
 
     def guess(self, layer: int, ids: Sequence[int]) -> None: ...
+
+    def resident_layer(self, index: int) -> Mapping[str, np.ndarray] | None: ...
 
     def model_tensor(self, name: str) -> np.ndarray: ...
 

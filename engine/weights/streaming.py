@@ -294,6 +294,13 @@ class StreamingSource:
             self._c["trunk_bytes"] += lay.payload
         return p.views
 
+    def resident_layer(self, index: int) -> Mapping[str, np.ndarray] | None:
+        """A pinned layer's views once its read has landed (never waits), else None."""
+        p = self._pinned.get(index)
+        if p is None or not p.counted:
+            return None  # its first use counts its bytes and checks its read
+        return p.views
+
     def _await_slot(self, slot: _RingSlot, index: int) -> None:
         if slot.views is not None:
             return
