@@ -72,7 +72,10 @@ EXPERT_CHUNK = 1 << 20  # experts split so the first one lands after a fraction 
 
 
 def spec_of(t: TensorInfo) -> TensorSpec:
-    return TensorSpec(t.name, Path(t.file), t.offset, t.nbytes, t.np_dtype, tuple(t.shape))
+    # t.file is already a Path: building another re-parses it, and an expert's layout is
+    # made the first time it is read, on the decode's critical path.
+    file = t.file if isinstance(t.file, Path) else Path(t.file)
+    return TensorSpec(t.name, file, t.offset, t.nbytes, t.np_dtype, tuple(t.shape))
 
 
 class CheckpointMap:
