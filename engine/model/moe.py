@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -53,6 +54,24 @@ def expert_mlp(z: np.ndarray, ex: Expert, cfg: ModelConfig) -> np.ndarray:
 _POOL: tuple[int, ThreadPoolExecutor] | None = None  # (workers, pool)
 
 
+class _Arrivals:
+    """Hands out the experts of one layer in the order their bytes arrive: any already in
+    memory first, else the one whose read was queued first (reads land roughly in queue
+    order), so a compute thread never blocks on a late read while an earlier one waits."""
+
+    def __init__(self, ids: list[int], experts: ExpertSet):
+        self.left = list(range(len(ids)))
+        self.ids = ids
+        self.experts = experts
+        self.lock = threading.Lock()
+
+    def take(self) -> int:
+        with self.lock:
+            i = min(self.left, key=lambda k: self.experts.arrival(self.ids[k]))
+            self.left.remove(i)
+            return i
+
+
 def run_experts(
     z: np.ndarray, tokens: list[np.ndarray], ids: list[int], experts: ExpertSet, cfg: ModelConfig
 ) -> list[np.ndarray]:
@@ -61,18 +80,30 @@ def run_experts(
     A source may hand experts out in groups that stay valid only until a later one is
     asked for, so by default each expert is fetched and used at once, in order. When the
     set is `concurrent` (ResidentSource's, or the streaming source's when the whole set
-    fits its cache) and there are several compute threads, experts run side by side
-    instead (the fused kernels release the GIL): one fork-join per layer rather than one
-    per matrix. The same kernels run either way, so results do not depend on it."""
+    fits its cache) experts are taken in the order they arrive and, with several compute
+    threads, run side by side (the fused kernels release the GIL): one fork-join per
+    layer rather than one per matrix. Each expert's result goes to its own place and the
+    same kernels run either way, so results do not depend on the order."""
     global _POOL
-    threads = compute_threads()
-    if threads <= 1 or len(ids) <= 1 or not experts.concurrent:
+    if not experts.concurrent or len(ids) <= 1:
         return [expert_mlp(z[tok], experts[e], cfg) for tok, e in zip(tokens, ids)]
-    if _POOL is None or _POOL[0] != threads:
-        _POOL = (threads, ThreadPoolExecutor(max_workers=threads, thread_name_prefix="k3-expert"))
-    return list(
-        _POOL[1].map(lambda i: expert_mlp(z[tokens[i]], experts[ids[i]], cfg), range(len(ids)))
-    )
+    outs: list[np.ndarray | None] = [None] * len(ids)
+    arrivals = _Arrivals(ids, experts)
+
+    def one(_: int) -> None:
+        i = arrivals.take()
+        outs[i] = expert_mlp(z[tokens[i]], experts[ids[i]], cfg)
+
+    threads = compute_threads()
+    if threads <= 1:
+        for k in range(len(ids)):
+            one(k)
+    else:
+        if _POOL is None or _POOL[0] != threads:
+            _POOL = (threads, ThreadPoolExecutor(max_workers=threads,
+                                                 thread_name_prefix="k3-expert"))
+        list(_POOL[1].map(one, range(len(ids))))
+    return outs  # type: ignore[return-value]
 
 
 def route(

@@ -161,6 +161,7 @@ class Batch:
         self.error: ReadError | None = None
         self.cancelled = False
         self.nbytes = nbytes
+        self.seq = 0  # when it was queued (the pool's sequence number of its first job)
         if n_jobs == 0:
             self._done.set()
 
@@ -248,6 +249,7 @@ class ReadPool:
         batch = Batch(len(jobs), nbytes)
         heap = self._urgent if priority[0] <= 0 else self._background
         with self._cond:
+            batch.seq = next(self._seq)
             for job in jobs:
                 heapq.heappush(heap, _Job(priority, next(self._seq), job, batch))
             self._cond.notify(len(jobs))

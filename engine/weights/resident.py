@@ -77,6 +77,9 @@ class ResidentSource:
     def guess(self, layer: int, ids: Sequence[int]) -> None:
         pass  # wants_guesses is false: never called
 
+    def resident_layer(self, index: int) -> Mapping[str, np.ndarray] | None:
+        return self._layers.get(index)
+
     def expert(self, layer: int, e: int) -> ExpertWeights:
         names = self.names.expert(layer, e)
         missing = [n for n in names if n not in self._arrays]

@@ -16,7 +16,8 @@ Contract (everything the model asks of a source is declared in `WeightSource`):
   prefill chunk, asked for at once so the reads can be issued together), valid inside the
   block. `ex.concurrent` says whether every expert stays valid for the whole block and may
   be fetched from several threads in any order (the MoE then runs them side by side); when
-  false, fetch them in the order of `ids` and use each at once.
+  false, fetch them in the order of `ids` and use each at once. `ex.arrival(e)` says which
+  experts are in memory and in what order the others' reads will land.
 * `source.model_tensor(name)` — model-level tensors by short name (`"embed_tokens.weight"`,
   `"lm_head.weight"`, `"norm.weight"`, `"output_attn_res_norm.weight"`,
   `"output_attn_res_proj.weight"`), kept resident. `TensorNames` maps short names to the
@@ -24,7 +25,9 @@ Contract (everything the model asks of a source is declared in `WeightSource`):
 * `source.wants_guesses` / `source.guess(L, ids)` — when `wants_guesses` is true the model
   calls `guess` before layer L's attention in a one-token step with the experts L will
   probably route to, so their reads can start early. A hint only; `experts()` still
-  receives the router's choice.
+  receives the router's choice. The model also guesses a layer ahead, from the previous
+  layer's FFN input, with `source.resident_layer(L)`: layer L's tensors if they are in
+  memory for good and already read (pinned), else None; never waits.
 * `source.stats()` — a flat dict of numbers. Keys in `CUMULATIVE_STATS` are running totals
   since the source opened; generate turns them into each token's `compute_s`, waits, GB
   read, `mb_per_s`, `true_hit_rate` (hits / (hits + misses)) and `evictions`, and passes
@@ -72,11 +75,19 @@ class ExpertSet(Protocol):
 
     def __getitem__(self, e: int) -> ExpertWeights: ...
 
+    def arrival(self, e: int) -> int:
+        """0 when e's bytes are in memory, else the queue position of its read (a lower
+        one arrives sooner): a concurrent set's experts are computed in that order."""
+        ...
+
 
 class ExpertTable(dict):
     """Experts already in memory, as a plain table: all valid at once, from any thread."""
 
     concurrent = True
+
+    def arrival(self, e: int) -> int:
+        return 0
 
 
 class WeightSource(Protocol):
@@ -87,6 +98,8 @@ class WeightSource(Protocol):
     def experts(self, layer: int, ids: Sequence[int]) -> AbstractContextManager[ExpertSet]: ...
 
     def guess(self, layer: int, ids: Sequence[int]) -> None: ...
+
+    def resident_layer(self, index: int) -> Mapping[str, np.ndarray] | None: ...
 
     def model_tensor(self, name: str) -> np.ndarray: ...
 

@@ -72,7 +72,10 @@ EXPERT_CHUNK = 1 << 20  # experts split so the first one lands after a fraction 
 
 
 def spec_of(t: TensorInfo) -> TensorSpec:
-    return TensorSpec(t.name, Path(t.file), t.offset, t.nbytes, t.np_dtype, tuple(t.shape))
+    # t.file is already a Path: building another re-parses it, and an expert's layout is
+    # made the first time it is read, on the decode's critical path.
+    file = t.file if isinstance(t.file, Path) else Path(t.file)
+    return TensorSpec(t.name, file, t.offset, t.nbytes, t.np_dtype, tuple(t.shape))
 
 
 class CheckpointMap:
@@ -226,6 +229,10 @@ class StreamingSource:
         self._unadopted: set[tuple[int, int]] = set()
         self.wants_guesses = plan.guess_experts
         self._model: dict[str, np.ndarray] = {}
+        # slot -> (key, its ExpertWeights): views of the slot's bytes built once while the
+        # slot holds that key (a cached expert costs no views per token); checked by key, so a
+        # slot refilled with another expert gets new views.
+        self._weights: dict[int, tuple[tuple[int, int], ExpertWeights]] = {}
         self._wait_lock = threading.Lock()
         self._waiters = 0
         self._wait_t0 = 0.0
@@ -288,6 +295,13 @@ class StreamingSource:
             p.views = lay.views(p.buf, self.names.layer_prefix(index))
             p.counted = True
             self._c["trunk_bytes"] += lay.payload
+        return p.views
+
+    def resident_layer(self, index: int) -> Mapping[str, np.ndarray] | None:
+        """A pinned layer's views once its read has landed (never waits), else None."""
+        p = self._pinned.get(index)
+        if p is None or not p.counted:
+            return None  # its first use counts its bytes and checks its read
         return p.views
 
     def _await_slot(self, slot: _RingSlot, index: int) -> None:
@@ -423,6 +437,16 @@ class StreamingSource:
         got.update(self._read_experts(layer, missing, slots))
         self._c["expert_misses"] += len(missing)
         return got
+
+    def _expert_weights(self, slot: int, key: tuple[int, int]) -> ExpertWeights:
+        """The ExpertWeights of `key`, whose bytes are in `slot`."""
+        known = self._weights.get(slot)
+        if known is not None and known[0] == key:
+            return known[1]
+        views = self.map.expert_layout(*key).views(self.cache.buffer(slot))
+        weights = expert_from_arrays([views[n] for n in self.names.expert(*key)])
+        self._weights[slot] = (key, weights)
+        return weights
 
     def _adopt_preload(self, layer: int) -> None:
         """The up-front reads of `layer`'s experts become cached experts (a failed one is
@@ -610,10 +634,15 @@ class _Group:
                 src.cache.publish(slot, (self.layer, e))
                 src._c["expert_bytes"] += src.map.expert_layout(self.layer, e).payload
                 self.held[e] = (slot, None)
-            views = src.map.expert_layout(self.layer, e).views(src.cache.buffer(slot))
-            weights = expert_from_arrays([views[n] for n in src.names.expert(self.layer, e)])
-            self.ready[e] = weights
+            self.ready[e] = weights = src._expert_weights(slot, (self.layer, e))
             return weights
+
+    def arrival(self, e: int) -> int:
+        """0 once e's bytes are in memory (or its read failed: `get` raises at once), else
+        its read's queue position + 1."""
+        held = self.held.get(e)
+        batch = None if held is None else held[1]
+        return 0 if batch is None or batch.done() else batch.seq + 1
 
     def release(self) -> None:
         """Unpin the slots; reads still in flight finish before their slot can be reused."""
@@ -647,6 +676,9 @@ class _ExpertsAtOnce(Mapping[int, ExpertWeights]):
         if int(e) not in self._asked:
             raise KeyError(e)
         return self.group.get(int(e))
+
+    def arrival(self, e: int) -> int:
+        return self.group.arrival(int(e))
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.wanted)
@@ -683,6 +715,10 @@ class _ExpertGroups(Mapping[int, ExpertWeights]):
             self.current = self.group_of[e]
             self.group = _Group(self.src, self.layer, self.groups[self.current])
         return self.group.get(e)
+
+    def arrival(self, e: int) -> int:
+        """Not concurrent: the MoE takes these in the order of `ids`, never by arrival."""
+        return 0
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.wanted)

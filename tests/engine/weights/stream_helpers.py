@@ -19,6 +19,9 @@ class Recorder:
     def guess(self, layer, ids):
         self.src.guess(layer, ids)
 
+    def resident_layer(self, index):
+        return self.src.resident_layer(index)
+
     def experts(self, layer, ids):
         self.calls.append((layer, list(ids), set(self.src.cache.resident())))
         return self.src.experts(layer, ids)

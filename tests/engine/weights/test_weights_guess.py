@@ -185,3 +185,50 @@ def test_stream_guess_read_error(small, tmp_path, copy_checkpoint):
             got.append(t.id)
     assert got == []  # not one token computed from missing weights
     src.close()
+
+
+def test_stream_guess_a_layer_ahead_while_the_previous_layer_computes(small):
+    """With the trunk resident, reads for layer L+1's surest experts are queued while layer
+    L's routed experts are read and computed (inside L's experts() block, behind L's own
+    reads), so the disk has work across the layer boundary; the ids do not change."""
+    want = greedy(small, ResidentSource(small))
+    g = CheckpointMap(small).geometry()
+    with source(small, budget_gb=trunk_and_slots(small, 12)) as src:
+        events: list[tuple] = []
+        real_layer, real_experts, real_guess = src.layer, src.experts, src.guess
+
+        def layer(i):
+            events.append(("layer", i))
+            return real_layer(i)
+
+        def guess(L, ids):
+            events.append(("guess", L, len(ids)))
+            real_guess(L, ids)
+
+        class Experts:
+            def __init__(self, L, ids):
+                self.inner = real_experts(L, ids)
+                self.L = L
+
+            def __enter__(self):
+                events.append(("enter", self.L))
+                return self.inner.__enter__()
+
+            def __exit__(self, *exc):
+                events.append(("exit", self.L))
+                return self.inner.__exit__(*exc)
+
+        src.layer, src.experts, src.guess = layer, Experts, guess
+        assert greedy(small, src) == want
+    ahead = []
+    inside: int | None = None
+    for ev in events:
+        if ev[0] == "enter":
+            inside = ev[1]
+        elif ev[0] == "exit":
+            inside = None
+        elif ev[0] == "guess" and inside is not None:
+            ahead.append((inside, ev[1], ev[2]))
+    assert ahead, "no guess was made a layer ahead"
+    assert all(L + 1 == nxt and n <= g.top_k // 2 for L, nxt, n in ahead)
+    assert {L for L, _, _ in ahead} == set(range(1, g.n_layers - 1))  # every MoE layer but the last

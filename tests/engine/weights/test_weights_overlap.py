@@ -47,6 +47,7 @@ def test_stream_shared_experts_compute_while_expert_reads_are_in_flight(small, m
             self.inner = inner
             # as concurrent as the source's own set, so experts still run in parallel
             self.concurrent = inner.concurrent
+            self.arrival = inner.arrival
 
         def __getitem__(self, e):
             events.append("expert")

@@ -260,3 +260,32 @@ def test_stream_plan_holding_everything_loads_it_up_front(small):
         assert src.stats()["gb_read_experts"] * GB == pytest.approx(
             g.n_experts * g.moe_layers * g.expert_bytes)
     assert [t.id for t in toks] == greedy(small, ResidentSource(small), n=6)
+
+
+def test_stream_cached_expert_views_are_reused_and_never_stale(small):
+    """A cached expert's ExpertWeights are built once per stay in a slot (the same object
+    while the slot holds it), and a slot refilled with another expert never hands out the
+    old one's views: every expert equals the resident bytes across evictions and reuse."""
+    res = ResidentSource(small)
+    g = CheckpointMap(small).geometry()
+    budget = (g.trunk_bytes + (g.top_k + 2) * g.expert_slot_bytes) / GB
+    rng = np.random.default_rng(4)
+    with source(small, budget_gb=budget) as src:
+        nslots = src.cache.nslots
+        assert nslots < 2 * g.top_k  # two layers' experts do not fit: slots are reused
+        first: dict = {}
+        for step in range(40):
+            L = 1 + step % 3
+            ids = sorted(rng.choice(g.n_experts, size=g.top_k, replace=False).tolist())
+            resident_before = set(src.cache.resident())
+            with src.experts(L, ids) as ex, res.experts(L, ids) as ref:
+                for e in ids:
+                    w = ex[e]
+                    for f in ("w1_packed", "w1_scale", "w2_packed", "w2_scale", "w3_packed",
+                              "w3_scale"):
+                        assert np.array_equal(getattr(w, f), getattr(ref[e], f)), (L, e, f)
+                    slot = src.cache.lookup((L, e))
+                    if (L, e) in resident_before and first.get((L, e))[0] == slot:
+                        assert w is first[(L, e)][1]  # a hit: no new views
+                    first[(L, e)] = (slot, w)
+        assert src.cache.evictions > 0
