@@ -157,7 +157,8 @@ def _timed_source(cfg, pool: int, fill):
     MLA-MoE layers' weights shared by the layers of their kind) and the model tensors (the
     embedding shares the head's array: same shape). It notes the wall time spent inside
     each layer, when each layer asks for its experts, and how many of the routed experts
-    the attention-time guess named (the model guesses, as under expert read-ahead)."""
+    the guesses named (the model guesses a layer ahead and at the attention, as under
+    expert read-ahead)."""
     from engine.bench.forward import BenchSource
     from engine.checkpoint.schema import expected_tensors
 
@@ -180,7 +181,8 @@ def _timed_source(cfg, pool: int, fill):
                 self.model[short] = fill.tensor(short, shapes[short], cfg)
             self.inside: dict[int, float] = {}
             self.asked: dict[int, float] = {}
-            self.guessed, self.named, self.routed = set(), 0, 0
+            self.guessed: dict[int, set[int]] = {}
+            self.named = self.routed = 0
 
         @contextmanager
         def layer(self, index):
@@ -195,13 +197,16 @@ def _timed_source(cfg, pool: int, fill):
         def model_tensor(self, name):
             return self.model[name]
 
+        def resident_layer(self, index):
+            return self.layers[index]  # all in memory: the model also guesses a layer ahead
+
         def guess(self, layer, ids):
-            self.guessed = {int(e) for e in ids}
+            self.guessed.setdefault(layer, set()).update(int(e) for e in ids)
 
         @contextmanager
         def experts(self, layer, ids):
             self.asked[layer] = time.perf_counter()
-            self.named += len(self.guessed & {int(e) for e in ids})
+            self.named += len(self.guessed.pop(layer, set()) & {int(e) for e in ids})
             self.routed += len(ids)
             with super().experts(layer, ids) as out:
                 yield out
