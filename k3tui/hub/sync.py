@@ -177,6 +177,7 @@ class Sync:
         self.result = DownloadResult(ok=False)
         self.lock = threading.Lock()
         self.cv = threading.Condition(self.lock)
+        self.why = ""                      # why the last failed file failed
         self.open: list[FileFetch] = []    # files being fetched, in order
         self.opening = 0                   # files being checked or opened right now
         self.client = None
@@ -341,6 +342,7 @@ class Sync:
         self.log(why)
         with self.lock:
             self.result.failed.append(name)
+            self.why = why
             if error is not None and self.result.error is None:
                 self.result.error = error
         if halt:
@@ -356,7 +358,7 @@ class Sync:
                         d.rmdir()          # only empty leftovers of nested file names
         result.ok = not result.failed and not result.cancelled
         if result.failed and result.error is None:
-            last = self.progress.errors[-1] if self.progress.errors else ""
+            last = self.why        # the last file's reason, not a retry logged after it
             n, shown = len(result.failed), ", ".join(result.failed[:3])
             result.error = K3Error(
                 f"{n} of {len(self.snapshot.files)} files could not be downloaded "

@@ -489,6 +489,8 @@ class FileFetch:
 
     def _after_error(self, exc: Exception, span: _Span, failures: int) -> None:
         """Classify a failed attempt: raise what no retry helps, else wait to retry."""
+        if self.failed:
+            raise Abandoned()                           # another connection said why
         if is_disk_full(exc):
             raise DiskFull(str(exc)) from None
         if isinstance(exc, OSError) and not is_transient(exc):
@@ -504,6 +506,7 @@ class FileFetch:
                  f"retry {failures}/{self.opts.max_failures}")
         self.progress.error(f"{self.rf.name}: {what}")
         if failures >= self.opts.max_failures:
+            self.give_up()
             raise FileFailed(f"{self.rf.name}: gave up after {failures} failed "
                              f"attempts in a row ({what})") from None
         self.progress.status(self.rf.name, "retrying")
