@@ -181,9 +181,11 @@ class Sync:
         self.open: list[FileFetch] = []    # files being fetched, in order
         self.opening = 0                   # files being checked or opened right now
         self.client = None
+        self.connections = 1
 
     def run(self, *, workers: int, on_progress: Callable[[ProgressEvent], None] | None,
             max_hz: float) -> DownloadResult:
+        self.connections = max(1, workers)
         httpx = http()
         timeout = httpx.Timeout(self.opts.timeout_s, connect=min(10.0, self.opts.timeout_s))
         self.client = httpx.Client(timeout=timeout, follow_redirects=True,
@@ -259,7 +261,7 @@ class Sync:
             if rf.name in self.plan.to_check and self._check_on_disk(rf):
                 return self._next_after(None)
             fetch = FileFetch(rf, self.snapshot, self.store, self.progress, self.client,
-                              self.opts, self.stop, self.log)
+                              self.opts, self.stop, self.log, self.connections)
             fetch.open(self.plan.partial.get(rf.name, 0))
         except Cancelled:
             self.progress.status(rf.name, "pending")

@@ -47,7 +47,8 @@ from k3tui.hub.store import LocalStore, drop_page_cache, expected_digest, new_ha
 from k3tui.units import KB, MiB
 
 CHUNK_BYTES = MiB  # unit of writing, hence the most a kill can make a connection re-fetch
-RANGE_BYTES = 64 * MiB            # one Range request (see Options.range_bytes)
+RANGE_BYTES = 64 * MiB            # one Range request at most (see Options.range_bytes)
+MIN_RANGE = 8 * MiB               # a file is not cut finer to keep every connection busy
 HASH_WINDOW = 64 * MiB            # written bytes kept in memory for the hash, per file
 DROP_CACHE_EVERY = 64 << 20       # start writeback / drop cache of written ranges this often
 
@@ -275,6 +276,13 @@ def _retry_after(exc: BaseException) -> float:
     return retry_after_s(headers.get("Retry-After") if headers is not None else None)
 
 
+def range_size(size: int, connections: int, most: int) -> int:
+    """Bytes per range of a file: `most`, or less for a file that would otherwise leave
+    connections idle (a whole number of chunks, MIN_RANGE at least, never above `most`)."""
+    share = -(-size // max(1, connections))
+    return min(most, max(MIN_RANGE, -(-share // CHUNK_BYTES) * CHUNK_BYTES))
+
+
 class _Span:
     """One connection's share of a file: bytes [pos, end) still to receive."""
 
@@ -290,12 +298,12 @@ class FileFetch:
 
     def __init__(self, rf: RemoteFile, snap: RepoSnapshot, store: LocalStore,
                  progress: Progress, client, opts: Options,
-                 stop: threading.Event, log=print):
+                 stop: threading.Event, log=print, connections: int = 1):
         self.rf, self.snap, self.store, self.progress = rf, snap, store, progress
         self.client, self.opts, self.stop, self.log = client, opts, stop, log
         self.part = store.part(rf.name)
         self.lock = threading.Lock()
-        self.grid = opts.range_bytes
+        self.grid = range_size(rf.size, connections, opts.range_bytes)
         self.todo: list[tuple[int, int]] = []   # spans nobody fetches yet, in file order
         self.active: set[_Span] = set()
         self.failed = False               # a connection gave the file up; the others stop
