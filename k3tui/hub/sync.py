@@ -155,8 +155,10 @@ def download(snapshot: RepoSnapshot, target: Path, *, workers: int = WORKERS,
 class Sync:
     """One download: the plan, a queue of files, connection threads fetching their ranges
     (or checking the files already on disk), and the result they fill in under one lock.
-    Connections take the next range of the earliest open file, so they work on one file
-    together and a file is complete (and out of the way) as early as possible."""
+    A free connection opens the next file while every open file has a connection (one
+    connection per file reads in order, so its bytes are hashed as they land); once the
+    queue is empty it joins the open file with the fewest connections, so the last files
+    (or the only one) are fetched over all of them."""
 
     def __init__(self, snapshot: RepoSnapshot, target: Path, *, opts: Options,
                  stop: threading.Event, check: str, log: Callable[[str], None], resume: str):
@@ -238,15 +240,20 @@ class Sync:
                 self._failed(fetch.rf, exc)
 
     def _next(self) -> tuple[FileFetch, object] | None:
-        """The next range to fetch: of the earliest open file, else of the next file in
-        the queue (checked or opened here). None when nothing is left for any connection:
+        """The next range to fetch: of an open file nobody fetches, else of the next file
+        in the queue (checked or opened here), else of the open file with the fewest
+        connections. None when nothing is left for any connection:
         a connection waits while a file is being opened or verified, since either may
         bring work (a restarted file's ranges)."""
         with self.cv:
             while not self.stop.is_set():
-                for fetch in self.open:
+                loads = [(load, i) for i, f in enumerate(self.open)
+                         if (load := f.load()) is not None]
+                if loads and (min(loads)[0] == 0 or not self.todo):
+                    fetch = self.open[min(loads)[1]]
                     if (span := fetch.take()) is not None:
                         return fetch, span
+                    continue
                 if self.todo:
                     rf = self.todo.pop(0)
                     self.opening += 1

@@ -408,6 +408,13 @@ class FileFetch:
             self.active.add(span)
             return span
 
+    def load(self) -> int | None:
+        """Connections on this file now, or None when it has no span to give."""
+        with self.lock:
+            if self.failed or not self.todo or (self.no_ranges and self.active):
+                return None
+            return len(self.active)
+
     def settle(self) -> bool:
         """True once, for the caller that should verify: every span fetched."""
         with self.lock:
