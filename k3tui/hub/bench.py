@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     base = get_paths().bench_dir / "download"
     src = base / "src"
     paths = _make_source(src, a.size_mb, a.files)
+    load_before = _loadavg()
     runs = [_compare(src, paths, base, a.rounds, t, a)
             for t in ([0.0, a.throttle_mbps] if a.throttle_mbps else [0.0])]
     from k3tui.hub.sync import WORKERS
@@ -163,14 +164,14 @@ def main(argv: list[str] | None = None) -> int:
            "rounds": a.rounds, "reference": "huggingface_hub.snapshot_download",
            "latency_ms": a.latency_ms, "k3tui_connections": a.workers or WORKERS,
            "k3tui_range_mib": a.range_mib or RANGE_BYTES // MiB,
-           "hf_connections": min(8, a.files), "loadavg": _loadavg(),
+           "hf_connections": min(8, a.files), "loadavg": load_before,
            "k3tui_hashes_sha256": True, **runs[0], "runs": runs}
     if a.json:
         print(json.dumps(out))
         return 0
     print(f"served {out['bytes'] / MB:,.0f} MB in {a.files} files from a loopback hub "
           f"(CDN redirect, {a.latency_ms:g} ms to first byte), best of {a.rounds}; "
-          f"load {out['loadavg']}")
+          f"load before {out['loadavg']}")
     print(f"  snapshot_download: {out['hf_connections']} connections (one per file); "
           f"k3tui: {out['k3tui_connections']} connections, "
           f"{out['k3tui_range_mib']} MiB ranges")
