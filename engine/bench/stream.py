@@ -350,29 +350,37 @@ def _spawn_rung(ck: Path, budget: str, args: argparse.Namespace, trunk: str | No
 
 
 def pack_ratio(ck: Path, scratch: Path) -> dict[str, float]:
-    """Pack speed / plain copy speed of the same bytes (both cold, both fsynced)."""
+    """Pack speed / plain copy speed of the same bytes (both cold, both fsynced), run in
+    the order cp, pack, pack, cp so a load change hits both; the best of each counts."""
     from engine.checkpoint.trunk import TRUNK_BIN, drop_cache, pack, plain_copy
 
-    for p in (scratch / "trunk", scratch / "copy.bin"):
-        if p.is_dir():
-            shutil.rmtree(p)
-        elif p.exists():
-            p.unlink()
-    scratch.mkdir(parents=True, exist_ok=True)
-    try:
-        cp = plain_copy(ck, scratch / "copy.bin")
-        (scratch / "copy.bin").unlink()
+    def clear() -> None:
+        shutil.rmtree(scratch / "trunk", ignore_errors=True)
+        (scratch / "copy.bin").unlink(missing_ok=True)
+
+    def run_pack() -> tuple[float, int]:
         drop_cache(sorted(ck.glob("*.safetensors")))
         t0 = time.perf_counter()
         summary = pack(ck, scratch / "trunk")
         secs = time.perf_counter() - t0
         drop_cache([scratch / "trunk" / TRUNK_BIN])
+        return summary["bytes"] / 1e6 / secs, summary["bytes"]
+
+    clear()
+    scratch.mkdir(parents=True, exist_ok=True)
+    cp_mb_s, pack_mb_s, nbytes = [], [], 0
+    try:
+        for step in ("cp", "pack", "pack", "cp"):
+            if step == "cp":       # plain_copy evicts the source itself before timing
+                cp_mb_s.append(plain_copy(ck, scratch / "copy.bin")["mb_per_s"])
+            else:
+                mb_s, nbytes = run_pack()
+                pack_mb_s.append(mb_s)
+            clear()
     finally:
-        shutil.rmtree(scratch / "trunk", ignore_errors=True)
-        (scratch / "copy.bin").unlink(missing_ok=True)
-    pack_mb_s = summary["bytes"] / 1e6 / secs
-    return {"pack_mb_per_s": pack_mb_s, "cp_mb_per_s": cp["mb_per_s"],
-            "pack_ratio_vs_cp": pack_mb_s / cp["mb_per_s"], "pack_gb": summary["bytes"] / 1e9}
+        clear()
+    return {"pack_mb_per_s": max(pack_mb_s), "cp_mb_per_s": max(cp_mb_s),
+            "pack_ratio_vs_cp": max(pack_mb_s) / max(cp_mb_s), "pack_gb": nbytes / 1e9}
 
 
 # ---- main -------------------------------------------------------------------------------

@@ -26,7 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "<k3tui home>/models/<name>)")
     parser.add_argument("--include", action="append", metavar="GLOB",
                         help="only files matching this glob (repeatable), e.g. '*Q4_K_M*'")
-    parser.add_argument("--workers", type=int, default=4, help="files in parallel (default 4)")
+    parser.add_argument("--workers", type=int, default=8,
+                        help="connections in parallel (default 8): a large file is fetched "
+                        "over several at once, in 64 MiB ranges")
     parser.add_argument("--verify", action="store_true",
                         help="re-hash files changed since they were verified (size or mtime), "
                         "refetch bad ones")
@@ -56,7 +58,7 @@ def resume_command(repo: str, revision: str, target: Path, include: list[str],
         words += ["--include", g]
     if revision != "main":
         words += ["--revision", revision]
-    if args.workers != 4:
+    if args.workers != 8:
         words += ["--workers", str(args.workers)]
     if args.timeout:
         words += ["--timeout", f"{args.timeout:g}"]
@@ -107,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     from k3tui import jobs
 
     if args.workers < 1:
-        raise K3Error("--workers must be at least 1.", "try --workers 4", 2)
+        raise K3Error("--workers must be at least 1.", "try --workers 8", 2)
     check = _check_mode(args)
     repo, revision, target, include = _defaults(args)
     reporter = jobs.JobReporter.from_env()

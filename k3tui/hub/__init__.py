@@ -2,7 +2,7 @@
 
     snap = fetch_snapshot("moonshotai/Kimi-K3", "main", include=None)
     plan = plan_download(snap, target); plan.refuse_if_short()
-    result = download(snap, target, workers=4, on_progress=callback)
+    result = download(snap, target, workers=8, on_progress=callback)   # connections
 """
 
 from k3tui.hub.progress import ProgressEvent

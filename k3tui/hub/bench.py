@@ -1,9 +1,11 @@
 """`k3tui bench download`: k3tui's downloader vs `snapshot_download`, same run, same hub.
 
 A loopback fake hub (a subprocess, LFS files redirected to a "CDN" port like the real Hub)
-serves a few hundred MB of random data, unthrottled and then with a per-connection cap.
-Both clients fetch the snapshot with their default parallelism, alternating order over
-the rounds; the best wall time of each is compared. k3tui also hashes (sha256) and fsyncs
+serves a few hundred MB of random data, unthrottled and then with a per-connection cap
+(as the Hub's CDN caps each connection). Both clients fetch the snapshot with their
+default parallelism (snapshot_download: one connection per file, up to 8; k3tui: 8
+connections over 64 MiB ranges, so one large file is fetched over several), alternating
+order over the rounds; the best wall time of each is compared. k3tui also hashes (sha256) and fsyncs
 what it writes; snapshot_download (HTTP path) checks only the size. Printed: throughput
 ratio (k3tui / snapshot_download, target >= 1.0) and k3tui's CPU seconds per GB (process
 CPU time: client threads only, the hub runs elsewhere).
@@ -20,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from k3tui.units import GB, MB
+from k3tui.units import GB, MB, MiB
 
 REPO = "bench/model"
 
@@ -47,8 +49,10 @@ def _make_source(src: Path, total_mb: int, n_files: int) -> list[Path]:
     return paths
 
 
-def _start_hub(src: Path, throttle_mbps: float = 0.0) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "k3tui.testing.fakehub", str(src), "--repo", REPO, "--cdn"]
+def _start_hub(src: Path, throttle_mbps: float = 0.0,
+               latency_ms: float = 0.0) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "k3tui.testing.fakehub", str(src), "--repo", REPO, "--cdn",
+           "--latency-ms", str(latency_ms)]
     if throttle_mbps:
         cmd += ["--throttle-mbps", str(throttle_mbps)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
@@ -59,6 +63,13 @@ def _start_hub(src: Path, throttle_mbps: float = 0.0) -> tuple[subprocess.Popen,
     return proc, line[1]
 
 
+def _loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "unknown"
+
+
 def _timed(fn) -> tuple[float, float]:
     w0, c0 = time.perf_counter(), time.process_time()
     fn()
@@ -66,14 +77,15 @@ def _timed(fn) -> tuple[float, float]:
 
 
 def _compare(src: Path, paths: list[Path], base: Path, rounds: int,
-             throttle_mbps: float) -> dict:
+             throttle_mbps: float, a: argparse.Namespace) -> dict:
     """Both clients with their default parallelism on one hub, alternating order."""
-    hub, endpoint = _start_hub(src, throttle_mbps)
+    hub, endpoint = _start_hub(src, throttle_mbps, a.latency_ms)
     os.environ["HF_ENDPOINT"] = endpoint
     try:
         from huggingface_hub import snapshot_download
 
         from k3tui.hub import Options, download, fetch_snapshot
+        from k3tui.hub.sync import WORKERS
 
         snap = fetch_snapshot(REPO, token=False)
 
@@ -82,7 +94,9 @@ def _compare(src: Path, paths: list[Path], base: Path, rounds: int,
                               token=False)
 
         def run_k3(dest: Path) -> None:
-            res = download(snap, dest, opts=Options(token=None), log=lambda m: None)
+            res = download(snap, dest, workers=a.workers or WORKERS, log=lambda m: None,
+                           opts=Options(token=None, **({"range_bytes": a.range_mib * MiB}
+                                                       if a.range_mib else {})))
             if not res.ok:
                 raise RuntimeError(f"k3tui download failed: {res.error}")
 
@@ -117,12 +131,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="rounds (best time counts)")
     p.add_argument("--throttle-mbps", type=float, default=50.0,
                    help="per-connection cap of the throttled run (0: unthrottled only)")
+    p.add_argument("--latency-ms", type=float, default=0.0,
+                   help="the hub waits this long before each content answer (a CDN's time "
+                   "to first byte; default 0)")
+    p.add_argument("--workers", type=int, default=0,
+                   help="k3tui's connections (default: its default, 8); for a sweep")
+    p.add_argument("--range-mib", type=int, default=0,
+                   help="k3tui's range size in MiB (default: its default, 64); for a sweep")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--keep", action="store_true",
                    help="keep the last round's downloads (out-hf/, out-k3tui/ in the bench folder)")
     a = p.parse_args(argv)
-    if a.size_mb < 1 or a.files < 1 or a.rounds < 1 or a.throttle_mbps < 0:
-        p.error("--size-mb, --files and --rounds must be positive, --throttle-mbps >= 0")
+    if a.size_mb < 1 or a.files < 1 or a.rounds < 1 or min(a.throttle_mbps, a.latency_ms,
+                                                            a.workers, a.range_mib) < 0:
+        p.error("--size-mb, --files and --rounds must be positive, the others >= 0")
 
     # huggingface_hub reads these at import: plain HTTP path, quiet, no telemetry call
     for k in ("HF_HUB_DISABLE_XET", "HF_HUB_DISABLE_TELEMETRY", "HF_HUB_DISABLE_PROGRESS_BARS"):
@@ -132,16 +154,27 @@ def main(argv: list[str] | None = None) -> int:
     base = get_paths().bench_dir / "download"
     src = base / "src"
     paths = _make_source(src, a.size_mb, a.files)
-    runs = [_compare(src, paths, base, a.rounds, t)
+    load_before = _loadavg()
+    runs = [_compare(src, paths, base, a.rounds, t, a)
             for t in ([0.0, a.throttle_mbps] if a.throttle_mbps else [0.0])]
+    from k3tui.hub.sync import WORKERS
+    from k3tui.hub.transfer import RANGE_BYTES
+
     out = {"bytes": sum(q.stat().st_size for q in paths), "files": a.files,
            "rounds": a.rounds, "reference": "huggingface_hub.snapshot_download",
+           "latency_ms": a.latency_ms, "k3tui_connections": a.workers or WORKERS,
+           "k3tui_range_mib": a.range_mib or RANGE_BYTES // MiB,
+           "hf_connections": min(8, a.files), "loadavg": load_before,
            "k3tui_hashes_sha256": True, **runs[0], "runs": runs}
     if a.json:
         print(json.dumps(out))
         return 0
     print(f"served {out['bytes'] / MB:,.0f} MB in {a.files} files from a loopback hub "
-          f"(CDN redirect), both clients at their default parallelism, best of {a.rounds}")
+          f"(CDN redirect, {a.latency_ms:g} ms to first byte), best of {a.rounds}; "
+          f"load before {out['loadavg']}")
+    print(f"  snapshot_download: {out['hf_connections']} connections (one per file); "
+          f"k3tui: {out['k3tui_connections']} connections, "
+          f"{out['k3tui_range_mib']} MiB ranges")
     for r in runs:
         cap = r["throttle_mb_s_per_connection"]
         print(f"  {'unthrottled' if not cap else f'{cap:g} MB/s per connection'}:")
@@ -150,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"    k3tui download   : {r['k3tui_mb_s']:8.1f} MB/s  "
               f"{r['cpu_s_per_gb']:.2f} CPU s/GB  (sha256 + fsync + resumable)")
         print(f"    ratio_vs_hf {r['ratio_vs_hf']:.2f}  (k3tui throughput / hf; target >= 1.0)")
+    print(f"  load after: {_loadavg()}")
     return 0
 
 

@@ -4,7 +4,10 @@ Layout inside the target folder (all on one filesystem, so the final rename is a
 
     <name>                              a verified file, in place
     .k3tui/partial/<name>.part          bytes received so far
-    .k3tui/partial/<name>.part.json     sidecar: expected digest, size, commit, etag, written
+    .k3tui/partial/<name>.part.json     sidecar: expected digest, size, commit, etag, the
+                                        range grid (bytes per range)
+    .k3tui/partial/<name>.part.map      per range, 8 bytes (little-endian): bytes on disk
+                                        from the range's start
     .k3tui/verified.json                {name: {size, mtime_ns, digest, commit}}: a file whose
                                         size and mtime still match is not re-hashed
     .k3tui/mismatch.json                {name: {expected, got}}: the last digest a file arrived
@@ -162,6 +165,7 @@ class LocalStore:
             self.final(name)
             self.part(name)
             self.sidecar(name)
+            self.range_map(name)
             self.corrupt(name)
 
     def final(self, name: str) -> Path:
@@ -172,6 +176,9 @@ class LocalStore:
 
     def sidecar(self, name: str) -> Path:
         return self.path(name, self.meta / "partial", ".part.json")
+
+    def range_map(self, name: str) -> Path:
+        return self.path(name, self.meta / "partial", ".part.map")
 
     def corrupt(self, name: str) -> Path:
         return self.path(name, self.meta / "corrupt")
@@ -247,22 +254,46 @@ class LocalStore:
                      {"expected": expected_digest(rf), "got": got, "twice": twice})
 
     # -- partials ----------------------------------------------------------------------------
-    def resumable_bytes(self, rf: RemoteFile) -> int:
-        """Bytes of a partial we may keep: only if its sidecar is for the same content."""
+    def resume_state(self, rf: RemoteFile, grid: int) -> tuple[int, list[int]] | None:
+        """(grid, bytes on disk per range) of a partial we may keep, or None: only if its
+        sidecar is for the same content. Each range's count is clipped to the range and to
+        the partial's size. A partial from before ranges (no map) is its size, from 0."""
         side = read_json(self.sidecar(rf.name))
         try:
             have = self.part(rf.name).stat().st_size
         except OSError:
-            return 0
+            return None
         if not side or side.get("expected") != expected_digest(rf) or side.get("size") != rf.size:
-            return 0
-        return min(have, rf.size)
+            return None
+        if "range_bytes" in side:
+            grid = side["range_bytes"]
+            if not isinstance(grid, int) or grid <= 0:
+                return None
+        cells = -(-rf.size // grid)
+        try:
+            raw = self.range_map(rf.name).read_bytes()
+        except OSError:
+            raw = b""
+        if len(raw) == 8 * cells:
+            counts = [int.from_bytes(raw[8 * k:8 * k + 8], "little") for k in range(cells)]
+        elif "range_bytes" not in side:   # the contiguous prefix of an older k3tui
+            counts = [max(0, min(have, rf.size) - k * grid) for k in range(cells)]
+        else:
+            return None                   # a map that is not ours: trust nothing
+        return grid, [max(0, min(c, grid, rf.size - k * grid, have - k * grid))
+                      for k, c in enumerate(counts)]
 
-    def write_sidecar(self, rf: RemoteFile, commit: str, written: int, etag: str = "") -> None:
+    def resumable_bytes(self, rf: RemoteFile, grid: int = 64 << 20) -> int:
+        """Bytes of a partial we may keep (see resume_state)."""
+        state = self.resume_state(rf, grid)
+        return sum(state[1]) if state else 0
+
+    def write_sidecar(self, rf: RemoteFile, commit: str, grid: int, etag: str = "") -> None:
         atomic_write_json(self.sidecar(rf.name), {
             "name": rf.name, "size": rf.size, "expected": expected_digest(rf),
-            "commit": commit, "etag": etag, "written": written})
+            "commit": commit, "etag": etag, "range_bytes": grid})
 
     def discard_partial(self, name: str) -> None:
-        for p in (self.part(name), self.sidecar(name)):
+        """Forget a partial: its bytes (if still there), sidecar and range map."""
+        for p in (self.part(name), self.sidecar(name), self.range_map(name)):
             p.unlink(missing_ok=True)

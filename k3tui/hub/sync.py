@@ -1,10 +1,10 @@
 """A whole repo snapshot: plan (what is done, what remains, is there room), then a pool
-of workers fetching files with `transfer.FileFetch`, reporting `ProgressEvent`s."""
+of connections fetching byte ranges of files (`transfer.FileFetch`), reporting
+`ProgressEvent`s."""
 
 from __future__ import annotations
 
 import contextlib
-import queue
 import shutil
 import threading
 import traceback
@@ -17,6 +17,7 @@ from k3tui.hub.progress import Progress, ProgressEvent, Ticker
 from k3tui.hub.metadata import RemoteFile, RepoSnapshot, http
 from k3tui.hub.store import LocalStore, UnsafeName, expected_digest, hash_file, new_hasher
 from k3tui.hub.transfer import (
+    Abandoned,
     Cancelled,
     CorruptAtHub,
     DiskFull,
@@ -135,22 +136,29 @@ def disk_full_error(target: Path, remaining: int, resume: str = "k3tui download"
         f"`{resume}`: it resumes where it stopped (another --dir would start over)")
 
 
-def download(snapshot: RepoSnapshot, target: Path, *, workers: int = 4,
+WORKERS = 8   # connections (see README: measured with `k3tui bench download`)
+
+
+def download(snapshot: RepoSnapshot, target: Path, *, workers: int = WORKERS,
              opts: Options | None = None,
              on_progress: Callable[[ProgressEvent], None] | None = None,
              stop: threading.Event | None = None, check: str = "size",
              log: Callable[[str], None] = print, max_hz: float = 10.0,
              resume: str = "k3tui download") -> DownloadResult:
-    """Bring `target` to exactly `snapshot`'s files (size + digest checked), resumably.
-    `resume` is the command a disk-full error tells the user to rerun."""
+    """Bring `target` to exactly `snapshot`'s files (size + digest checked), resumably, over
+    `workers` connections. `resume` is the command a disk-full error tells the user to rerun."""
     sync = Sync(snapshot, Path(target), opts=opts or Options.from_env(),
                 stop=stop or threading.Event(), check=check, log=log, resume=resume)
     return sync.run(workers=workers, on_progress=on_progress, max_hz=max_hz)
 
 
 class Sync:
-    """One download: the plan, a queue of files, worker threads fetching them (or checking
-    the ones already on disk), and the result they fill in under one lock."""
+    """One download: the plan, a queue of files, connection threads fetching their ranges
+    (or checking the files already on disk), and the result they fill in under one lock.
+    A free connection opens the next file while every open file has a connection (one
+    connection per file reads in order, so its bytes are hashed as they land); once the
+    queue is empty it joins the open file with the fewest connections, so the last files
+    (or the only one) are fetched over all of them."""
 
     def __init__(self, snapshot: RepoSnapshot, target: Path, *, opts: Options,
                  stop: threading.Event, check: str, log: Callable[[str], None], resume: str):
@@ -167,16 +175,19 @@ class Sync:
             self.progress.status(name, "done")
         for name, have in self.plan.partial.items():
             self.progress.initial_bytes(name, have)
-        self.todo: queue.Queue[RemoteFile] = queue.Queue()
-        for name in self.plan.to_check + self.plan.missing:
-            self.todo.put(self.by_name[name])
+        self.todo = [self.by_name[n] for n in self.plan.to_check + self.plan.missing]
         self.result = DownloadResult(ok=False)
         self.lock = threading.Lock()
-        self.active: set[FileFetch] = set()
+        self.cv = threading.Condition(self.lock)
+        self.why = ""                      # why the last failed file failed
+        self.open: list[FileFetch] = []    # files being fetched, in order
+        self.opening = 0                   # files being checked or opened right now
         self.client = None
+        self.connections = 1
 
     def run(self, *, workers: int, on_progress: Callable[[ProgressEvent], None] | None,
             max_hz: float) -> DownloadResult:
+        self.connections = max(1, workers)
         httpx = http()
         timeout = httpx.Timeout(self.opts.timeout_s, connect=min(10.0, self.opts.timeout_s))
         self.client = httpx.Client(timeout=timeout, follow_redirects=True,
@@ -187,6 +198,8 @@ class Sync:
                   else contextlib.nullcontext()):
                 self._run_workers(max(1, workers))
         finally:
+            for fetch in self.open:
+                fetch.close()
             self.client.close()
         return self._finish()
 
@@ -200,30 +213,90 @@ class Sync:
             while t.is_alive():
                 t.join(0.2)        # keeps the main thread responsive to signals
                 if self.stop.is_set() and not closed:
-                    for fetch in list(self.active):
+                    with self.lock:
+                        fetches = list(self.open)
+                    for fetch in fetches:
                         fetch.abort()  # wakes reads stuck on a silent server
                     closed = True
 
     def _worker(self) -> None:
-        while not self.stop.is_set():
+        while (work := self._next()) is not None:
+            fetch, span = work
             try:
-                rf = self.todo.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                if rf.name in self.plan.to_check and self._check_on_disk(rf):
-                    continue
-                fetch = FileFetch(rf, self.snapshot, self.store, self.progress, self.client,
-                                  self.opts, self.stop, self.log)
-                self.active.add(fetch)
-                try:
-                    fetch.run(self.plan.partial.get(rf.name, 0))
-                finally:
-                    self.active.discard(fetch)
+                if span is not None:
+                    fetch.fetch(span)
+                if fetch.settle() and fetch.finish():
+                    self._close(fetch)
+                with self.cv:
+                    self.cv.notify_all()          # a restarted file has ranges again
+            except Abandoned:
+                pass
             except Cancelled:
-                self.progress.status(rf.name, "pending")
+                if not fetch.failed:
+                    self.progress.status(fetch.rf.name, "pending")
             except Exception as exc:
-                self._failed(rf, exc)
+                fetch.give_up()
+                self._close(fetch)
+                self._failed(fetch.rf, exc)
+
+    def _next(self) -> tuple[FileFetch, object] | None:
+        """The next range to fetch: of an open file nobody fetches, else of the next file
+        in the queue (checked or opened here), else of the open file with the fewest
+        connections. None when nothing is left for any connection:
+        a connection waits while a file is being opened or verified, since either may
+        bring work (a restarted file's ranges)."""
+        with self.cv:
+            while not self.stop.is_set():
+                loads = [(load, i) for i, f in enumerate(self.open)
+                         if (load := f.load()) is not None]
+                if loads and (min(loads)[0] == 0 or not self.todo):
+                    fetch = self.open[min(loads)[1]]
+                    if (span := fetch.take()) is not None:
+                        return fetch, span
+                    continue
+                if self.todo:
+                    rf = self.todo.pop(0)
+                    self.opening += 1
+                    break
+                if not self.open and not self.opening:
+                    return None
+                self.cv.wait(0.2)
+            else:
+                return None
+        fetch = None
+        try:
+            if rf.name in self.plan.to_check and self._check_on_disk(rf):
+                return self._next_after(None)
+            fetch = FileFetch(rf, self.snapshot, self.store, self.progress, self.client,
+                              self.opts, self.stop, self.log, self.connections)
+            fetch.open(self.plan.partial.get(rf.name, 0))
+        except Cancelled:
+            self.progress.status(rf.name, "pending")
+            fetch = None
+        except Exception as exc:
+            if fetch is not None:
+                fetch.close()
+            fetch = None
+            self._failed(rf, exc)
+        return self._next_after(fetch)
+
+    def _next_after(self, fetch: FileFetch | None) -> tuple[FileFetch, object] | None:
+        """A file was opened (or found complete, or failed: None): it counts as open."""
+        with self.cv:
+            self.opening -= 1
+            if fetch is not None:
+                self.open.append(fetch)
+            self.cv.notify_all()
+        return (fetch, fetch.take()) if fetch is not None else self._next()
+
+    def _close(self, fetch: FileFetch) -> None:
+        """A file is done with (verified or failed): out of the open list; its files are
+        closed once no connection uses it any more."""
+        with self.cv:
+            if fetch in self.open:
+                self.open.remove(fetch)
+            self.cv.notify_all()
+        fetch.retire()
 
     def _check_on_disk(self, rf: RemoteFile) -> bool:
         """A file already there: kept (and recorded) when its size and digest match."""
@@ -278,6 +351,7 @@ class Sync:
         self.log(why)
         with self.lock:
             self.result.failed.append(name)
+            self.why = why
             if error is not None and self.result.error is None:
                 self.result.error = error
         if halt:
@@ -293,7 +367,7 @@ class Sync:
                         d.rmdir()          # only empty leftovers of nested file names
         result.ok = not result.failed and not result.cancelled
         if result.failed and result.error is None:
-            last = self.progress.errors[-1] if self.progress.errors else ""
+            last = self.why        # the last file's reason, not a retry logged after it
             n, shown = len(result.failed), ", ".join(result.failed[:3])
             result.error = K3Error(
                 f"{n} of {len(self.snapshot.files)} files could not be downloaded "

@@ -12,7 +12,11 @@ Each GET of a file's bytes pops the next fault of that file. A hostile hub: `hub
 lists a file under another name (`{"config.json": "../x"}`, then `rescan()`), and
 `hub.wrong_sha256` advertises a wrong sha256 for the LFS files it names. `hub.log` records every
 request (method, path, range, whether Authorization was sent, which port) and every body
-sent (file, start, bytes actually written to the socket).
+sent (file, start, bytes actually written to the socket); `peak_in_flight[file]` is the
+most answers of one file sent at once. Range is honoured as the Hub's CDN does: one
+`bytes=a-b`, `a-` or `-n` gets 206 with Content-Range, one past the end 416, several 200;
+`honour_range = False` is a server without Range support. The throttle caps each TCP
+connection (across its keep-alive requests), like the CDN's per-connection cap.
 """
 
 from __future__ import annotations
@@ -37,11 +41,20 @@ from k3tui.units import MB, MiB
 class Fault:
     """One misbehaviour for one content GET. Build with the classmethods."""
 
-    kind: str            # cut | reset | status | stall | ignore_range | corrupt | hold
+    kind: str            # cut | reset | status | stall | ignore_range | corrupt | hold | lie
     at: int = 0          # bytes of the body sent before the fault (relative to this response)
     status: int = 0
     seconds: float = 0.0
     event: threading.Event | None = None
+    lie: str = ""
+
+    @classmethod
+    def range_lie(cls, lie: str) -> Fault:
+        """A 206 whose headers lie: `total` (Content-Range names another file size),
+        `garbage` (an unreadable Content-Range), `short` (a shorter range than asked, its
+        bytes honest), `length` (Content-Length one KiB short of the Content-Range, and that
+        many bytes sent)."""
+        return cls("lie", lie=lie)
 
     @classmethod
     def cut(cls, at: int) -> Fault:
@@ -79,6 +92,39 @@ class Fault:
         return cls("hold", at=at, event=event)
 
 
+def _parse_range(value: str, size: int):
+    """(start, end) of one `bytes=` range (end inclusive), "unsatisfiable", or None when the
+    header is to be ignored (several ranges, another unit, unreadable): RFC 9110 §14."""
+    unit, _, spec = value.partition("=")
+    if unit.strip() != "bytes" or "," in spec:
+        return None
+    a, dash, b = spec.strip().partition("-")
+    if not dash or not (a.isdigit() or b.isdigit()) or (a and not a.isdigit()) or \
+            (b and not b.isdigit()):
+        return None
+    if not a:                                 # the last n bytes
+        n = int(b)
+        return (max(0, size - n), size - 1) if n and size else "unsatisfiable"
+    start, end = int(a), min(int(b), size - 1) if b else size - 1
+    if b and int(b) < start:
+        return None
+    return (start, end) if start < size else "unsatisfiable"
+
+
+def _lie(lie: str, start: int, end: int, size: int) -> tuple[int, str]:
+    """(Content-Length, Content-Range) of a 206 that lies (see Fault.range_lie)."""
+    length = end - start + 1
+    if lie == "total":
+        return length, f"bytes {start}-{end}/{size + 1}"
+    if lie == "garbage":
+        return length, f"bytes {start}-/{size}; x"
+    if lie == "short":
+        half = max(1, length // 2)
+        return half, f"bytes {start}-{start + half - 1}/{size}"
+    assert lie == "length", lie
+    return max(0, length - 1024), f"bytes {start}-{end}/{size}"
+
+
 def git_blob_sha1(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
@@ -109,7 +155,11 @@ class FakeHub:
         self.faults: dict[str, list[Fault]] = {}
         self.listed_as: dict[str, str] = {}         # real relative path → name in the listing
         self.wrong_sha256: set[str] = set()         # listed names whose sha256 is a lie
-        self.throttle_bps: float | None = None      # per response; lets a test kill mid-file
+        self.throttle_bps: float | None = None      # per connection, as the Hub's CDN caps
+        self.latency_s = 0.0                        # before each content answer (first byte)
+        self.honour_range = True                    # False: every Range answered 200, whole
+        self.in_flight: dict[str, int] = {}         # content answers being sent, per file
+        self.peak_in_flight: dict[str, int] = {}
         self.log: list[dict] = []
         self.held: list[threading.Event] = []      # released by stop()
         self.lock = threading.RLock()
@@ -327,28 +377,49 @@ class FakeHub:
             h.close_connection = True
             return self._error(h, fault.status, None, f"fake hub says {fault.status}", extra)
         rng = h.headers.get("Range")
-        if rng and not (fault and fault.kind == "ignore_range"):
-            a, _, b = rng.split("=", 1)[1].partition("-")
-            start, end, status = int(a), (int(b) if b else size - 1), 206
+        if rng and self.honour_range and not (fault and fault.kind == "ignore_range"):
+            got = _parse_range(rng, size)
+            if got == "unsatisfiable":
+                return self._error(h, 416, None, "range not satisfiable",
+                                   {"Content-Range": f"bytes */{size}"})
+            if got is not None:
+                start, end, status = *got, 206
         etag = f["sha256"] if f["lfs"] else f["oid"]
+        length, crange = end - start + 1, f"bytes {start}-{end}/{size}"
+        if fault and fault.kind == "lie":
+            status, length, crange = 206, *_lie(fault.lie, start, end, size)
+        if self.latency_s and h.command == "GET":
+            time.sleep(self.latency_s)
         h.send_response(status)
         h.send_header("Content-Type", "application/octet-stream")
-        h.send_header("Accept-Ranges", "bytes")
+        if self.honour_range:
+            h.send_header("Accept-Ranges", "bytes")
         h.send_header("ETag", f'"{etag}"')
         h.send_header("X-Repo-Commit", commit)
-        h.send_header("Content-Length", str(end - start + 1))
+        h.send_header("Content-Length", str(length))
         if status == 206:
-            h.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+            h.send_header("Content-Range", crange)
         h.end_headers()
         if h.command == "HEAD":
             return
         sent = 0
+        name = f["path"]
+        with self.lock:
+            self.in_flight[name] = self.in_flight.get(name, 0) + 1
+            self.peak_in_flight[name] = max(self.peak_in_flight.get(name, 0),
+                                            self.in_flight[name])
         try:
-            sent = self._stream(h, f, start, end - start + 1, fault)
+            sent = self._stream(h, f, start, length, fault)
         finally:
             with self.lock:
-                self.log.append({"event": "body", "file": f["path"], "start": start,
+                self.in_flight[name] -= 1
+                self.log.append({"event": "body", "file": name, "start": start,
                                  "sent": sent, "fault": fault.kind if fault else None})
+
+    def idle(self) -> bool:
+        """No content answer is being sent (a killed client's answers have ended)."""
+        with self.lock:
+            return not any(self.in_flight.values())
 
     def _stream(self, h, f: dict, start: int, count: int, fault: Fault | None) -> int:
         """Write the body (or its faulty version); returns bytes handed to the socket."""
@@ -367,17 +438,20 @@ class FakeHub:
                     sent += n
                 return sent
             fh.seek(start)
-            sent = self._paced(sock, fh, start, limit, fault)
-            if fault is None or fault.kind in ("ignore_range", "corrupt"):
+            sent = self._paced(h, fh, start, limit, fault)
+            if fault is None or fault.kind in ("ignore_range", "corrupt", "lie"):
                 return sent
             return self._fault_end(h, sock, fh, start, sent, count, fault)
 
-    def _paced(self, sock, fh, start: int, limit: int, fault: Fault | None) -> int:
-        """Up to `limit` bytes in small writes, throttled, one byte flipped for "corrupt"."""
-        sent, t0 = 0, time.monotonic()
+    def _paced(self, h, fh, start: int, limit: int, fault: Fault | None) -> int:
+        """Up to `limit` bytes in small writes, throttled per connection (the handler is
+        one per connection: its clock carries over keep-alive requests, idle time earns no
+        credit), one byte flipped for "corrupt"."""
+        sock, sent = h.connection, 0
         step = 256 << 10
-        if self.throttle_bps:     # small steps, so a slow hub trickles instead of pausing
-            step = int(min(step, max(4096, self.throttle_bps / 20)))
+        rate = self.throttle_bps
+        if rate:                  # small steps, so a slow hub trickles instead of pausing
+            step = int(min(step, max(4096, rate / 20)))
         while sent < limit:
             block = fh.read(min(step, limit - sent))
             if not block:
@@ -386,12 +460,13 @@ class FakeHub:
                     start + sent + len(block):
                 i = fault.at - start - sent
                 block = block[:i] + bytes([block[i] ^ 0xFF]) + block[i + 1:]
+            if rate:
+                due = max(getattr(h, "pace_due", 0.0), time.monotonic())
+                h.pace_due = due + len(block) / rate
+                if due > time.monotonic():
+                    time.sleep(due - time.monotonic())
             sock.sendall(block)
             sent += len(block)
-            if self.throttle_bps:
-                ahead = sent / self.throttle_bps - (time.monotonic() - t0)
-                if ahead > 0:
-                    time.sleep(ahead)
         return sent
 
     @staticmethod
@@ -427,11 +502,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repo", default="acme/tiny")
     p.add_argument("--cdn", action="store_true", help="redirect LFS files to a second port")
     p.add_argument("--port", type=int, default=0)
-    p.add_argument("--throttle-mbps", type=float, default=0.0, help="per-response MB/s cap")
+    p.add_argument("--throttle-mbps", type=float, default=0.0, help="per-connection MB/s cap")
+    p.add_argument("--latency-ms", type=float, default=0.0,
+                   help="wait before each content answer (a CDN's time to first byte)")
     a = p.parse_args(argv)
     hub = FakeHub(a.folder, a.repo, cdn=a.cdn, port=a.port)
     if a.throttle_mbps:
         hub.throttle_bps = a.throttle_mbps * MB
+    hub.latency_s = a.latency_ms / 1000
     print(f"endpoint {hub.endpoint}", flush=True)
     try:
         while True:
