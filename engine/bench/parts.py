@@ -152,38 +152,56 @@ def _runs(pool, files, path: Path, size: int, run: int, priority: tuple) -> floa
 
 
 # ---- compute ------------------------------------------------------------------------------
-_ALIGN = 2048  # BF16 elements (4 KB): matrices start aligned, as separate arrays would
-
-
+_TILE = 1 << 22  # _Filler's random block: a matrix starting at a multiple of it holds the
+# values a tile of its own would (the attention-time guess's hit rate depends on them)
+_PAGE = 2048  # BF16 elements in 4 KB
 _F32 = ("A_log", "dt_bias", "conv1d.weight", "e_score_correction_bias")  # _Filler's F32
 
 
-def _shared_layout(cfg) -> tuple[dict[int, dict[str, tuple[int, tuple]]], int]:
+def _shared_layout(cfg) -> tuple[dict[int, dict[str, tuple[int, tuple]]], list[tuple]]:
     """Where each layer kind's (0 dense, 1 KDA-MoE, 3 MLA-MoE) BF16 matrices lie in one
-    shared array, every kind from its start, and that array's length in elements: enough
-    for the largest kind or the head, which lies at its start too."""
+    shared array, every kind from its start and each matrix at a multiple of _TILE, the
+    head at the start too; and the union of those ranges in whole pages (the rest of the
+    array is never touched, so never resident)."""
     from engine.checkpoint.schema import expected_tensors
 
     shapes = expected_tensors(cfg)
     kinds: dict[int, dict[str, tuple[int, tuple]]] = {}
-    size = cfg.vocab_size * cfg.hidden_size
+    used = [(0, cfg.vocab_size * cfg.hidden_size)]
     for kind in (0, 1, 3):
         p, at = f"layers.{kind}.", 0
         kinds[kind] = {}
         for name, shape in shapes.items():
             if name.startswith(p) and ".experts." not in name and len(shape) == 2 \
                     and shape[0] > 1 and not name.endswith(_F32):  # _Filler.tensor's tiles
+                n = int(np.prod(shape))
                 kinds[kind][name[len(p):]] = (at, shape)
-                at += -(-int(np.prod(shape)) // _ALIGN) * _ALIGN
-        size = max(size, at)
-    return kinds, size
+                used.append((at, at + n))
+                at += -(-n // _TILE) * _TILE
+    union: list[tuple] = []
+    for lo, hi in sorted(used):
+        hi = -(-hi // _PAGE) * _PAGE
+        if union and lo <= union[-1][1]:
+            union[-1] = (union[-1][0], max(union[-1][1], hi))
+        else:
+            union.append((lo, hi))
+    return kinds, union
 
 
 def compute_weight_bytes(cfg) -> int:
-    """What the compute measurement's weights hold: the shared array (the largest layer
-    kind or the head) and the routed experts' pool."""
+    """What the compute measurement's weights hold: the shared array's used ranges (about
+    the largest layer kind or the head), each kind's vectors (F32 at most) and the routed
+    experts' pool."""
+    from engine.checkpoint.schema import expected_tensors
+
+    layout, union = _shared_layout(cfg)
+    shapes = expected_tensors(cfg)
+    vectors = sum(4 * int(np.prod(shape)) for kind in layout for name, shape in shapes.items()
+                  if name.startswith(f"layers.{kind}.") and ".experts." not in name
+                  and name[len(f"layers.{kind}."):] not in layout[kind])
     expert = 3 * cfg.moe_intermediate_size * cfg.routed_expert_hidden_size * 17 // 32
-    return 2 * _shared_layout(cfg)[1] + (cfg.num_experts_per_token + 1) * expert
+    return (sum(2 * (hi - lo) for lo, hi in union) + vectors
+            + (cfg.num_experts_per_token + 1) * expert)
 
 
 def _timed_source(cfg, pool: int, fill):
@@ -200,8 +218,12 @@ def _timed_source(cfg, pool: int, fill):
     from engine.weights.source import ExpertWeights
 
     shapes = expected_tensors(cfg)
-    layout, size = _shared_layout(cfg)
-    shared = fill.tile(fill.bf16, (size,))
+    layout, union = _shared_layout(cfg)
+    shared = np.zeros(union[-1][1], np.uint16)  # calloc'd: only the pages written are resident
+    for lo, hi in union:  # _Filler.tile's values, by position in the tile
+        for b in range(lo // _TILE * _TILE, hi, _TILE):
+            i, j = max(b, lo), min(b + _TILE, hi)
+            shared[i:j] = fill.bf16[i - b : j - b]
     lat, m = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
 
     def view(at: int, shape: tuple) -> np.ndarray:
