@@ -17,6 +17,9 @@
   `--widths DIR`: at the widths of the checkpoint in DIR instead (bench slice uses it);
 * the memory read bandwidth (the kernels' threads) in the same run, for the kernels'
   fraction of it.
+Its own memory is small and stated: the layer kinds' matrices and the head are views of one
+shared array (about 2.4 GB at the real widths, ~3.4 GB peak RSS in all); it prints its
+expected peak first, and refuses, before measuring, when less memory is available here.
 With `--json`, one object on stdout (a k3tui command consumes it), schema:
   {"schema": 1, "load_average": [1, 5, 15 min],
    "disk": {"dir": str, "direct": bool, "scratch_gb": float,
@@ -30,7 +33,9 @@ With `--json`, one object on stdout (a k3tui command consumes it), schema:
    "presets": [{"name", "fits" (bool: forecast peak RSS <= 95 % of available memory here),
                 "s_per_token", "bound" ("disk"|"compute"), "first_token_s" (50-token prompt),
                 "first_token_s_by_prompt": {"50", "500"}, "prefill_expert_gb_by_prompt",
-                "peak_rss_gb", "gb_read_per_token"}], "note": str}
+                "peak_rss_gb", "gb_read_per_token"}],
+   "expected_peak_rss_gb", "peak_rss_gb" (this process's, by getrusage at the end): float,
+   "note": str}
 `presets` is the real 93-layer model's forecast (engine.decode.forecast) per preset.
 Hidden `--quick`, or K3_BENCH_PARTS_QUICK=1 in the environment (so a test can run any
 command that measures, e.g. `k3tui setup --yes --forecast`, end to end): a 32 MB scratch
