@@ -17,6 +17,9 @@
   `--widths DIR`: at the widths of the checkpoint in DIR instead (bench slice uses it);
 * the memory read bandwidth (the kernels' threads) in the same run, for the kernels'
   fraction of it.
+Its own memory is small and stated: the layer kinds' matrices and the head are views of one
+shared array (about 2.4 GB at the real widths, ~3.4 GB peak RSS in all); it prints its
+expected peak first, and refuses, before measuring, when less memory is available here.
 With `--json`, one object on stdout (a k3tui command consumes it), schema:
   {"schema": 1, "load_average": [1, 5, 15 min],
    "disk": {"dir": str, "direct": bool, "scratch_gb": float,
@@ -30,7 +33,9 @@ With `--json`, one object on stdout (a k3tui command consumes it), schema:
    "presets": [{"name", "fits" (bool: forecast peak RSS <= 95 % of available memory here),
                 "s_per_token", "bound" ("disk"|"compute"), "first_token_s" (50-token prompt),
                 "first_token_s_by_prompt": {"50", "500"}, "prefill_expert_gb_by_prompt",
-                "peak_rss_gb", "gb_read_per_token"}], "note": str}
+                "peak_rss_gb", "gb_read_per_token"}],
+   "expected_peak_rss_gb", "peak_rss_gb" (this process's, by getrusage at the end): float,
+   "note": str}
 `presets` is the real 93-layer model's forecast (engine.decode.forecast) per preset.
 Hidden `--quick`, or K3_BENCH_PARTS_QUICK=1 in the environment (so a test can run any
 command that measures, e.g. `k3tui setup --yes --forecast`, end to end): a 32 MB scratch
@@ -152,29 +157,115 @@ def _runs(pool, files, path: Path, size: int, run: int, priority: tuple) -> floa
 
 
 # ---- compute ------------------------------------------------------------------------------
-def _timed_source(cfg, pool: int, fill):
-    """The bench's in-memory source with every layer of `cfg` (the dense, KDA-MoE and
-    MLA-MoE layers' weights shared by the layers of their kind) and the model tensors (the
-    embedding shares the head's array: same shape). It notes the wall time spent inside
-    each layer, when each layer asks for its experts, and how many of the routed experts
-    the guesses named (the model guesses a layer ahead and at the attention, as under
-    expert read-ahead)."""
-    from engine.bench.forward import BenchSource
+_TILE = 1 << 22  # _Filler's random block: a matrix starting at a multiple of it holds the
+# values a tile of its own would (the attention-time guess's hit rate depends on them)
+_PAGE = 2048  # BF16 elements in 4 KB
+_F32 = ("A_log", "dt_bias", "conv1d.weight", "e_score_correction_bias")  # _Filler's F32
+
+
+def _shared_layout(cfg) -> tuple[dict[int, dict[str, tuple[int, tuple]]], list[tuple]]:
+    """Where each layer kind's (0 dense, 1 KDA-MoE, 3 MLA-MoE) BF16 matrices lie in one
+    shared array, every kind from its start and each matrix at a multiple of _TILE, the
+    head at the start too; and the union of those ranges in whole pages (the rest of the
+    array is never touched, so never resident)."""
     from engine.checkpoint.schema import expected_tensors
 
     shapes = expected_tensors(cfg)
+    kinds: dict[int, dict[str, tuple[int, tuple]]] = {}
+    used = [(0, cfg.vocab_size * cfg.hidden_size)]
+    for kind in (0, 1, 3):
+        p, at = f"layers.{kind}.", 0
+        kinds[kind] = {}
+        for name, shape in shapes.items():
+            if name.startswith(p) and ".experts." not in name and len(shape) == 2 \
+                    and shape[0] > 1 and not name.endswith(_F32):  # _Filler.tensor's tiles
+                n = int(np.prod(shape))
+                kinds[kind][name[len(p):]] = (at, shape)
+                used.append((at, at + n))
+                at += -(-n // _TILE) * _TILE
+    union: list[tuple] = []
+    for lo, hi in sorted(used):
+        hi = -(-hi // _PAGE) * _PAGE
+        if union and lo <= union[-1][1]:
+            union[-1] = (union[-1][0], max(union[-1][1], hi))
+        else:
+            union.append((lo, hi))
+    return kinds, union
+
+
+def compute_weight_bytes(cfg) -> int:
+    """What the compute measurement's weights hold: the shared array's used ranges (about
+    the largest layer kind or the head), each kind's vectors (F32 at most) and the routed
+    experts' pool."""
+    from engine.checkpoint.schema import expected_tensors
+
+    layout, union = _shared_layout(cfg)
+    shapes = expected_tensors(cfg)
+    vectors = sum(4 * int(np.prod(shape)) for kind in layout for name, shape in shapes.items()
+                  if name.startswith(f"layers.{kind}.") and ".experts." not in name
+                  and name[len(f"layers.{kind}."):] not in layout[kind])
+    expert = 3 * cfg.moe_intermediate_size * cfg.routed_expert_hidden_size * 17 // 32
+    return (sum(2 * (hi - lo) for lo, hi in union) + vectors
+            + (cfg.num_experts_per_token + 1) * expert)
+
+
+def _filled(union: list[tuple], fill) -> np.ndarray:
+    """The shared array with _Filler.tile's values (by position in the tile) in `union`."""
+    shared = np.zeros(union[-1][1], np.uint16)  # calloc'd: only the pages written are resident
+    for lo, hi in union:
+        for b in range(lo // _TILE * _TILE, hi, _TILE):
+            i, j = max(b, lo), min(b + _TILE, hi)
+            shared[i:j] = fill.bf16[i - b : j - b]
+    return shared
+
+
+def _timed_source(cfg, pool: int, fill):
+    """The bench's in-memory source with every layer of `cfg` (the dense, KDA-MoE and
+    MLA-MoE layers' weights shared by the layers of their kind) and the model tensors (the
+    embedding shares the head's array: same shape). The matrices of all kinds and the head
+    are views of one array of random BF16 (`_shared_layout`): each layer still streams its
+    own bytes from memory through the same kernels, and the RAM held is that of the
+    largest, not of them all. It notes the wall time spent inside each layer, when each
+    layer asks for its experts, and how many of the routed experts the guesses named (the
+    model guesses a layer ahead and at the attention, as under expert read-ahead)."""
+    from engine.bench.forward import BenchSource
+    from engine.checkpoint.schema import expected_tensors
+    from engine.weights.source import ExpertWeights
+
+    shapes = expected_tensors(cfg)
+    layout, union = _shared_layout(cfg)
+    shared = _filled(union, fill)
+    lat, m = cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
+
+    def view(at: int, shape: tuple) -> np.ndarray:
+        return shared[at : at + int(np.prod(shape))].reshape(shape)
+
+    def weights(kind: int) -> dict[str, np.ndarray]:
+        p, mats, out = f"layers.{kind}.", layout[kind], {}
+        for name, shape in shapes.items():
+            short = name[len(p):]
+            if name.startswith(p) and ".experts." not in name:
+                out[short] = view(*mats[short]) if short in mats else fill.tensor(name, shape, cfg)
+        return out
+
+    def expert() -> ExpertWeights:
+        def scales(rows: int, cols: int) -> np.ndarray:
+            return fill.rng.integers(118, 124, (rows, cols // 32), dtype=np.uint8)
+
+        return ExpertWeights(fill.tile(fill.bytes, (m, lat // 2)), scales(m, lat),
+                             fill.tile(fill.bytes, (lat, m // 2)), scales(lat, m),
+                             fill.tile(fill.bytes, (m, lat // 2)), scales(m, lat))
 
     class TimedSource(BenchSource):
         wants_guesses = True
 
-        def __init__(self) -> None:
-            super().__init__(cfg, pool=pool)
-            self.layers[0] = {s[len("layers.0."):]: fill.tensor(s, shape, cfg)
-                              for s, shape in shapes.items() if s.startswith("layers.0.")}
-            for L in range(cfg.num_hidden_layers):
-                self.layers.setdefault(L, self.layers[0 if not cfg.is_moe(L) else
-                                                      3 if cfg.is_mla(L) else 1])
-            head = fill.tile(fill.bf16, (cfg.vocab_size, cfg.hidden_size))
+        def __init__(self) -> None:  # not BenchSource's: it builds layers 1 and 3 apart
+            self.pool = [expert() for _ in range(pool)]
+            self.next_slot = 0
+            kinds = {kind: weights(kind) for kind in layout}
+            self.layers = {L: kinds[0 if not cfg.is_moe(L) else 3 if cfg.is_mla(L) else 1]
+                           for L in range(cfg.num_hidden_layers)}
+            head = view(0, (cfg.vocab_size, cfg.hidden_size))
             self.model = {"lm_head.weight": head, "embed_tokens.weight": head}
             for short in ("norm.weight", "output_attn_res_norm.weight",
                           "output_attn_res_proj.weight"):
@@ -309,14 +400,35 @@ def checkpoint_widths(folder: Path):
     return cfg
 
 
+RUNTIME_BYTES = 800 * 10**6  # interpreter, numpy, numba and its compiler, activations, slack
+
+
+def expected_peak_bytes(cfg, g, scratch_bytes: int, bandwidth_bytes: int) -> int:
+    """This measurement's own peak RSS above what the process holds now: the runtime and
+    the largest of its phases, each freeing its memory before the next: the disk's read
+    buffers, the compute's weights (`compute_weight_bytes`; the numpy reference also widens
+    a matrix to F32 at a time) and the bandwidth test's array."""
+    from engine import kernels
+    from engine.checkpoint.schema import expected_tensors
+
+    run = min(max(g.layer_bytes[1:]), scratch_bytes // 2)
+    disk = (1 << 24) + run + g.top_k * (g.expert_bytes + 8192)
+    widen = 0 if kernels.FUSED else 4 * max(int(np.prod(s)) for s in
+                                            expected_tensors(cfg).values())  # F32 copy
+    return RUNTIME_BYTES + max(disk, compute_weight_bytes(cfg) + widen, bandwidth_bytes)
+
+
 def measure(folder: Path, scratch_gb: float, tokens: int, quick: bool = False,
             cfg=None) -> dict[str, Any]:
-    """Disk, compute and bandwidth; compute at `cfg`'s widths (default: the release's)."""
+    """Disk, compute and bandwidth; compute at `cfg`'s widths (default: the release's).
+    Refuses (EngineError) before measuring when the memory available here is less than
+    the measurement's expected peak needs."""
     from engine.bench.forward import REAL_WIDTHS, read_bandwidth
     from engine.checkpoint.synth import flat_config
     from engine.model.config import ModelConfig
     from engine.weights.plan_cli import geometry_from_config, real_config
     from engine.weights.planner import default_threads
+    from engine.weights.sysmem import current_rss, peak_rss, read_memory_facts
 
     if quick:  # the schema at toy cost: for tests of the consumers, not a measurement
         scratch_gb = 0.032
@@ -325,16 +437,27 @@ def measure(folder: Path, scratch_gb: float, tokens: int, quick: bool = False,
     cfg = cfg or ModelConfig.from_dict(REAL_WIDTHS)
     g = geometry_from_config(cfg if own else real_config())
     expert, top_k, run = g.expert_bytes, g.top_k, max(g.layer_bytes[1:])
+    bandwidth_gb = 0.05 if quick else 0.5
+    need = expected_peak_bytes(cfg, g, int(scratch_gb * GB), int(bandwidth_gb * GB))
+    avail = read_memory_facts().available
+    if avail < need:
+        raise EngineError(f"measuring needs {need / GB:.1f} GB of free memory and "
+                          f"{avail / GB:.1f} GB is available; close some programs and run it "
+                          "again.")
+    expected = current_rss() + need
+    log(f"expected peak memory (RSS): {expected / GB:.1f} GB")
     res: dict[str, Any] = {"schema": 1, "quick": quick, "load_average": list(os.getloadavg())}
     log(f"disk under {folder}: {scratch_gb:g} GB scratch file, trunk runs and expert reads ...")
     res["disk"] = measure_disk(folder, int(scratch_gb * GB), expert, top_k, default_threads(g),
                                run)
     log(("compute: " + ("the checkpoint's" if own else "real") + "-width KDA-MoE, MLA-MoE, "
-         "dense layer 0 and head ..."))
+         "dense layer 0 and head (their weights in one array) ..."))
     res["compute"] = measure_compute(tokens, cfg)
-    res["memory_bandwidth_gb_per_s"] = read_bandwidth(0.05 if quick else 0.5) / GB
+    res["memory_bandwidth_gb_per_s"] = read_bandwidth(bandwidth_gb) / GB
     res["presets"] = preset_forecasts(res)
     res["load_average_after"] = list(os.getloadavg())
+    res["expected_peak_rss_gb"] = expected / GB
+    res["peak_rss_gb"] = peak_rss() / GB
     res["note"] = NOTE
     return res
 
@@ -357,6 +480,9 @@ def main(args: argparse.Namespace) -> int:
         return 2
     try:
         res = measure(folder, args.scratch_gb, args.tokens, quick, cfg)
+    except EngineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:
         print(f"error: cannot measure the disk under {folder} ({exc.strerror or exc}); "
               "check it is writable and has space.", file=sys.stderr)
@@ -371,6 +497,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"compute ({c['kernels']}, {c['threads']} threads): KDA-MoE {c['kda_moe_layer_s']:.3f}"
           f" s, MLA-MoE {c['mla_moe_layer_s']:.3f} s, dense {c['dense_layer0_s']:.3f} s, head "
           f"{c['head_s']:.3f} s; load {res['load_average'][0]:.2f}")
+    print(f"this measurement's peak memory (RSS): {res['peak_rss_gb']:.2f} GB "
+          f"(expected at most {res['expected_peak_rss_gb']:.2f} GB)")
     print(f"real 93-layer Kimi-K3 on this machine — {NOTE}:")
     for p in res["presets"]:
         print(f"  {p['name']:<12} fits={'yes' if p['fits'] else 'no ':<3} "
