@@ -207,7 +207,10 @@ def measure(directory: str | Path, *, quick: bool = False,
         text = out.read()
     if rc != 0:
         last = next((s.strip() for s in reversed(said) if s.strip()), f"exit {rc}")
-        raise K3Error(f"the measurement under {folder} failed: {last.removeprefix('error: ')}",
+        last = last.removeprefix("error: ")
+        if rc == 2:  # the engine refused before measuring; its sentence names the next step
+            raise K3Error(f"the measurement was not started: {last}", "", 2)
+        raise K3Error(f"the measurement under {folder} failed: {last}",
                       "check the folder is writable with 1 GB free, then run "
                       "`k3tui bench forecast` again", 1)
     try:

@@ -170,3 +170,22 @@ def test_setup_yes_forecast_measures_through_the_real_cli(tmp_path):
     desktop = fc.preset("desktop")
     assert f"forecast: desktop {desktop.brief()} — measured here {fc.date}" in res.stdout
     assert load_config().engine.preset == "desktop"
+
+
+def test_an_engine_refusal_is_passed_on_with_its_own_next_step(tmp_path, monkeypatch):
+    # the engine refuses (exit 2) when the measurement would not fit in free memory; its
+    # sentence says what to do, so no generic "writable with 1 GB free" advice follows it
+    from k3tui.errors import K3Error
+    from k3tui.planning import forecast
+
+    said = ("error: measuring needs 3.7 GB of free memory and 1.2 GB is available; close "
+            "some programs and run it again.")
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\necho '{said}' >&2\nexit 2\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(forecast.sys, "executable", str(fake))
+    with pytest.raises(K3Error) as exc:
+        forecast.measure(tmp_path, progress=io.StringIO())
+    assert exc.value.exit_code == 2
+    assert "measuring needs 3.7 GB of free memory" in exc.value.message
+    assert "writable" not in str(exc.value)
