@@ -181,6 +181,14 @@ def _resident(ck: Path):
     return load_model(ck, src)
 
 
+def _room_for_twin(g) -> bool:
+    """Whether a resident twin fits beside a source that holds every weight already."""
+    from engine.weights.sysmem import read_memory_facts
+
+    need = g.trunk_bytes + g.all_experts_bytes + g.model_bytes
+    return read_memory_facts().available > 1.2 * need  # it counts the cgroup's limit too
+
+
 def _alternate(models: list, prompt: list[int], tokens: int, src) -> tuple[list, list, float]:
     """Decode the same prompt on the resident twin and the streamed model two tokens at a
     time, so both are timed under the same machine load. Returns both token lists and the
@@ -217,8 +225,8 @@ def run_rung(ck: Path, budget: str, tokens: int, threads: int, trunk: str | None
     """One budget: the raw disk (a sweep before and after), a decode alone (its peak RSS and
     disk counters are the rung's), then the same decode alternating with the engine without
     a memory flag (compute-only, under the same machine load). At "max" every weight fits
-    the budget: the source loads them up front, and the resident twin runs after it closes
-    (both at once would need the checkpoint twice in RAM)."""
+    the budget and the source loads them up front; the twin alternates with it too where
+    the checkpoint fits in RAM twice, else it runs after the source closes."""
     from engine.bench.disk import DiskCounters
     from engine.weights.planner import GB
     from engine.weights.streaming import CheckpointMap
@@ -241,10 +249,10 @@ def run_rung(ck: Path, budget: str, tokens: int, threads: int, trunk: str | None
     ids = [t.id for t in alone]
     streamed = alone[1:]
     drain_per_token = 0.0
-    if resident:
-        # Both at once would need the checkpoint twice in RAM, so the two take turns a
-        # whole decode at a time (streamed, resident, streamed, resident): one of each in
-        # a row measured 0.09 vs 0.13 s/token and then 0.16 vs 0.10 on this shared box.
+    if resident and not _room_for_twin(g):
+        # Where both at once do not fit (the checkpoint twice in RAM), the two take turns
+        # a whole decode at a time (streamed, resident, streamed, resident): noisier, one
+        # of each in a row measured 0.09 vs 0.13 s/token and then 0.16 vs 0.10 here.
         plan = src.plan
         stream_runs, twin_runs = [streamed], []
         for turn in range(MAX_TURNS):
