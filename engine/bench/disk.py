@@ -5,7 +5,7 @@
   for the request sizes the engine issues and a few queue depths, at random aligned places
   in the checkpoint's files. The best of the sweep is the reference: a virtual disk can be
   limited by requests per second, so a too-small request or too-shallow queue would make
-  the bound generous.
+  the bound generous. Each configuration also records the CPU seconds its reads cost per GB.
 * `DiskCounters`: the block device's own counters (`/proc/diskstats`: sectors read and the
   time it had I/O in flight) around a decode, to cross-check what the engine says it read
   and to report how busy the disk really was.
@@ -48,12 +48,15 @@ def raw_sweep(paths: list[Path], sizes: list[int], depths: list[int],
                         off = align_down(int(rng.integers(0, top + 1)))
                         need = min(size, f.size - off)
                         reads.append(Read(f, off, buf[k * size:(k + 1) * size], need))
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     pool.submit(reads, (0,), chunk=size).wait()
                     secs = time.perf_counter() - t0
                     got = sum(r.need for r in reads)
+                    # the CPU the reads themselves cost (syscalls, page pinning, wakeups),
+                    # which a decode on few cores takes from its compute
+                    cpu = time.process_time() - c0
                     table.append({"request_bytes": size, "queue_depth": depth,
-                                  "gb_per_s": got / 1e9 / secs})
+                                  "gb_per_s": got / 1e9 / secs, "cpu_s_per_gb": cpu / (got / 1e9)})
                     del buf
             finally:
                 pool.close()

@@ -15,8 +15,8 @@
   `Model.step`; the top-k routed experts alone, the head's matvec alone, and the share of
   the routed experts that the attention-time guess (the engine's expert read-ahead) names;
   `--widths DIR`: at the widths of the checkpoint in DIR instead (bench slice uses it);
-* the memory read bandwidth (the kernels' threads) in the same run, for the kernels'
-  fraction of it.
+* the memory read bandwidth: the head's own bytes read by the kernels' threads, in turns
+  with the head's matvec, for the kernels' fraction of it.
 Its own memory is small and stated: the layer kinds' matrices and the head are views of one
 shared array (about 2.4 GB at the real widths, ~3.4 GB peak RSS in all); it prints its
 expected peak first, and refuses, before measuring, when less memory is available here.
@@ -355,12 +355,21 @@ def measure_compute(tokens: int, cfg) -> dict[str, Any]:
     out["mxfp4_gb_per_s"] = nbytes / wall / GB  # one token through top-16 experts
     head = src.model["lm_head.weight"]
     x = rng.standard_normal((1, cfg.hidden_size)).astype(np.float32)
-    times = []
+    # The bandwidth reference reads the head's own bytes with the kernels' threads, taking
+    # turns with the matvec: measured apart, a VM's swings put the kernel above it.
+    from engine.bench.forward import memory_reader
+
+    words, read = head.reshape(-1).view(np.float32), memory_reader()
+    times, reads = [], []
     for _ in range(tokens + 1):
         t = time.perf_counter()
         kernels.linear(x, head)
         times.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        read(words)
+        reads.append(time.perf_counter() - t)
     out["head_matvec_s"] = statistics.median(times[1:])
+    out["read_gb_per_s"] = words.nbytes / min(reads[1:]) / GB
     out["trunk_gb"] = {"kda_moe": trunk[1] / GB, "mla_moe": trunk[3] / GB, "dense": trunk[0] / GB,
                        "head": head.nbytes / GB}
     out["kernels"] = "fused (numba)" if kernels.FUSED else "numpy reference"
@@ -403,11 +412,11 @@ def checkpoint_widths(folder: Path):
 RUNTIME_BYTES = 800 * 10**6  # interpreter, numpy, numba and its compiler, activations, slack
 
 
-def expected_peak_bytes(cfg, g, scratch_bytes: int, bandwidth_bytes: int) -> int:
+def expected_peak_bytes(cfg, g, scratch_bytes: int) -> int:
     """This measurement's own peak RSS above what the process holds now: the runtime and
     the largest of its phases, each freeing its memory before the next: the disk's read
     buffers, the compute's weights (`compute_weight_bytes`; the numpy reference also widens
-    a matrix to F32 at a time) and the bandwidth test's array."""
+    a matrix to F32 at a time; the bandwidth test reads the head among them)."""
     from engine import kernels
     from engine.checkpoint.schema import expected_tensors
 
@@ -415,7 +424,7 @@ def expected_peak_bytes(cfg, g, scratch_bytes: int, bandwidth_bytes: int) -> int
     disk = (1 << 24) + run + g.top_k * (g.expert_bytes + 8192)
     widen = 0 if kernels.FUSED else 4 * max(int(np.prod(s)) for s in
                                             expected_tensors(cfg).values())  # F32 copy
-    return RUNTIME_BYTES + max(disk, compute_weight_bytes(cfg) + widen, bandwidth_bytes)
+    return RUNTIME_BYTES + max(disk, compute_weight_bytes(cfg) + widen)
 
 
 def measure(folder: Path, scratch_gb: float, tokens: int, quick: bool = False,
@@ -423,7 +432,7 @@ def measure(folder: Path, scratch_gb: float, tokens: int, quick: bool = False,
     """Disk, compute and bandwidth; compute at `cfg`'s widths (default: the release's).
     Refuses (EngineError) before measuring when the memory available here is less than
     the measurement's expected peak needs."""
-    from engine.bench.forward import REAL_WIDTHS, read_bandwidth
+    from engine.bench.forward import REAL_WIDTHS
     from engine.checkpoint.synth import flat_config
     from engine.model.config import ModelConfig
     from engine.weights.plan_cli import geometry_from_config, real_config
@@ -437,8 +446,7 @@ def measure(folder: Path, scratch_gb: float, tokens: int, quick: bool = False,
     cfg = cfg or ModelConfig.from_dict(REAL_WIDTHS)
     g = geometry_from_config(cfg if own else real_config())
     expert, top_k, run = g.expert_bytes, g.top_k, max(g.layer_bytes[1:])
-    bandwidth_gb = 0.05 if quick else 0.5
-    need = expected_peak_bytes(cfg, g, int(scratch_gb * GB), int(bandwidth_gb * GB))
+    need = expected_peak_bytes(cfg, g, int(scratch_gb * GB))
     avail = read_memory_facts().available
     if avail < need:
         raise EngineError(f"measuring needs {need / GB:.1f} GB of free memory and "
@@ -453,7 +461,7 @@ def measure(folder: Path, scratch_gb: float, tokens: int, quick: bool = False,
     log(("compute: " + ("the checkpoint's" if own else "real") + "-width KDA-MoE, MLA-MoE, "
          "dense layer 0 and head (their weights in one array) ..."))
     res["compute"] = measure_compute(tokens, cfg)
-    res["memory_bandwidth_gb_per_s"] = read_bandwidth(bandwidth_gb) / GB
+    res["memory_bandwidth_gb_per_s"] = res["compute"]["read_gb_per_s"]
     res["presets"] = preset_forecasts(res)
     res["load_average_after"] = list(os.getloadavg())
     res["expected_peak_rss_gb"] = expected / GB
@@ -486,7 +494,7 @@ def main(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"error: cannot measure the disk under {folder} ({exc.strerror or exc}); "
               "check it is writable and has space.", file=sys.stderr)
-        return 2
+        return 1  # failed; 2 is for what was refused before measuring
     if args.json:
         print(json.dumps(res))
         return 0

@@ -62,6 +62,11 @@ def test_stream_bench_json_keys(tmp_path):
         assert rung["gb_read_per_token"] == pytest.approx((trunk + experts) / GB, rel=1e-9)
         assert trunk > 0
     assert res["ladder"][-1]["gb_read_per_token"] == 0  # resident: nothing read
+    # the reads' own CPU: measured per configuration of the sweep; a rung that reads has a
+    # CPU-aware bound above compute-only, one that reads nothing has none to add
+    assert all(r["cpu_s_per_gb"] > 0 for r in head["raw_sweep"][0])
+    assert head["cpu_bound_s_per_token"] > head["compute_only_s_per_token"]
+    assert res["ladder"][-1]["io_cpu_s_per_token"] == 0
     assert res["ladder"][0]["gb_read_per_token"] > 0
     assert not (tmp_path / "work" / "scratch" / "trunk").exists()  # pack output cleaned up
 
