@@ -428,6 +428,7 @@ def load_engine(
     source = open_source(checkpoint, args)
     progress.phase = "model"
     model = load_model(checkpoint, source)
+    source.warm()  # the pinned layers and tables now, not in the first request's time
     cfg = model.config
     progress.n_layers = getattr(cfg, "num_hidden_layers", None)
     progress.layers_bound = progress.n_layers

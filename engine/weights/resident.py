@@ -93,5 +93,8 @@ class ResidentSource:
             self.index.info(full)  # raises, naming the tensor
         return self._arrays[full]
 
+    def warm(self) -> None:
+        pass  # read in full when made
+
     def stats(self) -> dict[str, Any]:
         return {"resident_gb": self.nbytes / 1e9}

@@ -535,6 +535,18 @@ class StreamingSource:
 
     # ---- model tensors, stats, lifetime ------------------------------------------------
 
+    def warm(self) -> None:
+        """Wait for what the plan keeps in RAM: the pinned layers, every expert where they all
+        fit, the model tables unless they stream. A server calls this before it says ready,
+        so its first request does not pay for the load."""
+        for i in self.plan.pinned:
+            self._pinned_views(i)
+        for layer in list(self._preload):
+            self._adopt_preload(layer)
+        for name in MODEL_TENSORS:
+            self.model_tensor(name)  # the streamed tables only open here; they read on use
+
+
     def model_tensor(self, name: str) -> np.ndarray:
         arr = self._model.get(name)
         if arr is None and self.plan.stream_tables and name in MODEL_TENSORS[:2]:

@@ -289,3 +289,24 @@ def test_stream_cached_expert_views_are_reused_and_never_stale(small):
                         assert w is first[(L, e)][1]  # a hit: no new views
                     first[(L, e)] = (slot, w)
         assert src.cache.evictions > 0
+
+
+def test_stream_warm_reads_what_the_plan_keeps_before_the_first_token(small):
+    """A server warms its source before it says ready: afterwards the first token reads
+    nothing the plan keeps in RAM (pinned layers, the up-front experts, the tables)."""
+    cmap = CheckpointMap(small)
+    g = cmap.geometry()
+    full = (g.trunk_bytes + g.all_experts_bytes) / GB
+    with source(small, budget_gb=full) as src:
+        assert len(src.plan.pinned) == g.n_layers
+        src.warm()
+        assert not src.pool.busy()
+        warmed = src.stats()
+        assert warmed["gb_read_trunk"] * GB == sum(lay.payload for lay in cmap.layers)
+        assert warmed["gb_read_experts"] * GB == pytest.approx(
+            g.n_experts * g.moe_layers * g.expert_bytes)
+        device = src.pool.bytes_read
+        toks = list(generate(load_model(small, src), PROMPT, GenParams(max_tokens=3)))
+        assert src.pool.bytes_read == device  # nothing more came from the disk
+        assert toks[0].stats.gb_read_trunk == 0 and toks[0].stats.gb_read_experts == 0
+    assert [t.id for t in toks] == greedy(small, ResidentSource(small), n=3)
