@@ -266,6 +266,16 @@ def cancel_job(job_id: str, wait_s: float = 10.0) -> dict:
 
 
 # -- inside the job process ------------------------------------------------------------------
+def release_inherited_lock() -> None:
+    """Close the target lock a job process inherited from `start_job` (once)."""
+    fd = os.environ.pop(ENV_LOCK, "")
+    if fd.isdigit():
+        try:
+            os.close(int(fd))
+        except OSError:
+            pass
+
+
 class JobReporter:
     """Writes this job's state file. Use `JobReporter.from_env()` in the job process."""
 
@@ -301,4 +311,7 @@ class JobReporter:
 
     def finish(self, status: str, message: str) -> None:
         assert status in STATUSES
+        # Free the target first: whoever reads the final status may start the next job on
+        # it at once, while this process may take a moment more to exit.
+        release_inherited_lock()
         self.update(status=status, message=message, stalled=False, rate_bps=0.0, eta_s=None)
