@@ -139,7 +139,7 @@ def main(args: argparse.Namespace) -> int:
         return 0
     print(f"bench chat: {ck} ({result['checkpoint_gb']:.2f} GB), load "
           f"{' '.join(f'{x:.2f}' for x in result['loadavg_before'])} -> "
-          f"{' '.join(f'{x:.2f}' for x in result['loadavg_after'])} (shared machine)")
+          f"{' '.join(f'{x:.2f}' for x in result['loadavg_after'])} (its own threads count in it)")
     for mode, rows in result["modes"].items():
         print(f"\n{mode}: turn  prompt  prefilled cold/reuse  GB read cold/reuse  "
               "TTFT s cold/reuse  cold/reuse  same 1st id")

@@ -203,5 +203,5 @@ def main(args: argparse.Namespace) -> int:
               f"{r['peak_rss_gb']:9.2f} {r['forecast_rss_gb']:12.2f}   {pair}  "
               f"{(hit[0] or 0):.2f} ({hit[1]:.2f})")
     print(f"load average {res['load_average'][0]:.2f} before, "
-          f"{res['load_average_after'][0]:.2f} after (shared machine)")
+          f"{res['load_average_after'][0]:.2f} after (its own threads count in it)")
     return 0
