@@ -174,11 +174,7 @@ def _resident(ck: Path):
     from engine.model.transformer import load_model
     from engine.weights.resident import ResidentSource
 
-    from engine.checkpoint.trunk import drop_cache
-
-    src = ResidentSource(ck)
-    drop_cache(src.index.files())  # it read through the page cache; leave none behind
-    return load_model(ck, src)
+    return load_model(ck, ResidentSource(ck))  # read O_DIRECT: nothing left in the cache
 
 
 def _room_for_twin(g) -> bool:
@@ -407,15 +403,13 @@ def main(args: argparse.Namespace) -> int:
         return 1
 
 
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def assess(r: dict) -> dict:
     """The rung against its bound: max(compute-only, useful bytes / raw). Bytes read on a
     wrong guess are waste, not part of the bound. An efficiency above 1.0, or the engine's
     own reads outrunning the raw figure, means the raw figure is wrong: it is reported as
     a reference bug instead of a result."""
+    from engine.kernels import compute_threads
+
     raw = r.get("raw_gb_per_s")
     s = r["s_per_token"]
     io_s = r["gb_read_per_token"] / raw if raw else 0.0
@@ -428,11 +422,12 @@ def assess(r: dict) -> dict:
     if raw and engine_rate and engine_rate > raw:
         errors.append(f"the engine read {engine_rate:.2f} GB/s during decode, above the raw "
                       f"{raw:.2f} GB/s")
-    # On few cores the reads' own CPU (measured in the raw sweep) comes out of the compute:
-    # a second, CPU-aware bound, printed beside the first (which stays the headline).
+    # On few cores the reads' own CPU (measured in the raw sweep) comes out of the compute,
+    # which keeps every kernel thread busy: a second, CPU-aware bound, printed beside the
+    # first (which stays the headline).
     cpu_gb = (r.get("raw_best") or {}).get("cpu_s_per_gb")
     io_cpu = (r["gb_read_per_token"] + r["gb_unused_per_token"]) * cpu_gb if cpu_gb else None
-    cpu_bound = ((r["compute_only_s_per_token"] or 0.0) + io_cpu / _cores()
+    cpu_bound = ((r["compute_only_s_per_token"] or 0.0) + io_cpu / compute_threads()
                  if io_cpu is not None else None)
     r.update(io_s_per_token=io_s, bound_s_per_token=bound,
              io_cpu_s_per_token=io_cpu, cpu_bound_s_per_token=cpu_bound,

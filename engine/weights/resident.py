@@ -39,7 +39,7 @@ class ResidentSource:
                 start = align_down(min(t.offset for t in infos))
                 end = max(t.end for t in infos)
                 buf = aligned_buffer(end - start)
-                reads.append(Read(files.get(Path(file)), start, buf, end - start))
+                reads.append(Read(files.get(file), start, buf, end - start))
                 spans.append((start, buf, infos))
             pool.submit(reads, (0,)).wait()
         except ReadError as exc:

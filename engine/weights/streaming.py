@@ -546,7 +546,6 @@ class StreamingSource:
         for name in MODEL_TENSORS:
             self.model_tensor(name)  # the streamed tables only open here; they read on use
 
-
     def model_tensor(self, name: str) -> np.ndarray:
         arr = self._model.get(name)
         if arr is None and self.plan.stream_tables and name in MODEL_TENSORS[:2]:
