@@ -52,7 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "scaled; default 6.38)")
     parser.add_argument("--budget-gb", type=float, default=0.53, metavar="M",
                         help="the headline budget (default 0.53, 1/12 of the bench checkpoint)")
-    parser.add_argument("--tokens", type=int, default=8, metavar="K",
+    # 8 tokens let the overlap move 1.26-1.62 between runs on a shared 2-core VM; 16 give
+    # each rung twice the alternating turns for ~30 s more
+    parser.add_argument("--tokens", type=int, default=16, metavar="K",
                         help="tokens decoded per budget (the first, the prompt, is not timed)")
     parser.add_argument("--ladder", default=DEFAULT_LADDER,
                         help="budgets in GB for the ladder, 'max' = everything resident")
@@ -185,27 +187,37 @@ def _room_for_twin(g) -> bool:
     return read_memory_facts().available > 1.2 * need  # it counts the cgroup's limit too
 
 
-def _alternate(models: list, prompt: list[int], tokens: int, src) -> tuple[list, list, float]:
+def _alternate(models: list, prompt: list[int], tokens: int,
+               src) -> tuple[list, list, float, list]:
     """Decode the same prompt on the resident twin and the streamed model two tokens at a
-    time, so both are timed under the same machine load. Returns both token lists and the
-    drain time per streamed token: reads still in flight would finish during the twin's
-    turn for free, so the time they take is charged to the streamed tokens."""
+    time, so both are timed under the same machine load. Returns both token lists, the drain
+    time per streamed token (reads still in flight would finish during the twin's turn for
+    free, so the time they take is charged to the streamed tokens) and, turn by turn,
+    (twin s/token, streamed s/token with that turn's drain): the spread of the overlap."""
     from engine.decode.generate import GenParams, generate
 
     gens = [generate(m, prompt, GenParams(max_tokens=tokens)) for m in models]
     runs: list[list] = [[next(gens[0])], [next(gens[1])]]  # prefills: not timed
-    drained = 0.0
+    rounds = []
+    drained_total = 0.0
     while len(runs[1]) < tokens:
+        turn: list[list] = [[], []]
         for which in (0, 1):
             for _ in range(2):
                 tok = next(gens[which], None)
                 if tok is not None:
-                    runs[which].append(tok)
+                    turn[which].append(tok)
         t0 = time.perf_counter()
         while src.pool.busy():
             time.sleep(0.0005)
-        drained += time.perf_counter() - t0
-    return runs[0], runs[1], drained / max(len(runs[1]) - 1, 1)
+        drained = time.perf_counter() - t0
+        drained_total += drained
+        runs[0] += turn[0]
+        runs[1] += turn[1]
+        if turn[0] and turn[1]:
+            rounds.append((sum(t.seconds for t in turn[0]) / len(turn[0]),
+                           (sum(t.seconds for t in turn[1]) + drained) / len(turn[1])))
+    return runs[0], runs[1], drained_total / max(len(runs[1]) - 1, 1), rounds
 
 
 def _idle(src) -> float:
@@ -245,6 +257,7 @@ def run_rung(ck: Path, budget: str, tokens: int, threads: int, trunk: str | None
     ids = [t.id for t in alone]
     streamed = alone[1:]
     drain_per_token = 0.0
+    rounds: list[tuple[float, float]] = []  # (twin, streamed) s/token, turn by turn
     if resident and not _room_for_twin(g):
         # Where both at once do not fit (the checkpoint twice in RAM), the two take turns
         # a whole decode at a time (streamed, resident, streamed, resident): noisier, one
@@ -271,8 +284,12 @@ def run_rung(ck: Path, budget: str, tokens: int, threads: int, trunk: str | None
         twin_ids = ids
         twin_toks = [t for r in twin_runs for t in r[1:]]
         streamed = [t for r in stream_runs for t in r]
+        rounds = [(float(np.mean([t.seconds for t in tw[1:]])),
+                   float(np.mean([t.seconds for t in st])))
+                  for tw, st in zip(twin_runs, stream_runs) if tw[1:] and st]
     else:
-        twin_run, run, drain_per_token = _alternate([_resident(ck), model], prompt, tokens, src)
+        twin_run, run, drain_per_token, rounds = _alternate([_resident(ck), model], prompt,
+                                                            tokens, src)
         if [t.id for t in run] != ids:
             raise EngineError("the streamed decode changed between two runs; this is a bug.")
         twin_ids, twin_toks, streamed = [t.id for t in twin_run], twin_run[1:], run[1:]
@@ -303,6 +320,7 @@ def run_rung(ck: Path, budget: str, tokens: int, threads: int, trunk: str | None
         "s_per_token": float(np.mean([t.seconds for t in streamed])) + drain_per_token
         if streamed else None,
         "drain_s_per_token": drain_per_token,
+        "rounds": rounds,
         "s_per_token_alone": float(np.mean([t.seconds for t in alone[1:]])) if alone[1:] else None,
         "compute_only_s_per_token": float(np.mean([t.seconds for t in twin_toks]))
         if twin_toks else None,
@@ -429,7 +447,11 @@ def assess(r: dict) -> dict:
     io_cpu = (r["gb_read_per_token"] + r["gb_unused_per_token"]) * cpu_gb if cpu_gb else None
     cpu_bound = ((r["compute_only_s_per_token"] or 0.0) + io_cpu / compute_threads()
                  if io_cpu is not None else None)
+    # The same ratio turn by turn (each turn's twin as its compute-only): how far this VM's
+    # load moves the headline between two runs of the bench.
+    turns = [st / max(tw, io_s) for tw, st in r.get("rounds") or () if max(tw, io_s) > 0]
     r.update(io_s_per_token=io_s, bound_s_per_token=bound,
+             overlap_range=[min(turns), max(turns)] if turns else None,
              io_cpu_s_per_token=io_cpu, cpu_bound_s_per_token=cpu_bound,
              overlap_vs_cpu_bound=s / max(bound, cpu_bound) if cpu_bound and s else None,
              overlap_ratio=s / bound if bound and s else None,
@@ -506,7 +528,7 @@ def _main(args: argparse.Namespace) -> int:
             "guess_precision", "io_s_per_token", "reference_error", "raw_best",
             "device_gb_per_s", "engine_device_gb_per_s", "disk_busy_fraction", "load_s",
             "threads", "raw_sweep", "io_cpu_s_per_token", "cpu_bound_s_per_token",
-            "overlap_vs_cpu_bound")}
+            "overlap_vs_cpu_bound", "overlap_range", "rounds")}
             for r in ladder],
         "peer": peer,
     }
@@ -537,6 +559,10 @@ def _f(x: float | None, spec: str, scale: float = 1.0) -> str:
     return "-" if x is None else format(x * scale, spec)
 
 
+def _range(lo_hi: list[float] | None) -> str:
+    return "-" if not lo_hi else f"{lo_hi[0]:.2f}-{lo_hi[1]:.2f}"
+
+
 def render(res: dict[str, Any]) -> str:
     best = res.get("raw_best") or {}
     eff = res.get("efficiency")
@@ -560,6 +586,7 @@ def render(res: dict[str, Any]) -> str:
     lines.append("")
     lines.append(f"{'budget GB':>10} {'pinned':>6} {'s/token':>8} {'useful GB':>9} "
                  f"{'wasted':>7} {'compute':>8} {'I/O s':>7} {'bound s':>8} {'overlap':>7} "
+                 f"{'by turn':>9} "
                  f"{'effic.':>6} {'raw MB/s':>8} {'busy':>5} {'peak RSS':>8} {'I/O CPU':>7} "
                  f"{'vs CPU':>6}")
     errors = []
@@ -571,6 +598,7 @@ def render(res: dict[str, Any]) -> str:
             f"{r['gb_read_per_token']:>9.3f} {r['gb_unused_per_token']:>7.3f} "
             f"{r['compute_only_s_per_token']:>8.3f} {r['io_s_per_token']:>7.3f} "
             f"{r['bound_s_per_token']:>8.3f} {_f(r['overlap_ratio'], '.2f'):>7} "
+            f"{_range(r.get('overlap_range')):>9} "
             f"{('BUG' if r.get('reference_error') else _f(r['efficiency'], '.2f')):>6} "
             f"{_f(r.get('raw_gb_per_s'), '.0f', 1000):>8} "
             f"{_f(r.get('disk_busy_fraction'), '.0%'):>5} {r['peak_rss_gb']:>8.2f} "
@@ -584,7 +612,9 @@ def render(res: dict[str, Any]) -> str:
     lines.append("useful GB = read per token and used; wasted = read on wrong guesses; compute = "
                  "s/token of the engine without a memory flag, decoded in alternation with the "
                  "streamed one; I/O s = useful GB / raw; bound = max of the two; overlap = "
-                 "s/token / bound; busy = the device's share of the decode with I/O in flight; "
+                 "s/token / bound; by turn = the lowest and highest overlap of the alternating "
+                 "turns (each against its own twin turn); busy = the device's share of the "
+                 "decode with I/O in flight; "
                  "I/O CPU = CPU seconds the token's reads cost (all bytes x the raw sweep's CPU "
                  "s/GB); vs CPU = s/token / max(bound, compute-only + I/O CPU / cores)")
     return "\n".join(lines)

@@ -62,6 +62,10 @@ def test_stream_bench_json_keys(tmp_path):
         assert rung["gb_read_per_token"] == pytest.approx((trunk + experts) / GB, rel=1e-9)
         assert trunk > 0
     assert res["ladder"][-1]["gb_read_per_token"] == 0  # resident: nothing read
+    # every rung, the resident one included, has turns timed against its twin
+    for rung in res["ladder"]:
+        lo, hi = rung["overlap_range"]
+        assert 0 < lo <= hi and rung["rounds"]
     # the reads' own CPU: measured per configuration of the sweep; a rung that reads has a
     # CPU-aware bound above compute-only, one that reads nothing has none to add
     assert all(r["cpu_s_per_gb"] > 0 for r in head["raw_sweep"][0])
@@ -92,3 +96,24 @@ def test_stream_bench_reports_a_raw_figure_below_the_decode_as_a_bug():
     assert "reference bug" in text and "efficiency 1.25" not in text
     ok = assess(dict(rung, raw_gb_per_s=4.0, engine_device_gb_per_s=3.0))
     assert ok["reference_error"] is None and ok["efficiency"] == pytest.approx(0.625)
+
+
+def test_stream_bench_overlap_by_turn_is_each_turn_against_its_own_twin_turn():
+    """The spread printed beside the overlap: each alternating turn's streamed s/token over
+    that turn's twin (or the I/O time where the disk bounds), lowest and highest."""
+    from engine.bench.stream import assess, render
+
+    rung = {"budget": "1", "budget_gb": 1.0, "s_per_token": 0.14, "gb_read_per_token": 0.2,
+            "gb_unused_per_token": 0.0, "compute_only_s_per_token": 0.11,
+            "raw_gb_per_s": 2.0, "pinned_layers": 13, "disk_busy_fraction": 0.5,
+            "peak_rss_gb": 1.0, "rounds": [(0.10, 0.15), (0.12, 0.13), (0.08, 0.12)]}
+    r = assess(dict(rung))
+    # io = 0.2 / 2.0 = 0.1 s: the third turn's twin (0.08) is below it, so 0.12 / 0.1
+    assert r["overlap_range"] == pytest.approx([0.13 / 0.12, 0.15 / 0.10])
+    assert assess(dict(rung, rounds=[]))["overlap_range"] is None
+    res = {"checkpoint_gb": 6.0, "budget_gb": 1.0, "s_per_token": 0.14,
+           "gb_read_per_token": 0.2, "mb_per_s": 1400, "raw_gb_per_s": 2.0,
+           "raw_best": {"request_bytes": 1 << 20, "queue_depth": 8}, "efficiency": 0.7,
+           "compute_only_s_per_token": 0.11, "peak_rss_gb": 1.0, "rss_limit_gb": 1.7,
+           "ids_identical": True, "ladder": [r]}
+    assert " 1.08-1.50 " in render(res)
