@@ -160,6 +160,7 @@ class Batch:
         self._done = threading.Event()
         self.error: ReadError | None = None
         self.cancelled = False
+        self.started = False  # a job of it has begun reading (cancelling then loses bytes)
         self.nbytes = nbytes
         self.seq = 0  # when it was queued (the pool's sequence number of its first job)
         if n_jobs == 0:
@@ -285,6 +286,7 @@ class ReadPool:
         if batch.cancelled:
             batch._finish(None)
             return
+        batch.started = True
         self._enter()
         error = None
         try:

@@ -512,8 +512,15 @@ class StreamingSource:
         self._c["guessed"] += len(new)
 
     def _retire_guesses(self, layer: int, wanted: list[int]) -> None:
-        """`layer` is being asked for: its guesses outside `wanted` will not be adopted."""
-        self._unadopted.update(k for k in self._guesses if k[0] == layer and k[1] not in wanted)
+        """`layer` is being asked for: its guesses outside `wanted` will not be adopted. Those
+        whose read has not begun are cancelled: a wrong guess still queued would only take
+        the disk (and, on few cores, the CPU) from the reads the layer waits for."""
+        wrong = [k for k in self._guesses if k[0] == layer and k[1] not in wanted]
+        for k in wrong:
+            batch = self._guesses[k][1]
+            if not batch.started:
+                batch.cancel()
+        self._unadopted.update(wrong)
         self._reap_guesses()
 
     def _reap_guesses(self, block: bool = False) -> None:

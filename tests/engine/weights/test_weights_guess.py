@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from engine.errors import PlanError, ReadError
 from engine.model.transformer import load_model
 from engine.weights.planner import GB, add_memory_arguments, make_plan, plan_from_args
 from engine.weights.resident import ResidentSource
+from engine.weights.io import Read, aligned_buffer
 from engine.weights.streaming import CheckpointMap, StreamingSource
 
 PROMPT = [3, 7, 11, 5, 9, 200, 17]
@@ -118,10 +120,12 @@ def test_stream_guess_demand_bytes_stay_the_minimum(small):
 
 
 def test_stream_wrong_guess_becomes_a_cached_expert(small):
+    """A wrong guess whose read had begun when its layer asked is kept as a cached expert."""
     with source(small, budget_gb=trunk_and_slots(small, 12)) as src:
         res = ResidentSource(small)
         src.guess(2, [5, 6])
         assert src.stats()["experts_guessed"] == 2
+        src._guesses[(2, 5)][1].finished()  # begun (and ended) before the router decides
         with src.experts(2, [6, 7]) as ex, res.experts(2, [6, 7]) as ref:
             for e in (6, 7):
                 assert np.array_equal(ex[e].w1_packed, ref[e].w1_packed)
@@ -138,6 +142,45 @@ def test_stream_wrong_guess_becomes_a_cached_expert(small):
         # A guess never takes the slots a layer's own top-k needs.
         src.guess(3, range(16))
         assert src.cache.free_for_reuse >= src.plan.geometry.top_k
+
+
+class _Gate:
+    """A file whose reads wait until the test opens the gate: it holds the pool's workers
+    so the reads queued behind them have not begun."""
+
+    path = "gate"
+
+    def __init__(self):
+        self.open = threading.Event()
+
+    def read_into(self, dest, offset, need):
+        assert self.open.wait(30)
+        return need
+
+
+def test_stream_wrong_guess_not_yet_begun_is_cancelled(small):
+    """A wrong guess still queued when its layer asks is cancelled: never read, its slot
+    free again, no wasted bytes; the right guess is adopted and its bytes are the file's."""
+    with source(small, budget_gb=trunk_and_slots(small, 12)) as src:
+        src.warm()
+        gate = _Gate()
+        held = src.pool.submit([Read(gate, 0, aligned_buffer(4096)[:4096], 4096)
+                                for _ in range(src.pool.threads)], (0,))
+        read0 = src.pool.bytes_read
+        src.guess(2, [5, 6])
+        with src.experts(2, [6]) as ex:
+            assert src._guesses[(2, 5)][1].cancelled  # still queued behind the gate
+            gate.open.set()
+            with ResidentSource(small).experts(2, [6]) as ref:
+                assert np.array_equal(ex[6].w1_packed, ref[6].w1_packed)
+        held.wait()
+        src._reap_guesses(block=True)
+        st = src.stats()
+        assert (2, 5) not in src.cache.resident() and (2, 6) in src.cache.resident()
+        assert st["gb_read_unused"] == 0 and st["experts_guessed_used"] == 1
+        six = src.map.expert_layout(2, 6).nbytes
+        assert src.pool.bytes_read - read0 == src.pool.threads * 4096 + six  # 5 never read
+        assert not src._guesses and src.cache.free_for_reuse == src.cache.nslots
 
 
 def test_stream_guess_keeps_the_layers_own_cached_experts(small):
