@@ -101,7 +101,7 @@ def free_reads(src, raw_gb_per_s: float) -> None:
         cache.buffer(slot)[:] = rng.integers(0x70, 0x78, cache.slot_bytes, dtype=np.uint8)
     lock, free_at = threading.Lock(), [0.0]
 
-    def sleep_read(self, dest, offset, need):  # noqa: ARG001 - a DirectFile.read_into
+    def sleep_read(self, dest, offset, need):  # in place of DirectFile.read_into
         with lock:
             free_at[0] = max(time.perf_counter(), free_at[0]) + dest.nbytes / (raw_gb_per_s * 1e9)
             end = free_at[0]

@@ -52,8 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "scaled; default 6.38)")
     parser.add_argument("--budget-gb", type=float, default=0.53, metavar="M",
                         help="the headline budget (default 0.53, 1/12 of the bench checkpoint)")
-    # 8 tokens let the overlap move 1.26-1.62 between runs on a shared 2-core VM; 16 give
-    # each rung twice the alternating turns for ~30 s more
+    # 16: twice the alternating turns of 8 for ~30 s more; the overlap still moves between
+    # runs on a shared 2-core VM (1.53-1.64 at 1.06 GB), which "by turn" shows
     parser.add_argument("--tokens", type=int, default=16, metavar="K",
                         help="tokens decoded per budget (the first, the prompt, is not timed)")
     parser.add_argument("--ladder", default=DEFAULT_LADDER,
