@@ -410,8 +410,9 @@ class StreamingSource:
         got: dict[int, tuple[int, Batch | None]] = {}
         missing = []
         for e in group:
-            guess = self._guesses.pop((layer, e), None)
-            if guess is not None:  # its read started before the router: adopt it
+            guess = self._guesses.get((layer, e))
+            if guess is not None and not guess[1].cancelled:  # read before the router: adopt
+                del self._guesses[(layer, e)]
                 self._unadopted.discard((layer, e))
                 got[e] = guess
                 self._c["expert_misses"] += 1

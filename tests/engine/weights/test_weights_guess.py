@@ -183,6 +183,30 @@ def test_stream_wrong_guess_not_yet_begun_is_cancelled(small):
         assert not src._guesses and src.cache.free_for_reuse == src.cache.nslots
 
 
+def test_stream_cancelled_guess_wanted_later_is_read_anew(small):
+    """The next token's router may want an expert whose cancelled guess is still queued: it
+    is read again, never handed out as a cancelled read (which would fail the token)."""
+    with source(small, budget_gb=trunk_and_slots(small, 12)) as src:
+        src.warm()
+        with src.experts(2, [7]) as ex:
+            ex[7]  # cached: asking for it again reads nothing
+        gate = _Gate()
+        held = src.pool.submit([Read(gate, 0, aligned_buffer(4096)[:4096], 4096)
+                                for _ in range(src.pool.threads)], (0,))
+        src.guess(2, [5])
+        with src.experts(2, [7]):
+            pass  # 5 was a wrong guess, still queued: cancelled
+        assert src._guesses[(2, 5)][1].cancelled
+        with src.experts(2, [5]) as ex:
+            gate.open.set()
+            with ResidentSource(small).experts(2, [5]) as ref:
+                assert np.array_equal(ex[5].w3_packed, ref[5].w3_packed)
+        held.wait()
+        src._reap_guesses(block=True)
+        assert not src._guesses and (2, 5) in src.cache.resident()
+        assert src.cache.free_for_reuse == src.cache.nslots
+
+
 def test_stream_guess_keeps_the_layers_own_cached_experts(small):
     with source(small, budget_gb=trunk_and_slots(small, 12)) as src:
         assert src.cache.nslots == 12
