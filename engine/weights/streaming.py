@@ -227,6 +227,9 @@ class StreamingSource:
         # Once their layer has been asked for, the ones left over are `_unadopted`.
         self._guesses: dict[tuple[int, int], tuple[int, Batch]] = {}
         self._unadopted: set[tuple[int, int]] = set()
+        # Wrong guesses cancelled before their read began, out of `_guesses` (never adopted,
+        # guessed again as new reads): (slot, batch), freed once the pool has skipped them.
+        self._cancelled: list[tuple[int, Batch]] = []
         self.wants_guesses = plan.guess_experts
         self._model: dict[str, np.ndarray] = {}
         # slot -> (key, its ExpertWeights): views of the slot's bytes built once while the
@@ -410,9 +413,8 @@ class StreamingSource:
         got: dict[int, tuple[int, Batch | None]] = {}
         missing = []
         for e in group:
-            guess = self._guesses.get((layer, e))
-            if guess is not None and not guess[1].cancelled:  # read before the router: adopt
-                del self._guesses[(layer, e)]
+            guess = self._guesses.pop((layer, e), None)
+            if guess is not None:  # its read started before the router: adopt it
                 self._unadopted.discard((layer, e))
                 got[e] = guess
                 self._c["expert_misses"] += 1
@@ -516,16 +518,29 @@ class StreamingSource:
         """`layer` is being asked for: its guesses outside `wanted` will not be adopted. Those
         whose read has not begun are cancelled: a wrong guess still queued would only take
         the disk (and, on few cores, the CPU) from the reads the layer waits for."""
-        wrong = [k for k in self._guesses if k[0] == layer and k[1] not in wanted]
-        for k in wrong:
-            batch = self._guesses[k][1]
-            if not batch.started:
+        for k in [k for k in self._guesses if k[0] == layer and k[1] not in wanted]:
+            slot, batch = self._guesses[k]
+            if batch.started:
+                self._unadopted.add(k)
+            else:
                 batch.cancel()
-        self._unadopted.update(wrong)
+                del self._guesses[k]
+                self._unadopted.discard(k)
+                self._cancelled.append((slot, batch))
         self._reap_guesses()
 
     def _reap_guesses(self, block: bool = False) -> None:
-        """Unadopted guesses whose read finished become ordinary cached experts."""
+        """Unadopted guesses whose read finished become ordinary cached experts; cancelled
+        ones give their slot back once the pool has skipped their reads."""
+        waiting = []
+        for slot, batch in self._cancelled:
+            if not batch.done() and not block:
+                waiting.append((slot, batch))
+                continue
+            batch.finished()
+            self.cache.discard(slot)  # even if a read began as it was cancelled
+            self.cache.unpin(slot)
+        self._cancelled = waiting
         for key in list(self._unadopted):
             slot, batch = self._guesses[key]
             if not batch.done():

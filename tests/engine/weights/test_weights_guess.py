@@ -169,7 +169,7 @@ def test_stream_wrong_guess_not_yet_begun_is_cancelled(small):
         read0 = src.pool.bytes_read
         src.guess(2, [5, 6])
         with src.experts(2, [6]) as ex:
-            assert src._guesses[(2, 5)][1].cancelled  # still queued behind the gate
+            assert [b.cancelled for _, b in src._cancelled] == [True]  # still queued
             gate.open.set()
             with ResidentSource(small).experts(2, [6]) as ref:
                 assert np.array_equal(ex[6].w1_packed, ref[6].w1_packed)
@@ -196,7 +196,7 @@ def test_stream_cancelled_guess_wanted_later_is_read_anew(small):
         src.guess(2, [5])
         with src.experts(2, [7]):
             pass  # 5 was a wrong guess, still queued: cancelled
-        assert src._guesses[(2, 5)][1].cancelled
+        assert [b.cancelled for _, b in src._cancelled] == [True]
         with src.experts(2, [5]) as ex:
             gate.open.set()
             with ResidentSource(small).experts(2, [5]) as ref:
