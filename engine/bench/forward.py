@@ -17,6 +17,7 @@ With `--checkpoint DIR` it also times resident greedy decoding of that checkpoin
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -88,9 +89,10 @@ def read_bandwidth(gb: float, repeats: int = 5) -> float:
     return words.nbytes / best
 
 
+@functools.cache
 def memory_reader():
     """A parallel sum with numba over the fused kernels' threads (vectorised: fastmath lets
-    the adds reorder), else numpy's."""
+    the adds reorder), else numpy's; compiled once per process."""
     try:
         import numba
     except ImportError:

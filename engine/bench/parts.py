@@ -198,13 +198,14 @@ def compute_weight_bytes(cfg) -> int:
     the largest layer kind or the head), each kind's vectors (F32 at most) and the routed
     experts' pool."""
     from engine.checkpoint.schema import expected_tensors
+    from engine.weights.plan_cli import geometry_from_config
 
     layout, union = _shared_layout(cfg)
     shapes = expected_tensors(cfg)
     vectors = sum(4 * int(np.prod(shape)) for kind in layout for name, shape in shapes.items()
                   if name.startswith(f"layers.{kind}.") and ".experts." not in name
                   and name[len(f"layers.{kind}."):] not in layout[kind])
-    expert = 3 * cfg.moe_intermediate_size * cfg.routed_expert_hidden_size * 17 // 32
+    expert = geometry_from_config(cfg).expert_bytes
     return (sum(2 * (hi - lo) for lo, hi in union) + vectors
             + (cfg.num_experts_per_token + 1) * expert)
 

@@ -86,7 +86,7 @@ def budget_of(word: str, geometry) -> float:
     from engine.weights.planner import gb_arg
 
     if word == "max":
-        return float(gb_arg(geometry.trunk_bytes + geometry.all_experts_bytes))
+        return float(gb_arg(geometry.all_weights_bytes))
     return float(word)
 
 

@@ -183,7 +183,7 @@ def _room_for_twin(g) -> bool:
     """Whether a resident twin fits beside a source that holds every weight already."""
     from engine.weights.sysmem import read_memory_facts
 
-    need = g.trunk_bytes + g.all_experts_bytes + g.model_bytes
+    need = g.all_weights_bytes + g.model_bytes
     return read_memory_facts().available > 1.2 * need  # it counts the cgroup's limit too
 
 
@@ -242,7 +242,7 @@ def run_rung(ck: Path, budget: str, tokens: int, threads: int, trunk: str | None
 
     cmap = CheckpointMap(ck, trunk)
     g = cmap.geometry()
-    full_gb = (g.trunk_bytes + g.all_experts_bytes) / GB
+    full_gb = g.all_weights_bytes / GB
     prompt = [int(x) for x in np.random.default_rng(1).integers(0, cmap.config.vocab_size, 4)]
     resident = budget == "max"
     t_open = time.perf_counter()
@@ -549,7 +549,7 @@ def _peer(binary: Path, ck: Path, workdir: Path, budgets: list[str], g,
 
     trunk = workdir / f"{ck.name}-trunks" / "trunk-bf16"
     pack(ck, trunk)
-    full = gb_arg(g.trunk_bytes + g.all_experts_bytes)
+    full = gb_arg(g.all_weights_bytes)
     return compare(binary, ck, trunk, [full if b == "max" else b for b in budgets],
                    args.tokens, max(1, args.peer_runs), args.threads, args.guess_experts,
                    args.peer_timeout, _log)

@@ -81,6 +81,11 @@ class Geometry:
         return self.n_experts * self.moe_layers * self.expert_slot_bytes
 
     @property
+    def all_weights_bytes(self) -> int:
+        """A budget holding every trunk layer and every expert (the `max` rung)."""
+        return self.trunk_bytes + self.all_experts_bytes
+
+    @property
     def min_expert_slots(self) -> int:
         return self.top_k + 1
 

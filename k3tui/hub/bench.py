@@ -65,7 +65,7 @@ def _start_hub(src: Path, throttle_mbps: float = 0.0,
 
 def _loadavg() -> str:
     try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
     except OSError:
         return "unknown"
 
