@@ -110,15 +110,26 @@ class CheckpointMap:
             per_layer = trunk_specs(Path(trunk_dir), self.index, self.names, n, self.root)
         self.trunk_kind = _trunk_kind(per_layer, trunk_dir)
         self.layers = [Layout(per_layer[i]) for i in range(n)]
-        self._expert_layouts: dict[tuple[int, int], Layout] = {}
+        self._expert_layouts: dict[tuple[int, int], tuple[Layout, tuple]] = {}
 
     def expert_layout(self, layer: int, expert: int) -> Layout:
+        return self._expert(layer, expert)[0]
+
+    def expert_form(self, layer: int, expert: int) -> tuple:
+        """Where each of the expert's arrays sits in its slot (position, dtype, shape, in
+        `TensorNames.expert` order): experts of one form have the same views of a slot."""
+        return self._expert(layer, expert)[1]
+
+    def _expert(self, layer: int, expert: int) -> tuple[Layout, tuple]:
         key = (layer, expert)
-        lay = self._expert_layouts.get(key)
-        if lay is None:
-            infos = [self.index.info(n) for n in self.names.expert(layer, expert)]
-            lay = self._expert_layouts[key] = Layout([spec_of(t) for t in infos])
-        return lay
+        known = self._expert_layouts.get(key)
+        if known is None:
+            names = self.names.expert(layer, expert)
+            lay = Layout([spec_of(self.index.info(n)) for n in names])
+            form = tuple((lay.tensors[n][0], lay.tensors[n][1].dtype.str, lay.tensors[n][1].shape)
+                         for n in names)
+            known = self._expert_layouts[key] = (lay, form)
+        return known
 
     def model_spec(self, short: str) -> TensorSpec:
         return spec_of(self.index.info(self.names.model(short)))
@@ -232,10 +243,10 @@ class StreamingSource:
         self._cancelled: list[tuple[int, Batch]] = []
         self.wants_guesses = plan.guess_experts
         self._model: dict[str, np.ndarray] = {}
-        # slot -> (key, its ExpertWeights): views of the slot's bytes built once while the
-        # slot holds that key (a cached expert costs no views per token); checked by key, so a
-        # slot refilled with another expert gets new views.
-        self._weights: dict[int, tuple[tuple[int, int], ExpertWeights]] = {}
+        # (slot, expert form) -> ExpertWeights: views of the slot's bytes, built once per form
+        # (a checkpoint's experts have a few), so neither a cached expert nor a slot refilled
+        # with another expert of that form builds views on the decode's critical path.
+        self._weights: dict[tuple[int, tuple], ExpertWeights] = {}
         self._wait_lock = threading.Lock()
         self._waiters = 0
         self._wait_t0 = 0.0
@@ -443,12 +454,12 @@ class StreamingSource:
 
     def _expert_weights(self, slot: int, key: tuple[int, int]) -> ExpertWeights:
         """The ExpertWeights of `key`, whose bytes are in `slot`."""
-        known = self._weights.get(slot)
-        if known is not None and known[0] == key:
-            return known[1]
-        views = self.map.expert_layout(*key).views(self.cache.buffer(slot))
-        weights = expert_from_arrays([views[n] for n in self.names.expert(*key)])
-        self._weights[slot] = (key, weights)
+        form = self.map.expert_form(*key)
+        weights = self._weights.get((slot, form))
+        if weights is None:
+            views = self.map.expert_layout(*key).views(self.cache.buffer(slot))
+            weights = expert_from_arrays([views[n] for n in self.names.expert(*key)])
+            self._weights[(slot, form)] = weights
         return weights
 
     def _adopt_preload(self, layer: int) -> None:

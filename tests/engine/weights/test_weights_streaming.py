@@ -263,9 +263,9 @@ def test_stream_plan_holding_everything_loads_it_up_front(small):
 
 
 def test_stream_cached_expert_views_are_reused_and_never_stale(small):
-    """A cached expert's ExpertWeights are built once per stay in a slot (the same object
-    while the slot holds it), and a slot refilled with another expert never hands out the
-    old one's views: every expert equals the resident bytes across evictions and reuse."""
+    """A slot's ExpertWeights are built once per expert form (the same object while the
+    slot holds an expert, and again when it is refilled with another of that form), and
+    never hand out stale bytes: every expert equals the resident bytes across evictions."""
     res = ResidentSource(small)
     g = CheckpointMap(small).geometry()
     budget = (g.trunk_bytes + (g.top_k + 2) * g.expert_slot_bytes) / GB
@@ -274,6 +274,8 @@ def test_stream_cached_expert_views_are_reused_and_never_stale(small):
         nslots = src.cache.nslots
         assert nslots < 2 * g.top_k  # two layers' experts do not fit: slots are reused
         first: dict = {}
+        by_form: dict = {}  # (slot, form) -> the ExpertWeights last served from it
+        refilled = 0
         for step in range(40):
             L = 1 + step % 3
             ids = sorted(rng.choice(g.n_experts, size=g.top_k, replace=False).tolist())
@@ -287,8 +289,13 @@ def test_stream_cached_expert_views_are_reused_and_never_stale(small):
                     slot = src.cache.lookup((L, e))
                     if (L, e) in resident_before and first.get((L, e))[0] == slot:
                         assert w is first[(L, e)][1]  # a hit: no new views
+                    known = by_form.get((slot, src.map.expert_form(L, e)))
+                    if known is not None:
+                        assert w is known  # a refilled slot: its views of that form again
+                        refilled += (L, e) not in resident_before
+                    by_form[(slot, src.map.expert_form(L, e))] = w
                     first[(L, e)] = (slot, w)
-        assert src.cache.evictions > 0
+        assert src.cache.evictions > 0 and refilled > 0
 
 
 def test_stream_warm_reads_what_the_plan_keeps_before_the_first_token(small):
