@@ -74,6 +74,18 @@ def test_stream_bench_json_keys(tmp_path):
     assert not (tmp_path / "work" / "scratch" / "trunk").exists()  # pack output cleaned up
 
 
+def _one_rung(r: dict) -> dict:
+    """A bench result around one assessed rung, for `render`."""
+    return {"checkpoint_gb": 6.0, "budget_gb": r["budget_gb"], "s_per_token": r["s_per_token"],
+            "gb_read_per_token": r["gb_read_per_token"],
+            "mb_per_s": r["gb_read_per_token"] * 1000 / r["s_per_token"],
+            "raw_gb_per_s": r["raw_gb_per_s"],
+            "raw_best": {"request_bytes": 1 << 20, "queue_depth": 8},
+            "efficiency": r["efficiency"],
+            "compute_only_s_per_token": r["compute_only_s_per_token"], "peak_rss_gb": 1.0,
+            "rss_limit_gb": 1.7, "ids_identical": True, "ladder": [r]}
+
+
 def test_stream_bench_reports_a_raw_figure_below_the_decode_as_a_bug():
     """A decode that read its useful bytes faster than 'raw' proves raw wrong: no
     efficiency is printed, the rung says reference bug."""
@@ -86,12 +98,7 @@ def test_stream_bench_reports_a_raw_figure_below_the_decode_as_a_bug():
     r = assess(dict(rung))
     assert r["efficiency"] is None and "reference bug" in r["reference_error"]
     assert r["bound_s_per_token"] == pytest.approx(0.25)  # useful bytes only: 0.5 / 2.0
-    res = {"checkpoint_gb": 6.0, "budget_gb": 1.0, "s_per_token": 0.2,
-           "gb_read_per_token": 0.5, "mb_per_s": 2500, "raw_gb_per_s": 2.0,
-           "raw_best": {"request_bytes": 1 << 20, "queue_depth": 8}, "efficiency": None,
-           "compute_only_s_per_token": 0.07, "peak_rss_gb": 1.0, "rss_limit_gb": 1.7,
-           "ids_identical": True, "ladder": [r]}
-    text = render(res)
+    text = render(_one_rung(r))
     assert "reference bug" in text and "efficiency 1.25" not in text
     ok = assess(dict(rung, raw_gb_per_s=4.0, engine_device_gb_per_s=3.0))
     assert ok["reference_error"] is None and ok["efficiency"] == pytest.approx(0.625)
@@ -110,12 +117,7 @@ def test_stream_bench_overlap_by_turn_is_each_turn_against_its_own_twin_turn():
     # io = 0.2 / 2.0 = 0.1 s: the third turn's twin (0.08) is below it, so 0.12 / 0.1
     assert r["overlap_range"] == pytest.approx([0.13 / 0.12, 0.15 / 0.10])
     assert assess(dict(rung, rounds=[]))["overlap_range"] is None
-    res = {"checkpoint_gb": 6.0, "budget_gb": 1.0, "s_per_token": 0.14,
-           "gb_read_per_token": 0.2, "mb_per_s": 1400, "raw_gb_per_s": 2.0,
-           "raw_best": {"request_bytes": 1 << 20, "queue_depth": 8}, "efficiency": 0.7,
-           "compute_only_s_per_token": 0.11, "peak_rss_gb": 1.0, "rss_limit_gb": 1.7,
-           "ids_identical": True, "ladder": [r]}
-    assert " 1.08-1.50 " in render(res)
+    assert " 1.08-1.50 " in render(_one_rung(r))
 
 
 def test_stream_bench_vs_load_is_the_streamed_decode_against_the_loaded_twin():
@@ -132,9 +134,4 @@ def test_stream_bench_vs_load_is_the_streamed_decode_against_the_loaded_twin():
     assert assess(dict(rung, loaded_s_per_token=0.05))["overlap_vs_loaded"] == pytest.approx(
         0.14 / 0.1)  # the disk still bounds
     assert assess(dict(rung, loaded_s_per_token=None))["overlap_vs_loaded"] is None
-    res = {"checkpoint_gb": 6.0, "budget_gb": 1.0, "s_per_token": 0.14,
-           "gb_read_per_token": 0.2, "mb_per_s": 1400, "raw_gb_per_s": 2.0,
-           "raw_best": {"request_bytes": 1 << 20, "queue_depth": 8}, "efficiency": 0.7,
-           "compute_only_s_per_token": 0.11, "peak_rss_gb": 1.0, "rss_limit_gb": 1.7,
-           "ids_identical": True, "ladder": [r]}
-    assert "  0.125    1.12" in render(res)
+    assert "  0.125    1.12" in render(_one_rung(r))
