@@ -69,6 +69,7 @@ MODEL_TENSORS = ("embed_tokens.weight", "lm_head.weight", "norm.weight",
 EXPERT_PRIORITY = 0  # urgent: the compute is blocked on these
 TRUNK_PRIORITY = 1  # read-ahead
 EXPERT_CHUNK = 1 << 20  # experts split so the first one lands after a fraction of the set
+FORMS_PER_SLOT = 8  # expert views kept per slot
 
 
 def spec_of(t: TensorInfo) -> TensorSpec:
@@ -110,24 +111,27 @@ class CheckpointMap:
             per_layer = trunk_specs(Path(trunk_dir), self.index, self.names, n, self.root)
         self.trunk_kind = _trunk_kind(per_layer, trunk_dir)
         self.layers = [Layout(per_layer[i]) for i in range(n)]
-        self._expert_layouts: dict[tuple[int, int], tuple[Layout, tuple]] = {}
+        self._expert_layouts: dict[tuple[int, int], tuple[Layout, int]] = {}
+        self._forms: dict[tuple, int] = {}
 
     def expert_layout(self, layer: int, expert: int) -> Layout:
         return self._expert(layer, expert)[0]
 
-    def expert_form(self, layer: int, expert: int) -> tuple:
-        """Where each of the expert's arrays sits in its slot (position, dtype, shape, in
-        `TensorNames.expert` order): experts of one form have the same views of a slot."""
+    def expert_form(self, layer: int, expert: int) -> int:
+        """Which form the expert has: where each of its arrays sits in a slot (position,
+        dtype, shape, in `TensorNames.expert` order). Experts of one form have the same views
+        of a slot; a checkpoint has a few (one per page offset its experts start at)."""
         return self._expert(layer, expert)[1]
 
-    def _expert(self, layer: int, expert: int) -> tuple[Layout, tuple]:
+    def _expert(self, layer: int, expert: int) -> tuple[Layout, int]:
         key = (layer, expert)
         known = self._expert_layouts.get(key)
         if known is None:
             names = self.names.expert(layer, expert)
             lay = Layout([spec_of(self.index.info(n)) for n in names])
-            form = tuple((lay.tensors[n][0], lay.tensors[n][1].dtype.str, lay.tensors[n][1].shape)
-                         for n in names)
+            shape = tuple((lay.tensors[n][0], lay.tensors[n][1].dtype.str,
+                           lay.tensors[n][1].shape) for n in names)
+            form = self._forms.setdefault(shape, len(self._forms))
             known = self._expert_layouts[key] = (lay, form)
         return known
 
@@ -243,10 +247,10 @@ class StreamingSource:
         self._cancelled: list[tuple[int, Batch]] = []
         self.wants_guesses = plan.guess_experts
         self._model: dict[str, np.ndarray] = {}
-        # (slot, expert form) -> ExpertWeights: views of the slot's bytes, built once per form
+        # slot -> {expert form: ExpertWeights}: views of the slot's bytes, built once per form
         # (a checkpoint's experts have a few), so neither a cached expert nor a slot refilled
         # with another expert of that form builds views on the decode's critical path.
-        self._weights: dict[tuple[int, tuple], ExpertWeights] = {}
+        self._weights: dict[int, dict[int, ExpertWeights]] = {}
         self._wait_lock = threading.Lock()
         self._waiters = 0
         self._wait_t0 = 0.0
@@ -455,11 +459,13 @@ class StreamingSource:
     def _expert_weights(self, slot: int, key: tuple[int, int]) -> ExpertWeights:
         """The ExpertWeights of `key`, whose bytes are in `slot`."""
         form = self.map.expert_form(*key)
-        weights = self._weights.get((slot, form))
+        known = self._weights.setdefault(slot, {})
+        weights = known.get(form)
         if weights is None:
+            if len(known) >= FORMS_PER_SLOT:  # a checkpoint of many forms: bounded memory
+                known.clear()
             views = self.map.expert_layout(*key).views(self.cache.buffer(slot))
-            weights = expert_from_arrays([views[n] for n in self.names.expert(*key)])
-            self._weights[(slot, form)] = weights
+            weights = known[form] = expert_from_arrays([views[n] for n in self.names.expert(*key)])
         return weights
 
     def _adopt_preload(self, layer: int) -> None:
