@@ -66,8 +66,8 @@ def test_stream_bench_json_keys(tmp_path):
     for rung in res["ladder"]:
         lo, hi = rung["overlap_range"]
         assert 0 < lo <= hi and rung["rounds"]
-    # the reads' own CPU is recorded per configuration of the sweep
-    assert all(r["cpu_s_per_gb"] >= 0 for r in head["raw_sweep"][0])
+    # the reads' own CPU is measured per configuration of the sweep (never free)
+    assert all(r["cpu_s_per_gb"] > 0 for r in head["raw_sweep"][0])
     # these rungs stream trunk layers: no read-load twin (it loads expert reads only)
     assert all(r["loaded_s_per_token"] is None for r in res["ladder"])
     assert res["ladder"][0]["gb_read_per_token"] > 0
