@@ -305,8 +305,14 @@ def run_rung(ck: Path, budget: str, tokens: int, threads: int, trunk: str | None
         drain_per_token = drains[1]
         rounds = [t[:2] for t in turns]
         if load is not None:
+            # Its drain (the time its reads outlast its turns) says which bound it met: what
+            # the reads cost the compute, or the disk itself for this pattern while the
+            # compute runs (the rate of its reads while any was in flight).
             loaded = {"loaded_s_per_token": float(np.mean([t.seconds for t in runs[2][1:]]))
-                      + drains[2], "loaded_reads_per_layer": load.per_layer}
+                      + drains[2], "loaded_drain_s_per_token": drains[2],
+                      "loaded_read_gb_per_s": load.pool.bytes_read / 1e9 / load.pool.busy_s
+                      if load.pool.busy_s > 0 else None,
+                      "loaded_reads_per_layer": load.per_layer}
             load.close()
         refs.append(reference_raw(cmap, src.plan, rng))
         plan = src.plan
@@ -452,9 +458,10 @@ def assess(r: dict) -> dict:
     if raw and engine_rate and engine_rate > raw:
         errors.append(f"the engine read {engine_rate:.2f} GB/s during decode, above the raw "
                       f"{raw:.2f} GB/s")
-    # What the reads cost the compute on this machine, apart from the schedule: the twin
-    # decoding under the streamed decode's reads (engine/bench/readload.py). Printed beside
-    # the headline, which stays against the twin alone.
+    # What the reads cost on this machine apart from the schedule (the compute slowed beside
+    # them, or the disk delivering this pattern while the compute runs): the twin decoding
+    # under the streamed decode's reads (engine/bench/readload.py). Printed beside the
+    # headline, which stays against the twin alone.
     loaded = r.get("loaded_s_per_token")
     # The same ratio turn by turn (each turn's twin as its compute-only): how far this VM's
     # load moves the headline between two runs of the bench.
@@ -535,7 +542,8 @@ def _main(args: argparse.Namespace) -> int:
             "plan_overhead_gb", "gb_unused_per_token", "guess_experts", "guess_recall",
             "guess_precision", "io_s_per_token", "reference_error", "raw_best",
             "device_gb_per_s", "engine_device_gb_per_s", "disk_busy_fraction", "load_s",
-            "threads", "raw_sweep", "loaded_s_per_token", "loaded_reads_per_layer",
+            "threads", "raw_sweep", "loaded_s_per_token", "loaded_drain_s_per_token",
+            "loaded_read_gb_per_s", "loaded_reads_per_layer",
             "overlap_vs_loaded", "overlap_range", "rounds")}
             for r in ladder],
         "peer": peer,
@@ -596,7 +604,7 @@ def render(res: dict[str, Any]) -> str:
                  f"{'wasted':>7} {'compute':>8} {'I/O s':>7} {'bound s':>8} {'overlap':>7} "
                  f"{'by turn':>9} "
                  f"{'effic.':>6} {'raw MB/s':>8} {'busy':>5} {'peak RSS':>8} {'loaded':>7} "
-                 f"{'vs load':>7}")
+                 f"{'ld wait':>7} {'ld MB/s':>7} {'vs load':>7}")
     errors = []
     for r in res["ladder"]:
         if r.get("reference_error"):
@@ -611,6 +619,8 @@ def render(res: dict[str, Any]) -> str:
             f"{_f(r.get('raw_gb_per_s'), '.0f', 1000):>8} "
             f"{_f(r.get('disk_busy_fraction'), '.0%'):>5} {r['peak_rss_gb']:>8.2f} "
             f"{_f(r.get('loaded_s_per_token'), '.3f'):>7} "
+            f"{_f(r.get('loaded_drain_s_per_token'), '.3f'):>7} "
+            f"{_f(r.get('loaded_read_gb_per_s'), '.0f', 1000):>7} "
             f"{_f(r.get('overlap_vs_loaded'), '.2f'):>7}")
     lines += errors
     if res.get("peer"):
@@ -625,7 +635,10 @@ def render(res: dict[str, Any]) -> str:
                  "decode with I/O in flight; "
                  "loaded = s/token of the twin while the streamed decode's reads (as many, "
                  "as large, same readers, never waited for) run beside it, where only experts "
-                 "stream; vs load = s/token / max(loaded, I/O s): the schedule alone")
+                 "stream; ld wait = the part of it spent waiting for those reads after its "
+                 "compute (where it is large, the disk bound it, not the compute); ld MB/s = "
+                 "their rate while any was in flight; vs load = s/token / max(loaded, I/O s): "
+                 "the schedule alone")
     return "\n".join(lines)
 
 

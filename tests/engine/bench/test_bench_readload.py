@@ -46,6 +46,9 @@ def test_rung_with_only_experts_streaming_times_the_loaded_twin(ck):
     assert len(plan.pinned) == g.n_layers and plan.expert_slots < g.n_experts * g.moe_layers
     r = run_rung(ck, f"{budget:.6f}", 5, 2, None)
     assert r["loaded_s_per_token"] > 0
+    # its wait for the reads after its turns is part of its s/token, and they were timed
+    assert 0 <= r["loaded_drain_s_per_token"] <= r["loaded_s_per_token"]
+    assert r["loaded_read_gb_per_s"] > 0
     # expert reads per layer, as the streamed decode issued them: some (its cache is smaller
     # than one token's experts), at most a layer's top-k misses plus as many guesses
     assert 0 < r["loaded_reads_per_layer"] <= 2 * g.top_k

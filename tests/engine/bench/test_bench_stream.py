@@ -127,11 +127,13 @@ def test_stream_bench_vs_load_is_the_streamed_decode_against_the_loaded_twin():
     rung = {"budget": "1", "budget_gb": 1.0, "s_per_token": 0.14, "gb_read_per_token": 0.2,
             "gb_unused_per_token": 0.0, "compute_only_s_per_token": 0.11,
             "raw_gb_per_s": 2.0, "pinned_layers": 13, "disk_busy_fraction": 0.5,
-            "peak_rss_gb": 1.0, "loaded_s_per_token": 0.125}
+            "peak_rss_gb": 1.0, "loaded_s_per_token": 0.125, "loaded_drain_s_per_token": 0.03,
+            "loaded_read_gb_per_s": 2.4}
     r = assess(dict(rung))
     assert r["overlap_ratio"] == pytest.approx(0.14 / 0.11)  # the headline is unchanged
     assert r["overlap_vs_loaded"] == pytest.approx(0.14 / 0.125)
     assert assess(dict(rung, loaded_s_per_token=0.05))["overlap_vs_loaded"] == pytest.approx(
         0.14 / 0.1)  # the disk still bounds
     assert assess(dict(rung, loaded_s_per_token=None))["overlap_vs_loaded"] is None
-    assert "  0.125    1.12" in render(_one_rung(r))
+    # loaded, then how much of it was waiting for its reads and their rate, then vs load
+    assert "  0.125   0.030    2400    1.12" in render(_one_rung(r))
