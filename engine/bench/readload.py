@@ -3,8 +3,10 @@
 `ReadLoad` wraps the resident twin's source: at each MoE layer it issues the reads the
 streamed rung issued per layer on average (whole experts at random, with the engine's
 layouts, pool, reader threads, chunking and priority) into a reused, pre-faulted scratch
-ring, and never waits for them. What that costs the twin is what the disk's reads cost
-the compute on this machine; the streamed decode's time above it is its schedule.
+ring, and never waits for them. What that costs the twin is what the reads cost on this
+machine: the compute slowed while they land, and where they outlast the compute (its turn
+then drains them) the disk itself at this pattern beside the compute. The streamed
+decode's time above it is its schedule.
 """
 
 from __future__ import annotations
