@@ -8,7 +8,8 @@ Everything is measured side by side in one run, because the machine is shared an
   is its own, with `s/token`, GB read per token and the compute time;
 * compute-only s/token: the same decode with every weight already in RAM;
 * where only experts stream, that decode again under the streamed decode's reads
-  (engine/bench/readload.py): what the reads cost the compute here, apart from the schedule;
+  (engine/bench/readload.py): what the reads cost here (the compute slowed beside them,
+  or the disk where they outlast the compute), apart from the schedule;
 * the trunk packer against a plain copy of the same bytes;
 * with --peer PATH, the C peer's `k3` beside the engine at every budget (engine/bench/peer.py).
 efficiency = (GB read per token / raw GB/s) / (s/token): 1.0 means the disk never idled.
