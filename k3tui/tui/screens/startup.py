@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,10 @@ def tail(path: str | Path | None, n: int = 200) -> list[str]:
             return [clean(line) for line in fh.read().decode("utf-8", "replace").splitlines()[-n:]]
     except OSError:
         return []
+
+
+class _Closed(Exception):
+    """The start-up screen is gone (the app quit) while its backend was starting."""
 
 
 class LogView(Vertical):
@@ -92,6 +97,7 @@ class StartupScreen(Screen[Any]):
         self.log_path = log_path
         self.last_line = ""
         self.failure: K3Error | None = None  # why the last attempt failed (read by --smoke)
+        self._host: Any = None  # the app, kept on mount for the start-up thread
         self.typed = ""
 
     def compose(self) -> ComposeResult:
@@ -104,6 +110,7 @@ class StartupScreen(Screen[Any]):
         yield Footer()
 
     def on_mount(self) -> None:
+        self._host = self.app
         self.query_one("#startup-warnings", Static).display = False
         self.query_one("#startup-typed", Static).display = False
         self.run_start()
@@ -144,8 +151,30 @@ class StartupScreen(Screen[Any]):
         line = progress.line() if hasattr(progress, "line") else str(progress)
         warnings = tuple(getattr(progress, "warnings", ()) or ())
         if warnings:
-            self.app.call_from_thread(self._warn, warnings)
-        self.app.call_from_thread(self._show, line)
+            self._ui(self._warn, warnings)
+        self._ui(self._show, line)
+
+    def _ui(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` on the app's thread (awaited if it returns an awaitable, as `dismiss`
+        does), from the start-up worker; `_Closed` once this screen is gone (the user quit
+        while the backend started), so that the start stops and leaves no server behind."""
+        app = self._host  # from a thread, `self.app` is found through the DOM: gone at quit
+
+        async def run() -> tuple[bool, Any]:
+            if not (self.is_attached and app.is_running):  # quitting, or shutting down
+                return False, None
+            out = fn(*args)
+            return True, (await out) if inspect.isawaitable(out) else out
+
+        try:
+            done, out = app.call_from_thread(run)
+        except RuntimeError:
+            if app.is_running:  # not the ended loop: a real error of `fn`
+                raise
+            raise _Closed from None
+        if not done:
+            raise _Closed
+        return out
 
     def _warn(self, warnings: tuple[str, ...]) -> None:
         """Warnings stay in view for the whole load (progress lines replace each other),
@@ -169,19 +198,32 @@ class StartupScreen(Screen[Any]):
 
     @work(thread=True, exclusive=True, group="startup")
     def run_start(self) -> None:
-        self.app.call_from_thread(self._warn, ())   # a retry decides afresh
-        self.app.call_from_thread(self._show, "starting…")
+        try:
+            self._start()
+        except _Closed:  # quit while starting: nothing left to show, and no server left behind
+            pass
+
+    def _start(self) -> None:
+        self._ui(self._warn, ())   # a retry decides afresh
+        self._ui(self._show, "starting…")
         self.failure = None
         try:
-            backend = self.start(self._progress)
+            backend = self.start(self._progress)  # a `_Closed` from `_progress` stops it
+        except _Closed:
+            raise
         except Exception as exc:  # never a traceback on screen
             failure = exc if isinstance(exc, K3Error) else \
                 K3Error(f"The backend did not start: {exc}", "read the log below")
-            demo = ", d to try the demo model" if self.app.demo is not None else ""
+            demo = ", d to try the demo model" if self._host.demo is not None else ""
             self.failure = failure
-            self.app.call_from_thread(self._show, f"{failure.message}\nnext: "
-                                      f"{failure.next_step}\npress r to retry{demo}, Esc to "
-                                      "quit", "bold red")
-            self.app.call_from_thread(self.refresh_bindings)
+            self._ui(self._show, f"{failure.message}\nnext: {failure.next_step}\npress r to "
+                     f"retry{demo}, Esc to quit", "bold red")
+            self._ui(self.refresh_bindings)
             return
-        self.app.call_from_thread(self.dismiss, backend)
+        try:
+            self._ui(self.dismiss, backend)
+        except _Closed:
+            stop = getattr(backend, "stop", None)
+            if stop is not None:  # nobody will attach it now
+                stop()
+            raise

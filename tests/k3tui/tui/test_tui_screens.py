@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import subprocess
+import sys
+import threading
+
+import pytest
 from textual.widgets import Input, OptionList
 from tui_helpers import screen_text, settle, wait_until
 
@@ -170,3 +176,48 @@ async def test_tui_screens_keys_help(app_factory):
         await pilot.press("escape")
         await pilot.pause()
         assert app.screen is app.chat
+
+
+@pytest.mark.parametrize("notices", ["in its progress report", "only when it returns"])
+async def test_tui_screens_quit_while_the_backend_starts_leaves_no_server(app_factory, notices):
+    """Esc while the backend loads: the app quits without a traceback, and the server the
+    start had launched (a real process here) is stopped, whether the start learns of the
+    quit from its next progress report (as `wait_ready` does) or only returns after it."""
+    launched: list[subprocess.Popen] = []
+    go = threading.Event()
+
+    class Running:
+        kind, model, base_url, pid, log_path = "bundled", "kimi-k3", "http://x", None, None
+
+        def __init__(self, proc):
+            self.proc = proc
+
+        def stop(self):
+            self.proc.kill()
+
+    def starter(on_progress):
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        launched.append(proc)
+        on_progress("loading the trunk")
+        go.wait(30)
+        if notices == "in its progress report":
+            try:
+                on_progress("still loading")
+            except BaseException:
+                proc.kill()
+                raise
+        return Running(proc)
+
+    app = app_factory(ScriptedStream("x"), starter=starter)
+    async with app.run_test() as pilot:
+        await wait_until(pilot, lambda: "loading the trunk" in screen_text(app))
+        await pilot.press("escape")  # quit
+        for _ in range(3000):  # the quit is under way before the start goes on
+            if app.return_code is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert app.return_code is not None
+        go.set()
+    # the loop must stay free while the start-up thread reports back: wait off it
+    assert await asyncio.to_thread(launched[0].wait, 30) is not None
+
