@@ -218,6 +218,8 @@ async def test_tui_screens_quit_while_the_backend_starts_leaves_no_server(app_fa
             await asyncio.sleep(0.01)
         assert app.return_code is not None
         go.set()
-    # the loop must stay free while the start-up thread reports back: wait off it
-    assert await asyncio.to_thread(launched[0].wait, 30) is not None
+    try:  # the loop must stay free while the start-up thread reports back: wait off it
+        assert await asyncio.to_thread(launched[0].wait, 30) is not None
+    finally:
+        launched[0].kill()  # a failed run leaves no sleeper behind either
 
