@@ -74,9 +74,23 @@ def _finite_float(text: str) -> float:
     return value
 
 
+def _unicode(text: str) -> None:
+    """Refuse a string holding a lone UTF-16 surrogate: JSON lets `"\\ud800"` through, but
+    it is no character, and the tokenizer, the template and every UTF-8 writer fail on it."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise BadRequest(
+                f"the request body has a string with an unpaired surrogate "
+                f"(\\u{ord(text[exc.start]):04x}), which is no Unicode character; send valid "
+                "text (a character outside the BMP is a pair of \\u escapes)"
+            ) from None
+
+
 def parse_json(raw: bytes) -> Any:
     """Strict JSON: no NaN / Infinity (nor 1e400, which would read as infinity), at most
-    MAX_JSON_DEPTH levels of nesting. Raises BadRequest."""
+    MAX_JSON_DEPTH levels of nesting, no lone surrogate in a string value. Raises BadRequest."""
     too_deep = BadRequest(f"the request body nests more than {MAX_JSON_DEPTH} levels deep")
     try:
         value = json.loads(raw, parse_constant=_refuse_constant, parse_float=_finite_float)
@@ -87,6 +101,9 @@ def parse_json(raw: bytes) -> Any:
     stack = [(value, 1)]
     while stack:
         item, depth = stack.pop()
+        if isinstance(item, str):
+            _unicode(item)
+            continue
         if isinstance(item, dict):
             item = list(item.values())
         elif not isinstance(item, list):

@@ -183,6 +183,35 @@ def test_srv_limits_wrong_types_and_ranges_are_400_naming_the_field(server):
     _no_traceback_since(server, offset)
 
 
+LONE_SURROGATES = [
+    (CHAT, b'{"messages": [{"role": "user", "content": "hi \\ud800"}], "max_tokens": 2}'),
+    (CHAT, b'{"messages": [{"role": "user", "content": "x", "name": "\\udc00"}]}'),
+    (CHAT, b'{"messages": %s, "reasoning_effort": "\\ud800"}' % json.dumps(HI).encode()),
+    ("/tokenize", b'{"content": "\\udfff"}'),
+    ("/apply-template", b'{"messages": [{"role": "user", "content": "\\ud83d"}]}'),
+]
+
+
+@pytest.mark.parametrize("path, raw", LONE_SURROGATES,
+                         ids=["content", "name", "echoed-in-error", "tokenize", "template"])
+def test_srv_limits_lone_surrogate_is_400_not_a_crash(server, path, raw):
+    """`"\\ud800"` is valid JSON but no character: the tokenizer and the UTF-8 writer of an
+    error that echoes it would fail (a 500 with a traceback in the log)."""
+    offset = len(server.log.read_text())
+    resp = httpx.post(server.url + path, content=raw, timeout=30,
+                      headers={"Content-Type": "application/json"})
+    assert_error(resp, 400, "surrogate")
+    _no_traceback_since(server, offset)
+
+
+def test_srv_limits_surrogate_pair_is_one_character(server):
+    resp = httpx.post(server.url + "/tokenize", content=b'{"content": "\\ud83d\\ude00"}',
+                      timeout=30, headers={"Content-Type": "application/json"})
+    assert resp.status_code == 200 and resp.json()["tokens"], resp.text
+    detok = httpx.post(server.url + "/detokenize", json=resp.json(), timeout=30)
+    assert detok.json()["content"] == "\U0001f600"
+
+
 def test_srv_limits_64_levels_pass_65_do_not(server):
     raw = b'{"messages": %s, "max_tokens": 2, "metadata": ' % json.dumps(HI).encode()
     resp = _post_raw(server, raw + b"[" * 63 + b"]" * 63 + b"}")  # the object + 63 arrays
