@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import ssl
 import time
 from collections.abc import AsyncIterator, Callable
@@ -336,11 +337,33 @@ async def stream_chat(base_url: str, messages: list[dict[str, Any]], *,
             await http.aclose()
 
 
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
+async def sse_lines(resp: httpx.Response) -> AsyncIterator[str]:
+    """The lines of an SSE body as the SSE spec reads them: UTF-8 whatever the charset
+    says (bytes that are not become U+FFFD), split at CR, LF or CRLF only. httpx's
+    `aiter_lines` splits like `str.splitlines`, also at U+2028, U+0085, \\x1c … which JSON
+    carries unescaped inside a string: a model writing one would cut its chunk in two."""
+    buf = bytearray()
+    async for chunk in resp.aiter_bytes():
+        buf += chunk
+        start = 0
+        while (end := _LINE_END.search(buf, start)) is not None:
+            if end.group() == b"\r" and end.end() == len(buf):
+                break  # a CR that the next chunk may turn into CRLF
+            yield buf[start:end.start()].decode("utf-8", "replace")
+            start = end.end()
+        del buf[:start]
+    if buf:
+        yield bytes(buf).removesuffix(b"\r").decode("utf-8", "replace")
+
+
 async def _read_answer(resp: httpx.Response,
                        interp: ChunkInterpreter) -> AsyncIterator[StreamEvent]:
     """The SSE body of a 200 answer as events, until the turn is done."""
     parser = SSEParser()
-    async for line in resp.aiter_lines():
+    async for line in sse_lines(resp):
         payload = parser.feed(line)
         if payload is None:
             continue
