@@ -39,6 +39,20 @@ from k3tui.backends.events import (
 READ_TIMEOUT_S = 900.0
 CONNECT_TIMEOUT_S = 10.0
 LOADING_POLL_S = 1.0  # /health polls while a server loads its model
+# One SSE event holds one chunk (a token's delta, its timings and `k3`: about 1 kB); an
+# error answer is one sentence. More than these is a broken or hostile server.
+MAX_EVENT_BYTES = 2**20
+MAX_ERROR_BYTES = 64 * 2**10
+MAX_ERROR_CHARS = 500  # of a server's error message shown to the user
+
+
+class StreamTooLarge(Exception):
+    """An SSE line or event longer than MAX_EVENT_BYTES."""
+
+
+TOO_LARGE = ("The backend sent an event larger than 1 MiB without ending it; the stream was "
+             "closed.", "check that the URL points at an OpenAI-compatible server and look at "
+             "its log (the answer so far is kept)")
 
 
 def api_base(base_url: str) -> str:
@@ -105,8 +119,10 @@ class SSEParser:
 
     def __init__(self) -> None:
         self._data: list[str] = []
+        self._size = 0
 
     def feed(self, line: str) -> str | None:
+        """Raises StreamTooLarge once the event's data passes MAX_EVENT_BYTES."""
         line = line.rstrip("\r")
         if not line:
             return self.flush()
@@ -115,6 +131,9 @@ class SSEParser:
         field, _, value = line.partition(":")
         value = value.removeprefix(" ")
         if field == "data":
+            self._size += len(value) + 1
+            if self._size > MAX_EVENT_BYTES:
+                raise StreamTooLarge
             self._data.append(value)
         return None  # event:, id:, retry: carry nothing a chat client needs
 
@@ -122,7 +141,7 @@ class SSEParser:
         if not self._data:
             return None
         payload = "\n".join(self._data)
-        self._data = []
+        self._data, self._size = [], 0
         return payload
 
 
@@ -253,7 +272,10 @@ def error_event(err: Any, status: int | None = None) -> BackendError:
         code = err.get("code", status)
     else:
         message, kind, code = str(err), "", status
-    message = message.strip().rstrip(".") + "."
+    message = message.strip()
+    if len(message) > MAX_ERROR_CHARS:
+        message = message[:MAX_ERROR_CHARS].rstrip() + "…"
+    message = message.rstrip(".") + "."
     if kind == "exceed_context_size_error":
         step = "start a new chat, or raise llama_server.ctx_size in the config"
     elif code == 401 or kind == "authentication_error":
@@ -297,7 +319,7 @@ async def stream_chat(base_url: str, messages: list[dict[str, Any]], *,
                             if isinstance(event, BackendError):
                                 return
                         break
-                    raw = (await resp.aread()).decode("utf-8", "replace")
+                    raw = await _read_error_body(resp)
                 if resp.status_code != 503 or not _is_loading(raw):
                     yield _http_error(resp.status_code, raw)
                     return
@@ -352,9 +374,13 @@ async def sse_lines(resp: httpx.Response) -> AsyncIterator[str]:
         while (end := _LINE_END.search(buf, start)) is not None:
             if end.group() == b"\r" and end.end() == len(buf):
                 break  # a CR that the next chunk may turn into CRLF
+            if end.start() - start > MAX_EVENT_BYTES:
+                raise StreamTooLarge
             yield buf[start:end.start()].decode("utf-8", "replace")
             start = end.end()
         del buf[:start]
+        if len(buf) > MAX_EVENT_BYTES:  # no line end in sight
+            raise StreamTooLarge
     if buf:
         yield bytes(buf).removesuffix(b"\r").decode("utf-8", "replace")
 
@@ -363,18 +389,33 @@ async def _read_answer(resp: httpx.Response,
                        interp: ChunkInterpreter) -> AsyncIterator[StreamEvent]:
     """The SSE body of a 200 answer as events, until the turn is done."""
     parser = SSEParser()
-    async for line in sse_lines(resp):
-        payload = parser.feed(line)
-        if payload is None:
-            continue
-        for event in interp.data(payload):
-            yield event
-        if interp.turn.done:
-            return
+    try:
+        async for line in sse_lines(resp):
+            payload = parser.feed(line)
+            if payload is None:
+                continue
+            for event in interp.data(payload):
+                yield event
+            if interp.turn.done:
+                return
+    except StreamTooLarge:
+        yield BackendError(*TOO_LARGE)
+        return
     tail = parser.flush()
     if tail is not None:
         for event in interp.data(tail):
             yield event
+
+
+async def _read_error_body(resp: httpx.Response) -> str:
+    """At most MAX_ERROR_BYTES of a refusal's body: enough for any error message, and a
+    server answering with a gigabyte is not read to its end."""
+    data = bytearray()
+    async for chunk in resp.aiter_bytes():
+        data += chunk
+        if len(data) >= MAX_ERROR_BYTES:
+            break
+    return bytes(data[:MAX_ERROR_BYTES]).decode("utf-8", "replace")
 
 
 def _is_loading(text: str) -> bool:

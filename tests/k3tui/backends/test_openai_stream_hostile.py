@@ -11,7 +11,7 @@ import json
 import pytest
 from raw_http_server import RawHTTPServer, sse_head
 
-from k3tui.backends.events import ContentDelta, Finished
+from k3tui.backends.events import BackendError, ContentDelta, Finished
 from k3tui.backends.openai_stream import stream_chat
 
 HANG = 30.0  # hang guard only: a healthy exchange takes milliseconds
@@ -81,3 +81,44 @@ async def test_lsh_a_stream_is_utf8_whatever_its_charset_says(serve):
     events = await collect(srv.url)
     assert content(events) == "héllo\ufffd!", events
     assert isinstance(events[-1], Finished)
+
+
+# ---- sizes: nothing from the server is read without bound ---------------------------------
+
+BIG = 64 * 2**20  # what the server offers; the client must hang up long before its end
+
+
+def endless(piece: bytes, total: int = BIG):
+    for _ in range(total // len(piece)):
+        yield piece
+
+
+@pytest.mark.parametrize("body", [
+    lambda: endless(b"a" * 2**16),                          # one line that never ends
+    lambda: endless(b"data: " + b"x" * 2**16 + b"\n"),      # one event that never ends
+    lambda: endless(b'data: {"choices": "' + b"x" * 2**16),  # a chunk that never ends
+], ids=["line", "event", "chunk"])
+async def test_lsh_an_event_without_end_is_refused_after_1_mib(serve, body):
+    srv = serve(respond=lambda head: [sse_head(), data(delta(content="ok")), *body()])
+    events = await collect(srv.url)
+    assert content(events) == "ok"
+    assert isinstance(events[-1], BackendError) and "larger than 1 MiB" in events[-1].message
+    assert srv.done.wait(HANG) and srv.cut.is_set(), f"the client read all {srv.sent} bytes"
+
+
+async def test_lsh_a_huge_error_body_is_not_read_to_its_end(serve):
+    head = (b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: text/plain\r\n"
+            b"Connection: close\r\n\r\n")
+    srv = serve(respond=lambda h: [head, b"disk on fire ", *endless(b"m" * 2**16)])
+    events = await collect(srv.url)
+    assert len(events) == 1 and isinstance(events[0], BackendError)
+    assert "HTTP 500: disk on fire" in events[0].message and len(events[0].message) < 400
+    assert srv.done.wait(HANG) and srv.cut.is_set(), f"the client read all {srv.sent} bytes"
+
+
+async def test_lsh_a_long_error_message_is_cut_to_a_sentence(serve):
+    srv = serve(sse_head(), data({"error": {"code": 500, "message": "bad " * 100_000}}))
+    events = await collect(srv.url)
+    err = events[-1]
+    assert isinstance(err, BackendError) and err.message.startswith("The backend reported")
+    assert len(err.message) < 600 and err.message.endswith("….")
