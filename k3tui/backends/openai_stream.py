@@ -33,6 +33,7 @@ from k3tui.backends.events import (
     TokenStats,
     Waiting,
 )
+from k3tui.textsafe import clean
 
 # A streamed token can take minutes on the bundled engine at a small budget, and
 # llama-server pings only every 30 s, so the read timeout is generous; connect is not.
@@ -44,6 +45,9 @@ LOADING_POLL_S = 1.0  # /health polls while a server loads its model
 MAX_EVENT_BYTES = 2**20
 MAX_ERROR_BYTES = 64 * 2**10
 MAX_ERROR_CHARS = 500  # of a server's error message shown to the user
+MAX_FIGURE = 1e15  # a count, a time in ms, a size in GB: anything larger is not one
+MAX_TOKENS_PER_CHUNK = 4096  # what one chunk's cumulative predicted_n may add
+MAX_MODELS_BYTES = 16 * 2**20  # /v1/models of a hosted API with hundreds of models
 
 
 class StreamTooLarge(Exception):
@@ -145,6 +149,54 @@ class SSEParser:
         return payload
 
 
+def _number(value: Any) -> int | float | None:
+    """A finite JSON number of sane size (not a bool), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    if not abs(value) <= MAX_FIGURE:  # NaN fails this too
+        return None
+    return value
+
+
+def _count(value: Any) -> int | None:
+    """A non-negative integer of sane size, else None."""
+    return value if isinstance(value, int) and _number(value) is not None and value >= 0 \
+        else None
+
+
+def _figures(obj: Any, nested: bool = False) -> dict[str, Any]:
+    """The numbers of a server's `timings` or `usage` object (`nested`: and of its
+    `…_details` objects, like usage.prompt_tokens_details); every other value is dropped,
+    so whoever reads them may do arithmetic."""
+    if not isinstance(obj, dict):
+        return {}
+    out: dict[str, Any] = {}
+    for key, value in obj.items():
+        if (number := _number(value)) is not None:
+            out[key] = number
+        elif nested and isinstance(value, dict) and key.endswith("_details"):
+            out[key] = _figures(value)
+    return out
+
+
+K3_TEXT = ("note", "demo")  # the `k3` fields that are sentences; every other is a number
+
+
+def _k3(obj: Any) -> dict[str, Any]:
+    """The engine's `k3` object: numbers and nulls, its sentences cleaned and cut short;
+    a value of any other type is dropped."""
+    if not isinstance(obj, dict):
+        return {}
+    out: dict[str, Any] = {}
+    for key, value in obj.items():
+        if key in K3_TEXT:
+            if isinstance(value, str):
+                out[key] = clean(value)[:MAX_ERROR_CHARS]
+        elif value is None or (value := _number(value)) is not None:
+            out[key] = value
+    return out
+
+
 @dataclass
 class _Turn:
     """What one answer accumulated so far; decides the final event."""
@@ -174,7 +226,7 @@ class ChunkInterpreter:
             return []
         try:
             chunk = json.loads(payload)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, a 5000-digit number, 10^5 `[`
             return [BackendError("The backend sent a chunk that is not JSON.",
                                  "check the backend log; the answer so far is kept",
                                  log_tail=payload[:300])]
@@ -187,10 +239,12 @@ class ChunkInterpreter:
     def chunk(self, chunk: dict[str, Any]) -> list[StreamEvent]:
         events: list[StreamEvent] = []
         texts = 0
-        for choice in chunk.get("choices") or []:
-            if choice.get("index", 0) != 0:
+        choices = chunk.get("choices")
+        for choice in choices if isinstance(choices, list) else []:
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
-            delta = choice.get("delta") or {}
+            delta = choice.get("delta")
+            delta = delta if isinstance(delta, dict) else {}
             # Several keys may share one delta: emit every one, reasoning first.
             for key in ("reasoning_content", "reasoning"):
                 text = delta.get(key)
@@ -203,33 +257,34 @@ class ChunkInterpreter:
                 events.append(ContentDelta(text))
                 self.turn.content_chars += len(text)
                 texts += 1
-            if choice.get("finish_reason"):
-                self.turn.finish_reason = choice["finish_reason"]
+            finish = choice.get("finish_reason")
+            if isinstance(finish, str) and finish:
+                self.turn.finish_reason = clean(finish)[:64]
         if isinstance(chunk.get("usage"), dict):
-            self.turn.usage = chunk["usage"]
-        timings = chunk.get("timings") if isinstance(chunk.get("timings"), dict) else None
+            self.turn.usage = _figures(chunk["usage"], nested=True)
+        timings = _figures(chunk.get("timings")) or None
         if timings:
             self.turn.timings = timings
         if texts:
-            events.append(self._stats(timings, chunk.get("k3")))
+            events.append(self._stats(timings, _k3(chunk.get("k3"))))
         return events
 
-    def _stats(self, timings: dict[str, Any] | None, k3: Any) -> TokenStats:
+    def _stats(self, timings: dict[str, Any] | None, k3: dict[str, Any]) -> TokenStats:
+        """`timings` and `k3` already checked (`_figures`, `_k3`): numbers only."""
         tokens, backend_ms, prompt_ms, prompt_tokens = 1, None, None, None
         if timings:
-            n = int(timings.get("predicted_n") or 0)
-            ms = float(timings.get("predicted_ms") or 0.0)
-            if n > self.turn.last_predicted_n:
+            n = _count(timings.get("predicted_n")) or 0
+            ms = timings.get("predicted_ms") or 0.0
+            if 0 < n - self.turn.last_predicted_n <= MAX_TOKENS_PER_CHUNK:
                 tokens = n - self.turn.last_predicted_n
                 backend_ms = (ms - self.turn.last_predicted_ms) / tokens
             self.turn.last_predicted_n, self.turn.last_predicted_ms = n, ms
             prompt_ms = timings.get("prompt_ms")
-            prompt_tokens = timings.get("prompt_n")
-        k3_stats = k3 if isinstance(k3, dict) else {}
-        if backend_ms is None and isinstance(k3_stats.get("s_per_token"), (int, float)):
-            backend_ms = 1000.0 * k3_stats["s_per_token"]
+            prompt_tokens = _count(timings.get("prompt_n"))
+        if backend_ms is None and k3.get("s_per_token") is not None:
+            backend_ms = 1000.0 * k3["s_per_token"]
         return TokenStats(arrival_s=self.clock(), tokens=tokens, backend_ms=backend_ms,
-                          prompt_ms=prompt_ms, prompt_tokens=prompt_tokens, k3=dict(k3_stats))
+                          prompt_ms=prompt_ms, prompt_tokens=prompt_tokens, k3=k3)
 
     def end(self) -> StreamEvent:
         """The last event once the stream closed: Finished, or an error if it was cut."""
@@ -427,7 +482,7 @@ def _is_loading(text: str) -> bool:
 def _http_error(status: int, raw: str) -> BackendError:
     try:
         doc = json.loads(raw)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         doc = None
     if isinstance(doc, dict) and "error" in doc:
         return error_event(doc["error"], status)

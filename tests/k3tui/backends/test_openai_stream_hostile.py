@@ -11,7 +11,7 @@ import json
 import pytest
 from raw_http_server import RawHTTPServer, sse_head
 
-from k3tui.backends.events import BackendError, ContentDelta, Finished
+from k3tui.backends.events import BackendError, ContentDelta, Finished, TokenStats
 from k3tui.backends.openai_stream import stream_chat
 
 HANG = 30.0  # hang guard only: a healthy exchange takes milliseconds
@@ -122,3 +122,86 @@ async def test_lsh_a_long_error_message_is_cut_to_a_sentence(serve):
     err = events[-1]
     assert isinstance(err, BackendError) and err.message.startswith("The backend reported")
     assert len(err.message) < 600 and err.message.endswith("….")
+
+
+# ---- shapes: every field is checked before an event carries it ----------------------------
+
+OSC52 = "\x1b]52;c;SElKQUNLRUQ=\x07"
+WRONG_CHUNKS = [
+    b'data: ' + b"[" * 100_000 + b"\n\n",                          # deeper than json can read
+    b'data: {"usage": {"prompt_tokens": ' + b"9" * 5000 + b"}}\n\n",  # past int's digit limit
+    data({"choices": "abc"}),
+    data({"choices": [1, None, "x"]}),
+    data({"choices": [{"index": 0, "delta": ["content", "x"]}]}),
+    data({"choices": [{"index": "0", "delta": {"content": "never"}}]}),
+    b'data: {"choices": [{"index": 0, "delta": {"content": "a"}}], '
+    b'"timings": {"predicted_n": NaN, "predicted_ms": Infinity, "prompt_n": -1e400}}\n\n',
+    data({**delta(content="b"), "timings": {"predicted_n": "7", "predicted_ms": [1],
+                                          "prompt_ms": "fast", "prompt_n": {"a": 1}}}),
+    data({"choices": [], "usage": {"prompt_tokens": {"n": 1}, "x_details": [1]}}),
+    data({**delta(content="c"), "timings": {"predicted_n": 10**12, "predicted_ms": 1e300}}),
+    data({**delta(content="d"), "k3": {"s_per_token": "slow", "gb_read": [1], "budget_gb":
+                                      OSC52, "rss_gb": 10**400 // 10**300, "note": OSC52 + "n"}}),
+    data({"choices": [], "usage": {"prompt_tokens": "12", "completion_tokens": True,
+                                   "prompt_tokens_details": {"cached_tokens": "all"}}}),
+    data({"choices": [{"index": 0, "delta": {}, "finish_reason": f"stop{OSC52}"}]}),
+    b"data: [DONE]\n\n",
+]
+
+
+async def test_lsh_chunks_of_the_wrong_shape_never_raise_or_pass_through(serve):
+    from k3tui.tui.stats import LatencyStats  # the consumer does arithmetic on the figures
+
+    srv = serve(sse_head(), data(delta(content="ok ")), *WRONG_CHUNKS)
+    gen = stream_chat(srv.url, [{"role": "user", "content": "hi"}])
+    events = []
+    while True:  # one chunk that raised would end the loop here with its exception
+        try:
+            events.append(await asyncio.wait_for(gen.__anext__(), HANG))
+        except StopAsyncIteration:
+            break
+        if isinstance(events[-1], BackendError):
+            assert "not JSON" in events[-1].message  # the first two chunks; then it stops
+            break
+    await gen.aclose()
+    assert [type(e).__name__ for e in events] == ["ContentDelta", "TokenStats", "BackendError"]
+
+    # the same chunks, one answer each, past the two that are not JSON
+    for chunk in WRONG_CHUNKS[2:-1]:
+        srv = serve(sse_head(), chunk, END)
+        stats = LatencyStats()
+        stats.start(0.0)
+        for ev in await collect(srv.url):
+            assert not isinstance(ev, BackendError), (chunk, ev)
+            if isinstance(ev, TokenStats):
+                assert ev.tokens == 1 and ev.backend_ms is None, (chunk, ev)
+                assert ev.prompt_ms is None and ev.prompt_tokens is None, (chunk, ev)
+                assert set(ev.k3) <= {"rss_gb", "note"} and ev.k3.get("rss_gb") in (None, 100)
+                assert OSC52 not in ev.k3.get("note", "") and ev.k3.get("note") in (None, "n")
+                stats.on_token(ev)
+            if isinstance(ev, Finished):
+                assert ev.usage == {"prompt_tokens_details": {}} or ev.usage == {}, ev
+                assert ev.finish_reason in ("stop", None)
+                stats.on_finished(ev)
+        stats.snapshot()
+
+
+async def test_lsh_figures_of_the_right_shape_still_count(serve):
+    srv = serve(sse_head(),
+                data({**delta(content="a"), "timings": {"predicted_n": 1, "predicted_ms": 4.0,
+                                                       "prompt_n": 7, "prompt_ms": 21.5},
+                      "k3": {"s_per_token": 0.25, "budget_gb": 8, "wait_trunk_s": None}}),
+                data({**delta(content="bc"), "timings": {"predicted_n": 3, "predicted_ms": 10.0}}),
+                data({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
+                      "usage": {"prompt_tokens": 7, "completion_tokens": 3,
+                                "prompt_tokens_details": {"cached_tokens": 2}}}),
+                b"data: [DONE]\n\n")
+    events = await collect(srv.url)
+    stats = [e for e in events if isinstance(e, TokenStats)]
+    assert [(s.tokens, s.backend_ms) for s in stats] == [(1, 4.0), (2, 3.0)]
+    assert stats[0].prompt_tokens == 7 and stats[0].prompt_ms == 21.5
+    assert stats[0].k3 == {"s_per_token": 0.25, "budget_gb": 8, "wait_trunk_s": None}
+    fin = events[-1]
+    assert isinstance(fin, Finished) and fin.finish_reason == "length"
+    assert fin.usage == {"prompt_tokens": 7, "completion_tokens": 3,
+                         "prompt_tokens_details": {"cached_tokens": 2}}
