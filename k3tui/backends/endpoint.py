@@ -26,9 +26,13 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from k3tui.textsafe import clean
+
 CREDENTIAL_KEY = "remote_api_key"
 CONNECT_TIMEOUT_S = 10.0
 TEST_TIMEOUT_S = 120.0  # a busy cluster may queue the one-token request behind others
+MAX_ANSWER_BYTES = 16 * 2**20  # /v1/models of a hosted API with hundreds of models
+MAX_MODEL_ID = 256  # characters of a model id kept (and shown, and saved)
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,13 @@ class EndpointCheck:
     next_step: str = ""
     warnings: list[str] = field(default_factory=list)
     auth: str = ""               # "missing" / "refused" when the key was the problem
+
+    def __post_init__(self) -> None:
+        # The server writes part of every sentence here (its error text, a redirect's
+        # Location, model ids): none of it reaches the terminal with escape sequences.
+        object.__setattr__(self, "message", clean(self.message))
+        object.__setattr__(self, "next_step", clean(self.next_step))
+        object.__setattr__(self, "warnings", [clean(w) for w in self.warnings])
 
     def describe(self) -> str:
         lines = [self.message]
@@ -159,14 +170,42 @@ def _transport_failure(exc: BaseException, where: str) -> EndpointCheck:
                  "or check the URL and port")
 
 
+class _TooLarge(Exception):
+    """An answer longer than MAX_ANSWER_BYTES (its path in args[0])."""
+
+
+def _fetch(http: httpx.Client, method: str, url: str, **kwargs: Any) -> httpx.Response:
+    """`http.request`, except that the body is read only up to MAX_ANSWER_BYTES (a server
+    answering with gigabytes raises _TooLarge instead of filling memory)."""
+    with http.stream(method, url, **kwargs) as resp:
+        data = bytearray()
+        for chunk in resp.iter_bytes():
+            data += chunk
+            if len(data) > MAX_ANSWER_BYTES:
+                raise _TooLarge(urlsplit(url).path)
+        headers = [(k, v) for k, v in resp.headers.raw  # bytes: a Location may be latin-1
+                   if k.lower() not in (b"content-encoding", b"content-length",
+                                        b"transfer-encoding")]
+        return httpx.Response(resp.status_code, headers=headers, content=bytes(data),
+                              request=resp.request)
+
+
+def _json(resp: httpx.Response) -> Any:
+    """The body as JSON; ValueError also for nesting deeper than Python can read."""
+    try:
+        return resp.json()
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
 def _error_text(resp: httpx.Response, api_key: str | None) -> str:
     try:
-        body = resp.json()
+        body = _json(resp)
         err = body.get("error", body) if isinstance(body, dict) else body
         text = err.get("message") if isinstance(err, dict) else str(err)
     except ValueError:
         text = resp.text
-    text = " ".join(str(text or "").split())[:200]
+    text = " ".join(clean(str(text or "")[:10_000]).split())[:200]
     if api_key:  # some servers echo the key they refused
         text = text.replace(api_key, mask_key(api_key))
     return text
@@ -197,6 +236,11 @@ def check_endpoint(url: str, api_key: str | None, verify_tls: bool | str = True,
         with httpx.Client(verify=verify, timeout=limits, headers=headers,
                           follow_redirects=False) as http:
             return _run_checks(http, root, v1, where, api_key, model, warnings)
+    except _TooLarge as exc:
+        return _fail(f"{where} answered {exc.args[0]} with more than "
+                     f"{MAX_ANSWER_BYTES // 2**20} MiB, which no OpenAI-compatible server sends.",
+                     "check that the URL points at an OpenAI-compatible server",
+                     warnings=warnings)
     except (httpx.TransportError, ssl.SSLError) as exc:
         failed = _transport_failure(exc, where)
         return EndpointCheck(ok=False, message=failed.message, next_step=failed.next_step,
@@ -233,7 +277,7 @@ def _run_checks(http: httpx.Client, root: str, v1: str, where: str, api_key: str
                 model: str | None, warnings: list[str]) -> EndpointCheck:
     # 1. /health: optional (hosted APIs have none); 503 means "up, still loading".
     health_ok: bool | None = None
-    resp = http.get(root + "/health")
+    resp = _fetch(http, "GET", root + "/health")
     if resp.status_code == 200:
         health_ok = True
     elif resp.status_code == 503:
@@ -241,7 +285,7 @@ def _run_checks(http: httpx.Client, root: str, v1: str, where: str, api_key: str
                      "wait until loading finishes (its log shows progress), then check again",
                      health_ok=False, warnings=warnings)
     # 2. /v1/models: names the model (and proves the key where the list is protected).
-    resp = http.get(v1 + "/models")
+    resp = _fetch(http, "GET", v1 + "/models")
     if resp.status_code in (401, 403):
         return _key_refused(resp, where, api_key, health_ok, warnings)
     if resp.is_redirect:
@@ -259,9 +303,11 @@ def _run_checks(http: httpx.Client, root: str, v1: str, where: str, api_key: str
                      f"{_error_text(resp, api_key)}.", "check the server's log",
                      health_ok=health_ok, warnings=warnings)
     try:
-        data = resp.json().get("data", [])
-        models = [str(m["id"]) for m in data if isinstance(m, dict) and "id" in m]
-    except (ValueError, AttributeError):
+        data = _json(resp).get("data", [])
+        ids = [clean(str(m["id"])[:MAX_MODEL_ID]) for m in data
+               if isinstance(m, dict) and isinstance(m.get("id"), (str, int))]
+        models = [i for i in ids if i.strip()]
+    except (ValueError, AttributeError, TypeError):
         return _fail(f"{where}/v1/models did not return OpenAI-style JSON.",
                      "check that the URL points at an OpenAI-compatible server",
                      health_ok=health_ok, warnings=warnings)
@@ -271,7 +317,7 @@ def _run_checks(http: httpx.Client, root: str, v1: str, where: str, api_key: str
     # 3. One token through the whole path: proves the model really answers.
     body: dict[str, Any] = {"model": chosen or "default", "max_tokens": 1, "stream": False,
                             "messages": [{"role": "user", "content": "Say OK."}]}
-    resp = http.post(v1 + "/chat/completions", json=body)
+    resp = _fetch(http, "POST", v1 + "/chat/completions", json=body)
     if resp.status_code in (401, 403):  # some servers (llama-server) list models without a key
         return _key_refused(resp, where, api_key, health_ok, warnings, models)
     if resp.status_code != 200:
@@ -282,7 +328,7 @@ def _run_checks(http: httpx.Client, root: str, v1: str, where: str, api_key: str
                      f"{_error_text(resp, api_key)}).", hint,
                      models=models, health_ok=health_ok, warnings=warnings)
     try:
-        choices = resp.json()["choices"]
+        choices = _json(resp)["choices"]
         assert isinstance(choices, list) and choices
     except (ValueError, KeyError, TypeError, AssertionError):
         return _fail(f"{where} answered the test request without choices.",
