@@ -508,8 +508,10 @@ async def health(base_url: str, *, api_key: str | None = None,
     own = client is None
     http = client or httpx.AsyncClient(timeout=timeout)
     try:
-        resp = await http.get(server_root(base_url) + "/health", headers=_headers(api_key))
-        detail = "ok" if resp.status_code == 200 else _error_message(resp.text)
+        async with http.stream("GET", server_root(base_url) + "/health",
+                               headers=_headers(api_key)) as resp:
+            text = await _read_error_body(resp)
+        detail = "ok" if resp.status_code == 200 else clean(_error_message(text))
         return Health(resp.status_code == 200, resp.status_code, detail)
     except httpx.HTTPError as exc:
         return Health(False, None, f"no answer from {server_root(base_url)}: {type(exc).__name__}")
@@ -521,14 +523,25 @@ async def health(base_url: str, *, api_key: str | None = None,
 async def list_models(base_url: str, *, api_key: str | None = None,
                       client: httpx.AsyncClient | None = None,
                       timeout: float = 5.0) -> list[dict[str, Any]]:
-    """The `data` entries of `/v1/models` (each has at least `id`)."""
+    """The `data` entries of `/v1/models` that are objects (their `id` unchecked); raises
+    httpx errors, ValueError for JSON it cannot read, StreamTooLarge past 16 MiB."""
     own = client is None
     http = client or httpx.AsyncClient(timeout=timeout)
     try:
-        resp = await http.get(api_base(base_url) + "/models", headers=_headers(api_key))
-        resp.raise_for_status()
-        data = resp.json().get("data") or []
-        return [m for m in data if isinstance(m, dict)]
+        async with http.stream("GET", api_base(base_url) + "/models",
+                               headers=_headers(api_key)) as resp:
+            resp.raise_for_status()
+            body = bytearray()
+            async for chunk in resp.aiter_bytes():
+                body += chunk
+                if len(body) > MAX_MODELS_BYTES:
+                    raise StreamTooLarge(f"/v1/models is larger than {MAX_MODELS_BYTES} bytes")
+        try:
+            doc = json.loads(bytes(body))
+        except RecursionError:
+            raise ValueError("/v1/models nests too deeply") from None
+        data = doc.get("data") if isinstance(doc, dict) else None
+        return [m for m in data if isinstance(m, dict)] if isinstance(data, list) else []
     finally:
         if own:
             await http.aclose()
@@ -537,6 +550,6 @@ async def list_models(base_url: str, *, api_key: str | None = None,
 def _error_message(text: str) -> str:
     try:
         doc = json.loads(text)
-        return str(doc["error"]["message"])
-    except (ValueError, KeyError, TypeError):
+        return str(doc["error"]["message"])[:MAX_ERROR_CHARS]
+    except (ValueError, KeyError, TypeError, RecursionError):
         return text.strip()[:200]

@@ -205,3 +205,27 @@ async def test_lsh_figures_of_the_right_shape_still_count(serve):
     assert isinstance(fin, Finished) and fin.finish_reason == "length"
     assert fin.usage == {"prompt_tokens": 7, "completion_tokens": 3,
                          "prompt_tokens_details": {"cached_tokens": 2}}
+
+
+# ---- /health and /v1/models: bounded too --------------------------------------------------
+
+async def test_lsh_health_and_model_list_are_not_read_to_their_end(serve):
+    from k3tui.backends.openai_stream import StreamTooLarge, health, list_models
+
+    head = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\n\r\n")
+    srv = serve(respond=lambda h: [head, b'{"error": {"message": "Loading\x1b]0;T\x07', *endless(
+        b"m" * 2**16)])
+    state = await asyncio.wait_for(health(srv.url), HANG)
+    assert state.status == 503 and "\x1b" not in state.detail and len(state.detail) <= 200
+    assert srv.done.wait(HANG) and srv.cut.is_set(), f"the client read all {srv.sent} bytes"
+
+    srv = serve(respond=lambda h: [sse_head(content_type="application/json"), b'{"data": [',
+                                   *endless(b" " * 2**16)])
+    with pytest.raises(StreamTooLarge):
+        await asyncio.wait_for(list_models(srv.url), HANG)
+    assert srv.done.wait(HANG) and srv.cut.is_set(), f"the client read all {srv.sent} bytes"
+
+    srv = serve(respond=lambda h: [sse_head(content_type="application/json"), b"[" * 100_000])
+    with pytest.raises(ValueError):
+        await asyncio.wait_for(list_models(srv.url), HANG)
