@@ -17,7 +17,8 @@ Design:
 * Binding anything but loopback requires `--api-key`.
 * Hostile input is refused before it costs anything: a body over `--max-body-mb` gets 413
   (from Content-Length, or as soon as a chunked body passes it), a client that stalls
-  sending its request head or body is closed after `--read-timeout`, JSON with NaN,
+  sending its request head or body is closed after `--read-timeout` (a body dripped in
+  slower than MIN_BODY_RATE on average, once that time is up, too), JSON with NaN,
   Infinity or more than MAX_JSON_DEPTH levels gets 400; parsing and tokenising run in a
   worker thread, so /health answers while a big prompt is read or a generation runs.
 """
@@ -71,6 +72,9 @@ PUBLIC_PATHS = ("/health", "/v1/health")
 LOADING_PATHS = PUBLIC_PATHS + ("/metrics",)
 MAX_BODY_MB = 4.0      # a long conversation is well under 1 MB of JSON
 READ_TIMEOUT = 10.0    # seconds a client may take for its request head, or stall in its body
+# Past its first READ_TIMEOUT seconds a body must keep up this average rate: a client
+# dripping a byte now and then never stalls, but must not hold a connection for ever.
+MIN_BODY_RATE = 16 * 2**10  # bytes/s: a 4 MiB body may take READ_TIMEOUT + 256 s
 SNAPSHOT_GB = 2.0      # real model: ~3 kept states of ~0.63 GB (KDA state) + their latent cache
 
 
@@ -181,7 +185,8 @@ class Service:
 
     async def _read_body(self, scope: dict, receive: Callable) -> bytes | None:
         """The whole body, or BadRequest 413 once it passes the limit (by Content-Length
-        before a byte is read, else while counting) and 408 when the client stalls."""
+        before a byte is read, else while counting) and 408 when the client stalls or
+        drips it in slower than MIN_BODY_RATE."""
         limit = int(self.max_body_mb * 2**20)
         too_large = BadRequest(
             f"the request body is larger than the server's limit of {self.max_body_mb:g} MiB; "
@@ -192,10 +197,17 @@ class Service:
         if length is not None and int(length) > limit:  # h11 has checked it is a number
             raise too_large
         chunks, size, more = [], 0, True
+        start = time.monotonic()
         while more:
-            with anyio.move_on_after(self.read_timeout) as waited:
+            # Each byte so far buys 1/MIN_BODY_RATE s beyond the first read_timeout seconds.
+            left = start + self.read_timeout + size / MIN_BODY_RATE - time.monotonic()
+            with anyio.move_on_after(max(0.0, min(self.read_timeout, left))) as waited:
                 message = await receive()
             if waited.cancelled_caught:
+                if left < self.read_timeout:
+                    raise BadRequest(
+                        f"the request body came too slowly ({size} bytes in "
+                        f"{time.monotonic() - start:.0f} s); send it in one go", 408)
                 raise BadRequest(
                     f"the request body stalled for {self.read_timeout:g} s; send it in one go", 408
                 )
@@ -572,7 +584,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=READ_TIMEOUT,
         metavar="S",
         help="seconds a client may take to send a request's headers, or stall in "
-        f"its body, before the connection is closed (default {READ_TIMEOUT:g})",
+        f"its body, before the connection is closed (default {READ_TIMEOUT:g}); after "
+        f"them a body must average {MIN_BODY_RATE // 1024} KiB/s",
     )
     parser.add_argument(
         "--steer-demo",

@@ -258,6 +258,45 @@ def test_srv_limits_half_open_connections_are_closed(ckpt, tmp_path):
         srv.stop()
 
 
+def test_srv_limits_a_dripped_body_is_408_before_it_ends(ckpt, tmp_path):
+    """A body sent a byte every 0.3 s never stalls for --read-timeout (2 s here), yet
+    must not hold its connection for ever: the server answers 408 once the body falls
+    behind 16 KiB/s past those 2 s — long before the 100 announced bytes could arrive
+    (30 s at this pace; without the rule, no answer comes before them)."""
+    srv = Serve(ckpt, tmp_path / "serve.log", "--steer-demo", "--read-timeout", "2")
+    sent, stop = [0], threading.Event()
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=60) as s:
+            s.sendall(f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n".encode())
+
+            def drip() -> None:
+                while sent[0] < 100 and not stop.wait(0.3):
+                    try:
+                        s.sendall(b" ")
+                    except OSError:
+                        return
+                    sent[0] += 1
+
+            dripper = threading.Thread(target=drip, daemon=True)
+            dripper.start()
+            out = b""
+            try:
+                while chunk := s.recv(65536):
+                    out += chunk
+            except ConnectionResetError:
+                pass
+            got_at = sent[0]
+            stop.set()
+            dripper.join(5)
+        assert out.startswith(b"HTTP/1.1 408"), out[:200]
+        assert b"too slowly" in out, out
+        assert got_at < 100, "the answer came only once the whole body had arrived"
+        assert httpx.get(srv.url + "/health", timeout=HANG).status_code == 200
+        assert "Traceback" not in srv.log.read_text()
+    finally:
+        srv.stop()
+
+
 # ---------------------------------------------------------------------------------------
 # tokenising off the event loop (in-process server, a tokenizer the test holds)
 
