@@ -41,6 +41,7 @@ from k3tui.tui.widgets.sparkline import terminal_is_ascii
 StreamFn = Callable[[list[dict[str, Any]]], AsyncIterator[StreamEvent]]
 ChatMessage = UserMessage | AssistantMessage
 NARROW = 100        # below this width the panes move under the chat
+SHORT = 20          # and below this height they hide (F2 shows them): the chat keeps room
 
 
 @dataclass
@@ -175,7 +176,7 @@ class ChatScreen(Screen):
 
     async def on_mount(self) -> None:
         app = self.k3app
-        self.set_class(self.app.size.width < NARROW, "narrow")
+        self._fit_layout()
         if not self.new:
             await self.load_conversation(self.conversation_id)
         if app.sample_hz > 0:
@@ -185,7 +186,14 @@ class ChatScreen(Screen):
         self.refresh_panes(force=True)
 
     def on_resize(self) -> None:
-        self.set_class(self.app.size.width < NARROW, "narrow")
+        self._fit_layout()
+
+    def _fit_layout(self) -> None:
+        """Narrow: the panes go under the chat; narrow and short (40x12): they would leave
+        the chat a row or two, so they hide until F2 asks for them."""
+        width, height = self.app.size
+        self.set_class(width < NARROW, "narrow")
+        self.set_class(width < NARROW and height < SHORT, "short")
 
     # conversation ----------------------------------------------------------------------
     async def load_conversation(self, conversation_id: int | None) -> None:

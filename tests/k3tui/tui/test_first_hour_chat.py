@@ -148,3 +148,25 @@ async def test_failed_start_offers_the_demo_with_one_key(app_factory):
         await pilot.press("d")
         await wait_until(pilot, lambda: app.screen is app.chat)
     assert switched == [1] and app.demo is None
+
+
+async def test_a_tiny_terminal_keeps_the_chat_readable_and_f2_brings_the_panes_back(app_factory):
+    """At 40x12 the panes under the chat left it one row; they hide there (F2 shows them)
+    and come back by themselves once the window is tall enough."""
+    app = app_factory(ScriptedStream("one two three four five six seven"))
+    async with app.run_test(size=(40, 12)) as pilot:
+        chat, side = app.chat.query_one("#chat"), app.chat.query_one("#side")
+        await pilot.press(*"hi", "enter")
+        await settle(app, pilot)
+        assert not side.display
+        assert chat.region.height >= 6, chat.region
+        assert "one two three" in screen_text(app)
+        await pilot.resize_terminal(80, 24)     # tall enough again: the panes are back
+        await pilot.pause()
+        assert side.display and side.region.height == 7 and side.region.width == 80
+        await pilot.resize_terminal(40, 12)
+        await pilot.pause()
+        assert not side.display
+        await pilot.press("f2")                 # asked for: shown even here
+        await pilot.pause()
+        assert side.display and side.region.height == 7
