@@ -19,6 +19,9 @@ from k3tui.paths import get_paths, private_dir, private_open
 from k3tui.textsafe import clean
 
 
+TITLE_CELLS = 60  # one line of the list at 80 columns
+
+
 def export_path(history: History, conversation_id: int):
     conv = history.get_conversation(conversation_id)
     slug = re.sub(r"[^A-Za-z0-9]+", "-", conv.title if conv else "chat").strip("-")[:40]
@@ -61,8 +64,12 @@ class ConversationsScreen(ModalScreen[int | None]):
         options.clear_options()
         for conv in self.history.list_conversations():
             when = time.strftime("%Y-%m-%d %H:%M", time.localtime(conv.updated))
-            line = f"{clean(conv.title)[:50]:<50} {conv.message_count:>3} msgs  {when}"
-            options.add_option(Option(Text(line), id=str(conv.id)))  # a title is not markup
+            # The count and date on a line of their own: a wide title (CJK, emoji) or a
+            # narrow window never pushes them about; a long title is cut by terminal cells.
+            line = Text(clean(conv.title) or "Untitled")
+            line.truncate(TITLE_CELLS, overflow="ellipsis")
+            line.append(f"\n{conv.message_count} msgs · {when}", style="dim")
+            options.add_option(Option(line, id=str(conv.id)))  # a title is not markup
         for i in range(options.option_count):
             if options.get_option_at_index(i).id == target:
                 options.highlighted = i
@@ -121,7 +128,14 @@ class ConversationsScreen(ModalScreen[int | None]):
         cid = self._selected()
         if cid is None:
             return
-        path = export_path(self.history, cid)
-        with private_open(path, "w", encoding="utf-8") as fh:
-            fh.write(self.history.export_markdown(cid))
+        try:
+            path = export_path(self.history, cid)
+            with private_open(path, "w", encoding="utf-8") as fh:
+                fh.write(self.history.export_markdown(cid))
+        except OSError as exc:  # a full disk, or `exports` that is not a folder: no traceback
+            where = exc.filename or get_paths().root / "exports"
+            self.notify(f"Could not export to {where}: {exc.strerror or exc}. Free some space "
+                        f"or fix that path, then press x again.", severity="error",
+                        markup=False)
+            return
         self.notify(f"Exported to {path}", markup=False)

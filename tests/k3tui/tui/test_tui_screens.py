@@ -6,6 +6,7 @@ import asyncio
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 from textual.widgets import Input, OptionList
@@ -223,3 +224,43 @@ async def test_tui_screens_quit_while_the_backend_starts_leaves_no_server(app_fa
     finally:
         launched[0].kill()  # a failed run leaves no sleeper behind either
 
+
+
+async def test_tui_screens_conversation_list_fits_wide_titles_and_narrow_windows(app_factory,
+                                                                                 tmp_path):
+    """A CJK title pushed the message count two cells right of the others', and at 80
+    columns the date wrapped onto a line of its own; a long title now ends in an ellipsis."""
+    from rich.cells import cell_len
+
+    history = History(tmp_path / "h.db")
+    for title in ("plain title", "日本語の会話について", "a very long title " * 6):
+        cid = history.new_conversation(title)
+        history.add_message(cid, "user", "q")
+    app = app_factory(ScriptedStream("x"), history=history)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press("ctrl+o")
+        await pilot.pause()
+        lines = screen_text(app).splitlines()
+    rows = [line for line in lines if " msgs" in line]
+    assert len(rows) == 3, rows
+    columns = {cell_len(row[:row.index("1 msgs")]) for row in rows}
+    assert len(columns) == 1, rows               # the count starts in one column for all
+    assert all(time.strftime("%Y-%m-%d") in row for row in rows), rows  # its date beside it
+    assert any("…" in line and "a very long title" in line for line in lines), "\n".join(lines)
+
+
+async def test_tui_screens_export_that_cannot_be_written_says_so(app_factory, tmp_path):
+    history = History(tmp_path / "h.db")
+    cid = history.new_conversation("chat")
+    history.add_message(cid, "user", "q")
+    (get_paths().root / "exports").write_text("a file where the folder should be")
+    app = app_factory(ScriptedStream("x"), history=history)
+    async with app.run_test() as pilot:
+        await pilot.press("ctrl+o")
+        await pilot.pause()
+        await pilot.press("x")
+        await pilot.pause()
+        assert isinstance(app.screen, ConversationsScreen)  # still running, no traceback
+        notes = [n.message for n in app._notifications]
+    assert any(n.startswith("Could not export to ") and n.endswith("press x again.")
+               for n in notes), notes
