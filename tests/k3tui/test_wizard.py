@@ -282,3 +282,25 @@ def test_setup_and_download_agree_on_which_token_counts(tmp_path, monkeypatch):
     assert f"using the existing login from your `hf auth login` token ({login})" in out
     assert "paste a new one to replace it" not in out
     assert load_credentials() == {"hf_token": "hf_stored"}   # kept, untouched
+
+
+def test_what_setup_prints_after_writing_wraps_at_words_in_a_terminal(monkeypatch):
+    """The blocker kept as a note and the `Next:` list went out unwrapped, so an 80-column
+    window broke them mid-word (`the ch` / `eckpoint`, a lone `)`); piped they stay whole."""
+    from k3tui import wizard
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setenv("COLUMNS", "80")
+    note = ("blocker: not enough disk: /work/models/Kimi-K3 has 59.5 GB free, the checkpoint "
+            "still needs 1.56 TB and its packed trunk 108.8 GB (1.61 TB short)")
+    out, piped = Terminal(), io.StringIO()
+    for sink in (out, piped):
+        wizard.apply(wizard.SetupResult(Config(), None, notes=[note]), out=sink)
+    lines = out.getvalue().splitlines()
+    assert all(len(line) < 80 for line in lines), lines
+    words = " ".join(out.getvalue().split())
+    assert note in words and "(`k3tui chat --demo` works meanwhile)" in words
+    assert f"  {note}" in piped.getvalue().splitlines()   # a script's grep still finds it

@@ -7,9 +7,11 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
+import time
 
 import pytest
 from prompt_toolkit.input import create_pipe_input
@@ -106,6 +108,7 @@ def test_a_damaged_stored_forecast_is_named_not_shown(body):
 
 def test_the_wizard_measures_and_shows_the_forecast_beside_each_preset(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no Hugging Face login
+    monkeypatch.setenv("COLUMNS", "200")  # room for the whole line (80: see the tmux test)
     report = load_report("laptop-8g")
     calls = []
 
@@ -143,6 +146,9 @@ def test_setup_yes_shows_a_stored_forecast(tmp_path):
     assert res.returncode == 0, res.stderr
     laptop = forecast.load_stored()[0].preset("laptop")
     assert f"forecast: laptop {laptop.brief()} — measured here" in res.stdout
+    # a --quick forecast's toy figures were shown as this machine's, with nothing to say not
+    line = next(ln for ln in res.stdout.splitlines() if "forecast: laptop" in ln)
+    assert line.endswith("(--quick: toy sizes for tests; these are not this machine's figures)")
 
 
 def test_setup_yes_forecast_measures_through_the_real_cli(tmp_path):
@@ -189,3 +195,78 @@ def test_an_engine_refusal_is_passed_on_with_its_own_next_step(tmp_path, monkeyp
     assert exc.value.exit_code == 2
     assert "measuring needs 3.7 GB of free memory" in exc.value.message
     assert "writable" not in str(exc.value)
+
+
+def stored_forecast(s_per_token: float = 43.4) -> forecast.Forecast:
+    """A forecast as `k3tui bench forecast` stores it, without measuring (`--quick` would
+    take seconds and give toy figures)."""
+    presets = [forecast.PresetForecast(name, name == "laptop", s_per_token, "disk", 5.3, 540.0,
+                                       2880.0, 858.0, 1445.0) for name in PRESETS]
+    fc = forecast.Forecast(date="2026-12-01 14:42", dir="/data", machine={}, load_average=[],
+                           disk_gb_per_s={"sequential": 3.48, "experts": 3.0}, presets=presets)
+    forecast.store(fc)
+    return fc
+
+
+def test_a_wide_terminal_shows_the_peers_figure_and_the_whole_forecast(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    from k3tui.wizard import preset_title
+
+    fc = stored_forecast()
+    title = preset_title(PRESETS["laptop"], fc.preset("laptop"))
+    assert title.endswith(f"{PRESETS['laptop'].note} | {fc.preset('laptop').brief()} — "
+                          "measured here")
+    for p in PRESETS.values():  # 80 columns: the select's "» " and every title on one line
+        assert len(preset_title(p, fc.preset(p.name), width=80)) <= 76
+        assert preset_title(p, fc.preset(p.name), width=80).endswith("~43.4 s/token here")
+        assert len(preset_title(p, None, width=80)) <= 76
+    assert preset_title(PRESETS["laptop"], None, width=80).endswith(", ~27–33 s/token")
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+@pytest.mark.parametrize("seconds", [43.4, 3476.5])
+def test_at_80_columns_each_preset_shows_its_measured_speed_and_ctrl_c_writes_nothing(
+        tmp_path, seconds):
+    """In a real 80x24 terminal the select cut each preset at `…, the floor, ~27–33 s/toke`:
+    the forecast `k3tui setup` promises beside each preset was past the edge. Ctrl-C at that
+    question then leaves no config and no traceback."""
+    from tui_helpers import Tmux
+
+    stored_forecast(seconds)
+    home = get_paths().root
+    tmux = Tmux(f"k3wiz{os.getpid()}{int(seconds)}",
+                {"K3TUI_HOME": str(home), "HOME": str(tmp_path / "home"),
+                 "HF_HOME": str(tmp_path / "hf"), "TERM": "xterm-256color"})
+    try:
+        tmux.start(f"{sys.executable} -m k3tui setup; echo EXIT=$?")
+        tmux.wait_for(lambda s: "Which checkpoint?" in s)
+        tmux.keys("Enter")                                  # safetensors (no GPU here)
+        tmux.wait_for(lambda s: "Where should the checkpoint go?" in s)
+        tmux.keys("Enter")
+        screen = tmux.wait_for(lambda s: "Choose another folder?" in s or "again" in s)
+        if "Choose another folder?" in screen:              # this disk is far below 1.56 TB
+            tmux.keys("n")
+        tmux.wait_for(lambda s: "Measure this machine again" in s)
+        tmux.keys("n")
+        tmux.wait_for(lambda s: "Hugging Face token" in s)
+        tmux.keys("Enter")
+        screen = tmux.wait_for(lambda s: "custom" in s and "Engine memory preset" in s)
+        shown = f"~{seconds:,.0f}" if seconds >= 100 else f"~{seconds:g}"
+        named = ("laptop", "desktop", "workstation", "server", "max")
+        rows = {ln.lstrip(" »").split()[0]: ln for ln in screen.splitlines()
+                if ln.lstrip(" »").startswith(named) and "trunk" in ln}
+        assert set(rows) == set(named), screen
+        for row in rows.values():
+            assert row.rstrip().endswith(f"{shown} s/token here"), screen
+        assert not (home / "config.toml").exists()
+        tmux.keys("C-c")
+        screen = tmux.wait_for(lambda s: "EXIT=" in s)
+        assert "no changes were made" in screen and "EXIT=130" in screen
+        assert "Traceback" not in screen
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not (home / "config.toml").exists():
+            time.sleep(0.1)  # a late write would show up here; none may
+        assert not (home / "config.toml").exists()
+        assert not list(home.glob("*.tmp"))
+    finally:
+        tmux.close()
