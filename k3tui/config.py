@@ -158,6 +158,13 @@ def _where(path: Path, text: str, section: str, key: str | None = None) -> str:
 COMMAND_LINE = Path("<command line>")  # the "file" of `k3tui config set`
 
 
+def _fix(cli: bool, section: str, key: str, example: Any) -> str:
+    """The next step for a refused value: the command that sets it (`config set` also
+    repairs a file that does not load because of that value), or for a file that line."""
+    command = f"`k3tui config set {section}.{key} {example}`"
+    return f"e.g. {command}" if cli else f"fix it with {command}, or edit that line"
+
+
 def _check_value(section: str, key: str, expected: Any, value: Any) -> Any | None:
     """The value converted to the field's type, or None when the type is wrong."""
     tp = str(expected)
@@ -208,23 +215,26 @@ def config_from_dict(data: dict[str, Any], *, path: Path | None = None,
                 raise K3Error(
                     f"{_where(where_path, text, section, key)}[{section}] {key} must be "
                     f"{_type_name(known[key])}, not {value!r}.",
-                    f"e.g. `k3tui config set {section}.{key} "
-                    f"{_example(section, key, known[key])}`" if cli else "fix the value", 2)
+                    _fix(cli, section, key, _example(section, key, known[key])), 2)
+            where = _where(where_path, text, section, key)
+            fix = _fix(cli, section, key, _example(section, key, known[key]))
             allowed = CHOICES.get((section, key))
             if allowed and converted not in allowed:
-                raise K3Error(
-                    f"{_where(where_path, text, section, key)}[{section}] {key} = "
-                    f"{converted!r} is not one of {', '.join(allowed)}.", "fix the value", 2)
+                fix = _fix(cli, section, key, getattr(SECTIONS[section](), key))
+                raise K3Error(f"{where}[{section}] {key} = {converted!r} is not one of "
+                              f"{', '.join(allowed)}.", fix, 2)
             if isinstance(converted, (int, float)) and not isinstance(converted, bool) \
                     and converted < 0 and key != "reasoning_budget":
-                raise K3Error(
-                    f"{_where(where_path, text, section, key)}[{section}] {key} must not "
-                    f"be negative.", "fix the value", 2)
+                raise K3Error(f"{where}[{section}] {key} must not be negative.", fix, 2)
             low, high = RANGES.get((section, key), (None, None))
             if high is not None and not low <= converted <= high:
-                raise K3Error(
-                    f"{_where(where_path, text, section, key)}[{section}] {key} = "
-                    f"{converted!r} is outside {low}..{high}.", "fix the value", 2)
+                raise K3Error(f"{where}[{section}] {key} = {converted!r} is outside "
+                              f"{low}..{high}.", fix, 2)
+            if (section, key) == ("remote", "url") and converted and \
+                    not converted.startswith(("http://", "https://")):
+                raise K3Error(f"{where}[remote] url = {converted!r} is not an http:// or "
+                              "https:// address.",
+                              _fix(cli, section, key, "https://HOST:PORT/v1"), 2)
             setattr(target, key, converted)
     return cfg
 
@@ -282,6 +292,28 @@ def save_config(cfg: Config, path: Path | None = None) -> Path:
         fh.write(tomlkit.dumps(doc))
     os.replace(tmp, path)
     return path
+
+
+def set_in_file(dotted: str, raw: str, path: Path | None = None) -> Config:
+    """`k3tui config set` on a file that does not load: the value set replaces the refused
+    one (`config set` is how the error says to fix it), and the rest is checked as usual."""
+    path = Path(path) if path else get_paths().config_file
+    try:
+        return set_value(load_config(path), dotted, raw)
+    except K3Error as refused:
+        if not path.is_file():
+            raise
+        fresh = set_value(Config(), dotted, raw)  # the new value alone: its own errors first
+        try:
+            text = path.read_text(encoding="utf-8")
+            data = tomllib.loads(text)
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+            raise refused from None
+        section, _, key = dotted.partition(".")
+        if not isinstance(data.get(section, {}), dict):
+            raise refused from None
+        data.setdefault(section, {})[key] = getattr(getattr(fresh, section), key)
+        return config_from_dict(data, path=path, text=text)
 
 
 def set_value(cfg: Config, dotted: str, raw: str) -> Config:

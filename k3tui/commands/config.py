@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from k3tui.config import config_exists, load_config, save_config, set_value
+    from k3tui.config import config_exists, load_config, save_config, set_in_file
     from k3tui.paths import get_paths
 
     paths = get_paths()
@@ -28,9 +28,8 @@ def run(args: argparse.Namespace) -> int:
         for name, value in paths.as_dict().items():
             print(f"{name:<17} {value}")
         return 0
-    cfg = load_config()
     if action == "set":
-        cfg = set_value(cfg, args.key, args.value)
+        cfg = set_in_file(args.key, args.value)
         section, _, key = args.key.partition(".")
         switched = (section == "engine" and key in ("trunk_gb", "cache_gb")
                     and getattr(cfg.engine, key) > 0 and cfg.engine.preset != "custom")
@@ -50,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
             if not getattr(cfg.engine, other):
                 print(f"Set it too: `k3tui config set engine.{other} GB`.")
         return 0
+    cfg = load_config()
     if action == "show":
         if getattr(args, "json", False):
             print(json.dumps(cfg.to_dict(), indent=2))

@@ -110,3 +110,48 @@ def test_credentials_are_0600_and_merge():
     path = get_paths().credentials_file
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert load_credentials() == {"hf_token": "hf_abc", "remote_api_key": "sk-1"}
+
+
+def _cli(*args: str):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "k3tui", "config", *args], capture_output=True,
+                          text=True, timeout=60, stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.parametrize("key, value, step", [
+    ("engine.preset", "turbo", "`k3tui config set engine.preset auto`"),
+    ("chat.max_tokens", "-5", "`k3tui config set chat.max_tokens 4096`"),
+    ("backend.port", "99999", "`k3tui config set backend.port N`"),
+    ("remote.url", "ftp://x", "`k3tui config set remote.url https://HOST:PORT/v1`"),
+])
+def test_config_set_refusals_name_a_command_that_works(key, value, step):
+    """`next: fix the value` told nobody what a good value looks like; an ftp:// endpoint
+    was saved and only failed later, inside the chat."""
+    res = _cli("set", key, value)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.count("\n") == 2 and f"next: e.g. {step}" in res.stderr, res.stderr
+    assert not config_exists()
+
+
+def test_config_set_repairs_the_value_that_stops_the_file_loading():
+    """The error for a bad value in the file said to fix it, but `config set` loaded the file
+    first and refused with that very error: the one command that could fix it could not."""
+    path = get_paths().config_file
+    path.write_text('# mine\n[engine]\npreset = "turbo"  # typo\nthreads = 2\n')
+    res = _cli("show")
+    assert res.returncode == 2
+    assert f"{path}, line 3: [engine] preset = 'turbo'" in res.stderr
+    assert "next: fix it with `k3tui config set engine.preset auto`, or edit that line" \
+        in res.stderr
+    res = _cli("set", "engine.threads", "3")      # another key: the file stays refused
+    assert res.returncode == 2 and "line 3" in res.stderr
+    res = _cli("set", "engine.preset", "laptop")
+    assert res.returncode == 0, res.stderr
+    cfg = load_config()
+    assert (cfg.engine.preset, cfg.engine.threads) == ("laptop", 2)
+    assert "# mine" in path.read_text()           # the user's comments survive the repair
+    path.write_text('[engine]\npreset = "turbo"\nnokey = 1\n')
+    res = _cli("set", "engine.preset", "laptop")  # a second fault is still reported by line
+    assert res.returncode == 2 and "line 3: unknown key `nokey`" in res.stderr, res.stderr
