@@ -105,6 +105,9 @@ class Session:
 def _url_session(url: str, api_key_env: str | None, model: str | None) -> Session:
     from k3tui.config import load_config
 
+    if not url.startswith(("http://", "https://")):
+        raise K3Error(f"--url {url} is not an http:// or https:// address.",
+                      "e.g. `k3tui chat --url http://127.0.0.1:8080/v1`", 2)
     api_key = None
     if api_key_env:
         api_key = os.environ.get(api_key_env)
@@ -263,7 +266,7 @@ def smoke(session: Session, args: argparse.Namespace) -> int:
             snap = chat.stats.snapshot()
             result.update(tokens=snap.tokens, ttft_ms=snap.ttft_ms, status=chat.current.status,
                           content=chat.current.content, reasoning=chat.current.reasoning,
-                          note=chat.current.note)
+                          note=chat.current.note, last_error=chat.last_error)
             app.exit(0 if snap.tokens > 0 and chat.current.status == "done" else 1)
 
         app.set_interval(0.1, check)
@@ -280,6 +283,11 @@ def smoke(session: Session, args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     wall = time.monotonic() - t0
+    if result["tokens"] == 0 and result["last_error"] is not None:  # the backend said why
+        message, step = result["last_error"]
+        print(f"smoke: no answer ({result['status']} after {wall:.1f} s): {message}"
+              + (f"\nnext: {step}" if step else ""), file=sys.stderr)
+        return 1
     print(f"smoke: {result['tokens']} tokens streamed, status {result['status']}, "
           f"first token {(result['ttft_ms'] or 0) / 1000:.1f} s after sending, "
           f"{wall:.1f} s in all")

@@ -150,6 +150,7 @@ class ChatScreen(Screen):
         self.picked: ChatMessage | None = None   # the highlighted message (Ctrl+Up / Ctrl+Down)
         self._code_at: tuple[ChatMessage, int] | None = None  # the block Ctrl+G copied last
         self._prompt_at_pick = ""  # the prompt's text when the highlight moved
+        self.last_error: tuple[str, str] | None = None  # the last backend error, its next step
 
     @property
     def conversation_id(self) -> int | None:
@@ -273,6 +274,7 @@ class ChatScreen(Screen):
     def backend_failed(self, message: str, next_step: str) -> None:
         """`message` is the server's words: never markup (a `[` must not end the chat)."""
         # Each part is a sentence of its own: "…:8099." then "Start it…", never "8099.. start".
+        self.last_error = (message, next_step)  # `chat --smoke` prints it
         parts = [p.strip().rstrip(".") for p in (message, next_step) if p.strip()]
         text = " ".join(f"{p[0].upper()}{p[1:]}." for p in parts)
         self.notify(clean(f"{text} Your history is saved; press ctrl+r to retry."),

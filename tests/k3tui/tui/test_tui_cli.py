@@ -42,10 +42,25 @@ def test_tui_cli_chat_url_smoke_streams(loopback_server):
 
 
 def test_tui_cli_chat_unreachable_backend_is_one_sentence():
+    """It printed `first token 0.0 s after sending` for a turn with no token, and the reason
+    without the next step the chat would have shown."""
     out = k3("chat", "--url", "http://127.0.0.1:9", "--smoke", timeout=60)
     assert out.returncode == 1
     assert "Traceback" not in out.stderr + out.stdout
-    assert "status error" in out.stdout or "never finished" in out.stderr
+    assert "first token" not in out.stdout
+    lines = out.stderr.splitlines()
+    assert lines[0].startswith("smoke: no answer (error after ") and \
+        lines[0].endswith("Could not connect to the backend at http://127.0.0.1:9.")
+    assert lines[1].startswith("next: start it with `k3tui serve`")
+
+
+@pytest.mark.parametrize("url", ["ftp://host/v1", "127.0.0.1:8080"])
+def test_tui_cli_chat_url_must_be_http(url):
+    out = k3("chat", "--url", url, "--smoke", timeout=30)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.splitlines() == [
+        f"k3tui: --url {url} is not an http:// or https:// address.",
+        "  next: e.g. `k3tui chat --url http://127.0.0.1:8080/v1`"]
 
 
 def test_tui_cli_missing_api_key_env(monkeypatch):
