@@ -207,7 +207,7 @@ def _run_here(snap, target: Path, args: argparse.Namespace, check: str, resume: 
                               resume=resume)
     finally:
         __import__("os").close(lock)
-    return _conclude(result, target, print)
+    return _conclude(result, target, print, resume)
 
 
 def _event_fields(ev) -> dict:
@@ -216,7 +216,7 @@ def _event_fields(ev) -> dict:
             "files": ev.files, "retries": ev.retries, "errors": ev.errors}
 
 
-def _conclude(result, target: Path, say) -> int:
+def _conclude(result, target: Path, say, resume: str = "") -> int:
     if result.verified_now:
         say(f"Verified {len(result.verified_now)} files already on disk.")
     if result.replaced:
@@ -226,7 +226,8 @@ def _conclude(result, target: Path, say) -> int:
         say(f"Done: every file in {target} is verified (size and sha256).")
         return 0
     if result.cancelled:
-        say("Cancelled; partial files are kept. Rerun the same command to resume.")
+        again = f"`{resume}`" if resume else "the same command"
+        say(f"Cancelled; partial files are kept. Rerun {again} to resume.")
         return 1
     raise result.error
 
@@ -250,7 +251,7 @@ def _run_in_job(reporter, repo, revision, target, include, args, check) -> int:
                           check=check, log=log, max_hz=4, resume=resume,  # TUI polls at 2 Hz
                           on_progress=lambda ev: reporter.update(**_event_fields(ev)))
         lines: list[str] = []
-        code = _conclude(result, target, lines.append)
+        code = _conclude(result, target, lines.append, resume)
         for line in lines:
             log(line)
         # every line: a --verify run must say which files it refetched, not only "Done"
