@@ -73,6 +73,8 @@ class ConversationsScreen(ModalScreen[int | None]):
         for i in range(options.option_count):
             if options.get_option_at_index(i).id == target:
                 options.highlighted = i
+        if options.highlighted is None and options.option_count:
+            options.highlighted = 0  # a new chat is not listed yet: Enter opens the newest
 
     def _selected(self) -> int | None:
         options = self.query_one(OptionList)

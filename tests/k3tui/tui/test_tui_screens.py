@@ -264,3 +264,24 @@ async def test_tui_screens_export_that_cannot_be_written_says_so(app_factory, tm
         notes = [n.message for n in app._notifications]
     assert any(n.startswith("Could not export to ") and n.endswith("press x again.")
                for n in notes), notes
+
+
+async def test_tui_screens_conversations_after_a_new_chat_enter_opens_the_newest(app_factory,
+                                                                                tmp_path):
+    """After Ctrl+N the new chat is not in the list yet, so nothing was highlighted and
+    Enter did nothing until an arrow key was pressed."""
+    history = History(tmp_path / "h.db")
+    older = history.new_conversation("older chat")
+    history.add_message(older, "user", "older question")
+    newest = history.new_conversation("newest chat")
+    history.add_message(newest, "user", "newest question")
+    app = app_factory(ScriptedStream("x"), history=history)
+    async with app.run_test() as pilot:
+        await pilot.press("ctrl+n")
+        await pilot.press("ctrl+o")
+        await pilot.pause()
+        assert app.screen.query_one(OptionList).highlighted == 0
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: app.screen is app.chat
+                         and app.chat.conversation_id == newest)
+        assert [u.text for u in app.chat.query(UserMessage)] == ["newest question"]
