@@ -109,6 +109,10 @@ class ChatLog(VerticalScroll):
         self.scroll_end(animate=False, immediate=True)
 
 
+HINT = ("Type a message below and press Enter to send (Ctrl+J for a new line). F1 lists "
+        "every key; Ctrl+O opens earlier conversations.")
+
+
 class ChatScreen(Screen):
     BINDINGS = [
         Binding("escape", "stop", "Stop", priority=True),
@@ -180,6 +184,7 @@ class ChatScreen(Screen):
         self._fit_layout()
         if not self.new:
             await self.load_conversation(self.conversation_id)
+        await self._hint()
         if app.sample_hz > 0:
             self.set_interval(1 / app.sample_hz, self.sample_now)
         self.set_interval(0.25, self.refresh_panes)
@@ -216,7 +221,18 @@ class ChatScreen(Screen):
                 widgets.append(AssistantMessage(content=m.content, reasoning=m.reasoning,
                                                 status=m.status, classes="assistant"))
         await chat.mount_all(widgets)
+        await self._hint()
         chat.follow()
+
+    async def _hint(self) -> None:
+        """An empty chat says what to do (a first run, Ctrl+N); the first message replaces it."""
+        chat = self.query_one("#chat", ChatLog)
+        empty = not any(isinstance(w, (UserMessage, AssistantMessage)) for w in chat.children)
+        hints = chat.query("#chat-hint")
+        if empty and not hints:
+            await chat.mount(Static(HINT, id="chat-hint"))
+        elif not empty and hints:
+            await hints.remove()
 
     @property
     def generating(self) -> bool:
@@ -236,6 +252,7 @@ class ChatScreen(Screen):
         prompt = self.query_one(Prompt)
         prompt.remember(text)
         prompt.text = ""
+        await self.query_one("#chat").query("#chat-hint").remove()
         await self.query_one("#chat").mount(UserMessage(text, classes="user"))
         await self._start_answer()
 
@@ -331,6 +348,7 @@ class ChatScreen(Screen):
         prompt.text = msgs[-1].content
         prompt.move_cursor(prompt.document.end)
         prompt.focus()
+        await self._hint()
 
     def action_toggle_reasoning(self) -> None:
         picked = self._picked()
@@ -466,6 +484,7 @@ class ChatScreen(Screen):
         self.conversation_id = None
         self.clear_pick(follow=True)
         await self.query_one("#chat").remove_children()
+        await self._hint()
         self.stats.start(None)
         self.refresh_panes(force=True)
 

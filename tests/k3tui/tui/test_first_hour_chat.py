@@ -170,3 +170,24 @@ async def test_a_tiny_terminal_keeps_the_chat_readable_and_f2_brings_the_panes_b
         await pilot.press("f2")                 # asked for: shown even here
         await pilot.pause()
         assert side.display and side.region.height == 7
+
+
+async def test_an_empty_chat_says_what_to_do_until_the_first_message(app_factory):
+    """The first run (and Ctrl+N) showed an empty screen above a box with no word in it."""
+    app = app_factory(ScriptedStream("Hello."))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        hint = " ".join(screen_text(app).split())
+        assert "Type a message below and press Enter to send" in hint
+        assert "F1 lists every key" in hint
+        await pilot.press(*"hi", "enter")
+        await settle(app, pilot)
+        assert "Type a message below" not in screen_text(app)
+        await pilot.press("ctrl+n")
+        await pilot.pause()
+        assert "Type a message below" in screen_text(app)
+        await pilot.press("ctrl+o")              # the old conversation: no hint over it
+        await pilot.pause()
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: app.screen is app.chat and "Hello." in screen_text(app))
+        assert "Type a message below" not in screen_text(app)
