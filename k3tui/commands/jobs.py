@@ -35,8 +35,18 @@ def run(args: argparse.Namespace) -> int:
         return attach(job_id)
     if args.action == "log":
         state = jobs.read_state(job_id)
-        with open(state["log"], encoding="utf-8", errors="replace") as fh:
-            sys.stdout.write(fh.read())
+        try:
+            with open(state["log"], encoding="utf-8", errors="replace") as fh:
+                sys.stdout.write(fh.read())
+        except OSError as exc:
+            from k3tui.errors import K3Error
+
+            status = state.get("status")
+            step = f"`k3tui jobs attach {job_id}` shows its progress" if status == "running" \
+                else "`k3tui jobs` still shows how it ended" + \
+                ("" if status == "done" else f"; {resume_hint(state)}")
+            raise K3Error(f"The log of job {job_id} cannot be read ({state['log']}: "
+                          f"{exc.strerror or exc}).", step, 1) from None
         return 0
     state = jobs.read_state(job_id)
     if state["status"] != "running":

@@ -1,11 +1,14 @@
-"""A cancelled download said "rerun the same command to resume": hours later, which one? It
-now names the command the job recorded (the same repo, folder and globs), in `k3tui jobs
-cancel`, in the job's own message and so in `k3tui jobs`."""
+"""`k3tui jobs` as a user meets it: a cancelled download said "rerun the same command to
+resume" (hours later, which one?) and now names the command the job recorded (the same repo,
+folder and globs) in `k3tui jobs cancel`, the job's message and `k3tui jobs`; a job whose log
+is gone is one sentence, not a FileNotFoundError traceback."""
 
 from __future__ import annotations
 
 import random
 import threading
+
+import pytest
 
 from hub_helpers import BIG, REPO_ID, k3, wait_for
 
@@ -41,3 +44,22 @@ def test_cancel_names_the_command_that_resumes(tmp_path, monkeypatch):
     assert state["status"] == "cancelled"
     assert state["message"] == f"Cancelled; partial files are kept. Rerun `{command}` to resume."
     assert f"Rerun `{command}`" in " ".join(k3("jobs").stdout.split())
+
+
+@pytest.mark.parametrize("status, step", [
+    ("done", "next: `k3tui jobs` still shows how it ended"),
+    ("cancelled", "next: `k3tui jobs` still shows how it ended; rerun `k3tui download "
+                  "acme/tiny --dir /data/tiny` to resume"),
+])
+def test_jobs_log_of_a_job_whose_log_is_gone(status, step):
+    state = jobs.new_state(f"download-1201-000000-{status[:4]}", "download",
+                           ["python", "-m", "k3tui", "download", "acme/tiny", "--foreground",
+                            "--resume-as", "k3tui download acme/tiny --dir /data/tiny"],
+                           "/data/tiny")
+    state.update(status=status, message="ended")
+    jobs._write_state(state)                     # its log was never written, or was removed
+    res = k3("jobs", "log", state["id"], check=False)
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert res.stderr.splitlines() == [
+        f"k3tui: The log of job {state['id']} cannot be read ({state['log']}: No such file "
+        "or directory).", f"  {step}"]
