@@ -15,7 +15,7 @@ BENCHES = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("what", choices=[*BENCHES, "forecast", "engine"],
+    parser.add_argument("what", nargs="?", choices=[*BENCHES, "forecast", "engine"],
                         help="download, tui, forecast (the real model's s/token here, from "
                              "measured parts: `k3tui bench forecast --help`), or engine "
                              "(passes the rest to `python -m engine bench`)")
@@ -23,6 +23,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.what is None:  # argparse would name the remainder too: "required: what, rest"
+        from k3tui.errors import K3Error
+
+        raise K3Error("Which benchmark? Name one of download, tui, forecast or engine.",
+                      "before a download, `k3tui bench forecast` gives the real model's "
+                      "s/token on this machine (under a minute)", 2)
     if args.what == "engine":
         return subprocess.call([sys.executable, "-m", "engine", "bench", *args.rest])
     if args.what == "forecast":

@@ -187,3 +187,14 @@ def test_load_mode_reason_matches_what_the_binary_lists():
     assert re.search(r"--mmap, --no-mmap +DEPRECATED", help_text)
     out = k3("plan", "--machine", "dgx-spark", "--checkpoint-kind", "gguf").stdout
     assert "(--mmap/--no-mmap are deprecated for it)" in out and "no longer exist" not in out
+
+
+def test_bench_without_a_name_says_which_there_are():
+    """`k3tui bench` alone said "the following arguments are required: what, rest"."""
+    p = k3("bench")
+    assert p.returncode == 2 and "rest" not in p.stderr and "Traceback" not in p.stderr
+    assert p.stderr.splitlines() == [
+        "k3tui: Which benchmark? Name one of download, tui, forecast or engine.",
+        "  next: before a download, `k3tui bench forecast` gives the real model's s/token on "
+        "this machine (under a minute)"]
+    assert k3("bench", "forecast", "--help").returncode == 0
