@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
 
         chosen = args.backend or _kind_of(args.model_path) \
             or (cfg.backend.kind if config_exists() else None)
-        return _plan_without_model(args, chosen)
+        return _plan_without_model(args, chosen, configured=cfg.model.dir)
     ready = prepare_launch(cfg, kind=kind, model=args.model_path, port=args.port,
                            force=args.force, machine=args.machine)
     shown = ready.describe()
@@ -114,7 +114,8 @@ def _kind_of(model: str | None) -> str | None:
     return None
 
 
-def _plan_without_model(args: argparse.Namespace, kind: str | None) -> int:
+def _plan_without_model(args: argparse.Namespace, kind: str | None,
+                        configured: str = "") -> int:
     """`serve --dry-run --machine NAME` for a machine you don't have, so without its model
     files: the plan for that machine from the model's published size and shard count."""
     from k3tui.planning.plan import MODEL_LABELS, format_plan, make_plan, recommend_model_kind
@@ -124,7 +125,9 @@ def _plan_without_model(args: argparse.Namespace, kind: str | None) -> int:
     checkpoint = {"bundled": "safetensors", "llama-server": "gguf"}.get(kind or "") \
         or recommend_model_kind(report)
     given = args.model_path
-    what = f"{given} is not here" if given else "No model is configured here"
+    what = f"{given} is not here" if given else \
+        f"The configured checkpoint {configured} is not here" if configured else \
+        "No model is configured here"
     print(f"{what}; this is what k3tui would run on {args.machine}, from the published "
           f"size of {MODEL_LABELS[checkpoint].removeprefix('Kimi-K3 ')}"
           + ("" if given else " (the model path is a placeholder)") + ".")
