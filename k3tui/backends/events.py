@@ -68,6 +68,9 @@ class BackendError:
     message: str
     next_step: str = ""
     log_tail: str = ""
+    # whether sending the same request again can succeed (a conversation over the
+    # context size, or a wrong API key, fails the same way until the user changes it)
+    retry: bool = True
 
     def __post_init__(self) -> None:
         _clean_fields(self, "message", "next_step", "log_tail")

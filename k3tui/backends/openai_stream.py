@@ -331,9 +331,13 @@ def error_event(err: Any, status: int | None = None) -> BackendError:
     if len(message) > MAX_ERROR_CHARS:
         message = message[:MAX_ERROR_CHARS].rstrip() + "…"
     message = message.rstrip(".") + "."
-    if kind == "exceed_context_size_error":
-        step = "start a new chat, or raise llama_server.ctx_size in the config"
+    retry = True
+    if kind == "exceed_context_size_error":  # the same conversation overflows again
+        retry = False
+        step = ("edit the last message shorter (ctrl+e) or start a new chat (ctrl+n); with "
+                "llama-server, llama_server.ctx_size in the config sets the context")
     elif code == 401 or kind == "authentication_error":
+        retry = False
         step = ("check the API key: `k3tui chat --url URL --api-key-env NAME` reads it from "
                 "$NAME; for the configured endpoint, run `k3tui setup` again")
     elif (code == 503 or kind == "unavailable_error") and _is_loading(message):
@@ -344,7 +348,7 @@ def error_event(err: Any, status: int | None = None) -> BackendError:
         step = "check the backend URL (it must serve /v1/chat/completions)"
     else:
         step = "check the backend log; the answer so far is kept"
-    return BackendError(f"The backend reported an error: {message}", step)
+    return BackendError(f"The backend reported an error: {message}", step, retry=retry)
 
 
 async def stream_chat(base_url: str, messages: list[dict[str, Any]], *,

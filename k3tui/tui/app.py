@@ -288,13 +288,15 @@ class ChatScreen(Screen):
                 "p95_ms": snap.p95_ms, "backend": self.k3app.backend.kind,
                 "model": self.k3app.backend.model}
 
-    def backend_failed(self, message: str, next_step: str) -> None:
-        """`message` is the server's words: never markup (a `[` must not end the chat)."""
+    def backend_failed(self, message: str, next_step: str, retry: bool = True) -> None:
+        """`message` is the server's words: never markup (a `[` must not end the chat).
+        `retry`: whether ctrl+r (the same request again) can help."""
         # Each part is a sentence of its own: "…:8099." then "Start it…", never "8099.. start".
         self.last_error = (message, next_step)  # `chat --smoke` prints it
         parts = [p.strip().rstrip(".") for p in (message, next_step) if p.strip()]
         text = " ".join(f"{p[0].upper()}{p[1:]}." for p in parts)
-        self.notify(clean(f"{text} Your history is saved; press ctrl+r to retry."),
+        again = "; press ctrl+r to retry" if retry else ""
+        self.notify(clean(f"{text} Your history is saved{again}."),
                     title="backend problem", severity="error", timeout=12, markup=False)
 
     # actions ---------------------------------------------------------------------------

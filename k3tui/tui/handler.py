@@ -45,8 +45,8 @@ class AnswerHandler:
     def waiting(self, message: str) -> None:
         self.widget.show_waiting(message)
 
-    def failed(self, message: str, next_step: str) -> None:
-        self.screen.backend_failed(message, next_step)
+    def failed(self, message: str, next_step: str, retry: bool) -> None:
+        self.screen.backend_failed(message, next_step, retry)
 
     def turn_meta(self) -> dict[str, Any]:
         return self.screen.turn_meta()

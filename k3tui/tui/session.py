@@ -36,7 +36,7 @@ class AnswerView(Protocol):
     def token(self, ev: TokenStats) -> None: ...
     def finished(self, ev: Finished) -> None: ...
     def waiting(self, message: str) -> None: ...
-    def failed(self, message: str, next_step: str) -> None: ...
+    def failed(self, message: str, next_step: str, retry: bool) -> None: ...
     def turn_meta(self) -> dict[str, Any]: ...
     def cancelled_status(self) -> str: ...
     async def done(self, status: str, note: str) -> None: ...
@@ -99,7 +99,7 @@ class ChatSession:
                             note = note or "(stopped at the max_tokens limit)"
                     case BackendError():
                         status, note = "error", ev.message
-                        view.failed(ev.message, ev.next_step)
+                        view.failed(ev.message, ev.next_step, ev.retry)
                         break
                     case Waiting():
                         view.waiting(f"⏳ {ev.message}")
@@ -112,7 +112,7 @@ class ChatSession:
             raise
         except Exception as exc:  # a client bug or a dropped connection: never a traceback
             status, note = "error", f"{type(exc).__name__}: {exc}"
-            view.failed(note, "")
+            view.failed(note, "", True)
         finally:
             try:
                 await stream.aclose()  # closes the HTTP stream, which stops the server

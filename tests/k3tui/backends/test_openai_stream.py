@@ -129,20 +129,24 @@ async def test_ls_stream_cut_without_finish_is_an_error(replay):
     assert "before the answer finished" in events[-1].message
 
 
-@pytest.mark.parametrize("status,body,needle", [
+@pytest.mark.parametrize("status,body,needle,retry", [
     (400, {"error": {"code": 400, "message": "request (3024 tokens) exceeds the available "
                      "context size (1024 tokens), try increasing it",
-                     "type": "exceed_context_size_error"}}, "ctx_size"),
+                     "type": "exceed_context_size_error"}}, "shorter (ctrl+e)", False),
     (401, {"error": {"code": 401, "message": "Invalid API Key",
-                     "type": "authentication_error"}}, "API key"),
+                     "type": "authentication_error"}}, "API key", False),
     (503, {"error": {"code": 503, "message": "the server is busy: 8 requests are already "
-                     "waiting", "type": "unavailable_error"}}, "busy with other requests"),
+                     "waiting", "type": "unavailable_error"}}, "busy with other requests", True),
 ])
-async def test_ls_http_errors_become_one_sentence_and_next_step(replay, status, body, needle):
+async def test_ls_http_errors_become_one_sentence_and_next_step(replay, status, body, needle,
+                                                                retry):
+    """…and say whether the same request again could succeed: a conversation over the
+    context and a wrong key fail again until the user changes them."""
     replay.status, replay.parts = status, [json.dumps(body).encode()]
     events = await collect(replay.url)
     assert len(events) == 1 and isinstance(events[0], BackendError)
     assert body["error"]["message"] in events[0].message and needle in events[0].next_step
+    assert events[0].retry is retry
 
 
 async def test_ls_loading_server_waits_then_sends_the_prompt(replay):

@@ -148,6 +148,24 @@ async def test_tui_chat_regenerate_and_edit_last(app_factory):
         assert stream.requests[-1] == [{"role": "user", "content": "question again"}]
 
 
+async def test_tui_chat_an_error_retrying_cannot_fix_offers_the_edit_not_the_retry(app_factory):
+    """A conversation over the backend's context fails the same way on ctrl+r: the popup
+    must not offer it, and ctrl+e must bring the long message back to shorten."""
+    err = BackendError("The backend reported an error: request (11131 tokens) exceeds the "
+                       "available context size (8192 tokens).",
+                       "edit the last message shorter (ctrl+e) or start a new chat (ctrl+n)",
+                       retry=False)
+    app = app_factory(ScriptedStream("", error=err))
+    async with app.run_test() as pilot:
+        await type_and_send(pilot, "a very long paste")
+        await settle(app, pilot)
+        note = next(n.message for n in app._notifications if "context size" in n.message)
+        assert "ctrl+r" not in note and "Your history is saved." in note, note
+        await pilot.press("ctrl+e")
+        await pilot.pause()
+        assert app.chat.query_one(Prompt).text == "a very long paste"
+
+
 async def test_tui_chat_dead_backend_notifies_and_keeps_history(app_factory):
     err = BackendError("Could not connect to the backend at http://127.0.0.1:9.",
                        "start it with `k3tui serve`")
