@@ -20,6 +20,7 @@ from k3tui.config import Config, save_config, save_credential
 from k3tui.errors import K3Error
 from k3tui.hub.metadata import hub_token_source
 from k3tui.paths import get_paths
+from k3tui.planning.forecast import per_token
 from k3tui.planning.plan import (DOWNLOAD_BLOCKERS, GGUF_BYTES, MODEL_LABELS, PRESETS,
                                  SAFETENSORS_BYTES, Plan, describe_machine, make_plan,
                                  recommend_model_kind, usable_bytes)
@@ -138,10 +139,6 @@ def wrapped(text: str) -> str:
     return "\n".join(lines)
 
 
-def _s_per_token(s: float) -> str:
-    return f"{s:,.0f}" if s >= 100 else f"{s:.3g}"
-
-
 def preset_title(p: Any, measured: Any = None, width: int | None = None) -> str:
     """One preset as a choice that fits on one line of a `width`-column terminal (the
     select's "» " and a margin included): the C peer's figure and this machine's forecast
@@ -151,7 +148,7 @@ def preset_title(p: Any, measured: Any = None, width: int | None = None) -> str:
     peer = p.note.rsplit(", ", 1)[-1]  # "the floor, ~27–33 s/token": its figure
     forms = [f"{base}, {p.note}"]
     if measured is not None:
-        s = _s_per_token(measured.s_per_token)
+        s = per_token(measured.s_per_token)
         forms = [f"{base}, {p.note} | {measured.brief()} — measured here",
                  f"{base} | {measured.brief()} — measured here",
                  f"{base} | ~{s} s/token measured here", f"{base} | ~{s} s/token here"]

@@ -45,7 +45,7 @@ class PresetForecast:
 
     def brief(self) -> str:
         """`~50 s/token, first token ~16 min`."""
-        return f"~{self.s_per_token:.3g} s/token, first token {duration(self.first_token_s)}"
+        return f"~{per_token(self.s_per_token)} s/token, first token {duration(self.first_token_s)}"
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,12 @@ class Forecast:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def per_token(s: float) -> str:
+    """Seconds per token: three figures ("43.4", "0.372"), whole seconds with thousands
+    separators from 100 up ("3,480", never "3.48e+03")."""
+    return f"{s:,.0f}" if s >= 100 else f"{s:.3g}"
 
 
 def duration(s: float) -> str:
@@ -190,7 +196,8 @@ def measure(directory: str | Path, *, quick: bool = False,
                       "give --dir a folder on the disk where the model would live", 2)
     progress = progress or sys.stderr
     argv = [sys.executable, "-m", "engine", "bench", "parts", "--dir", str(folder), "--json"]
-    print(f"Measuring this machine's parts under {folder} (under a minute; a 1 GB scratch file "
+    scratch = "a small scratch file" if quick else "a 1 GB scratch file"
+    print(f"Measuring this machine's parts under {folder} (under a minute; {scratch} "
           "there is written, read and removed) …", file=progress, flush=True)
     with tempfile.TemporaryFile("w+") as out:
         proc = subprocess.Popen(argv + (["--quick"] if quick else []), stdout=out,
@@ -272,8 +279,8 @@ def plan_lines(preset: str) -> list[str]:
     p = fc.preset(preset)
     if p is None:
         return [f"Forecast: none for the {preset} preset in the measurement of {fc.date}"]
-    return [f"Forecast: {preset} ~{p.s_per_token:.3g} s/token ({p.bound}-bound), first token "
-            f"{duration(p.first_token_s)} for a 50-token prompt, peak RSS "
+    return [f"Forecast: {preset} ~{per_token(p.s_per_token)} s/token ({p.bound}-bound), "
+            f"first token {duration(p.first_token_s)} for a 50-token prompt, peak RSS "
             f"~{p.peak_rss_gb:.1f} GB; measured here {fc.date} under {fc.dir}"
             + (" (--quick: toy sizes)" if fc.quick else ""),
             f"          {SAYS}; `k3tui bench forecast` shows every preset"]

@@ -60,7 +60,7 @@ def test_bench_forecast_json_is_stored_and_plan_shows_it(tmp_path):
     line = next(ln for ln in plan.stdout.splitlines() if ln.startswith("Forecast:"))
     preset = stored["presets"][0]  # this box plans laptop or bigger; find what it printed
     chosen = next(p for p in stored["presets"] if f"Forecast: {p['name']} " in line)
-    assert f"~{chosen['s_per_token']:.3g} s/token ({chosen['bound']}-bound)" in line
+    assert f"~{forecast.per_token(chosen['s_per_token'])} s/token ({chosen['bound']}-bound)" in line
     assert "first token ~" in line and f"under {tmp_path}" in line and preset
     assert "the C peer's figure" in plan.stdout  # the old table, labelled
     assert json.loads(k3("plan", "--json", "--model", "safetensors").stdout)["forecast"][
@@ -104,6 +104,19 @@ def test_a_damaged_stored_forecast_is_named_not_shown(body):
     assert f"the stored forecast {path} cannot be read" in res.stdout
     assert "\x1b" not in res.stdout
     assert path.read_text() == body  # the user's file is left as it was
+
+
+def test_a_slow_forecast_reads_in_seconds_not_in_exponents():
+    """A disk-bound preset on a slow disk takes thousands of seconds a token: `k3tui plan`
+    writes "~3,480 s/token", never "~3.48e+03"."""
+    slow = forecast.PresetForecast("laptop", True, 3480.4, "disk", 7.9, 9e4, 9e5, 858, 1445)
+    forecast.store(forecast.Forecast("2026-12-01 23:50", "/models", {}, [1.0],
+                                     {"sequential": 0.05, "experts": 0.04}, [slow]))
+    res = k3("plan", "--model", "safetensors")
+    assert res.returncode == 0, res.stderr
+    assert "Forecast: laptop ~3,480 s/token (disk-bound)" in res.stdout, res.stdout
+    assert "e+0" not in res.stdout
+    assert slow.brief().startswith("~3,480 s/token, first token")
 
 
 def test_the_wizard_measures_and_shows_the_forecast_beside_each_preset(tmp_path, monkeypatch):
