@@ -185,6 +185,17 @@ def _alive(pid: int | None, pid_start: float | None) -> bool:
         return False
 
 
+def resume_hint(state: dict) -> str:
+    """`rerun `k3tui download … --dir …` to resume`: the command the job recorded, since
+    "the same command" is one a user typed hours ago, maybe with the config's defaults."""
+    argv = state.get("argv") or []
+    if "--resume-as" in argv[:-1]:
+        return f"rerun `{argv[argv.index('--resume-as') + 1]}` to resume"
+    if state.get("kind") == "pack":
+        return "rerun `k3tui pack` with the same folders to resume (it resumes per layer)"
+    return "rerun the same command to resume"
+
+
 def read_state(job_id: str) -> dict:
     """The job's state; a 'running' job whose process is gone is reported (and saved) as
     failed, so a SIGKILL or a reboot never leaves a job 'running' forever."""
@@ -198,7 +209,7 @@ def read_state(job_id: str) -> dict:
         return state
     state.update(status="failed", updated=time.time(), stalled=False, rate_bps=0.0,
                  eta_s=None, message="the job process ended without reporting (killed or "
-                 "rebooted); rerun the same command to resume")
+                 f"rebooted); {resume_hint(state)}")
     _write_state(state)
     return state
 

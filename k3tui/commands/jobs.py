@@ -7,6 +7,7 @@ import sys
 import time
 
 from k3tui import units
+from k3tui.jobs import resume_hint
 from k3tui.units import transfer_size
 
 
@@ -55,17 +56,6 @@ def run(args: argparse.Namespace) -> int:
     state = jobs.cancel_job(job_id)
     print(f"Job {job_id}: {state['status']}. Its partial files are kept; {resume_hint(state)}.")
     return 0
-
-
-def resume_hint(state: dict) -> str:
-    """`rerun `k3tui download … --dir …` to resume`: the command the job recorded, since
-    "the same command" is one a user typed hours ago, maybe with the config's defaults."""
-    argv = state.get("argv") or []
-    if "--resume-as" in argv[:-1]:
-        return f"rerun `{argv[argv.index('--resume-as') + 1]}` to resume"
-    if state.get("kind") == "pack":
-        return "rerun `k3tui pack` with the same folders to resume (it resumes per layer)"
-    return "rerun the same command to resume"
 
 
 def _eta(s: float | None) -> str:

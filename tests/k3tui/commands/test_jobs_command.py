@@ -63,3 +63,26 @@ def test_jobs_log_of_a_job_whose_log_is_gone(status, step):
     assert res.stderr.splitlines() == [
         f"k3tui: The log of job {state['id']} cannot be read ({state['log']}: No such file "
         "or directory).", f"  {step}"]
+
+
+def test_a_job_whose_process_died_names_the_command_that_resumes():
+    """A download killed with SIGKILL (or a reboot) is found 'running' with no process: it
+    is reported failed, with the recorded command rather than "the same command"."""
+    import os
+
+    import psutil
+
+    state = jobs.new_state("download-1201-000000-dead", "download",
+                           ["python", "-m", "k3tui", "download", "acme/tiny", "--foreground",
+                            "--resume-as", "k3tui download acme/tiny --dir /data/tiny"],
+                           "/data/tiny")
+    # this very process's pid, with another start time: the pid was reused, the job is gone
+    state.update(status="running", pid=os.getpid(),
+                 pid_start=psutil.Process().create_time() - 3600)
+    jobs._write_state(state)
+    listed = " ".join(k3("jobs").stdout.split())
+    ended = jobs.read_state(state["id"])
+    assert ended["status"] == "failed"
+    assert ended["message"].endswith("rerun `k3tui download acme/tiny --dir /data/tiny` "
+                                     "to resume"), ended["message"]
+    assert "rerun `k3tui download acme/tiny --dir /data/tiny` to resume" in listed, listed
