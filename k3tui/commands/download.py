@@ -130,7 +130,9 @@ def run(args: argparse.Namespace) -> int:
 
     from k3tui.hub import fetch_snapshot, plan_download
     from k3tui.hub.metadata import check_access
+    from k3tui.hub.store import check_writable
 
+    check_writable(target)  # before the Hub is asked: the folder is the user's to fix
     print(f"Checking {repo} ({revision}) on the Hub…", flush=True)
     snap = fetch_snapshot(repo, revision, include)
     plan = plan_download(snap, target, check=check)

@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import re
+import tempfile
 import threading
 from pathlib import Path
 
@@ -97,6 +98,25 @@ def read_json(path: Path) -> dict | None:
 
 
 META = ".k3tui"
+
+
+def check_writable(target: Path) -> None:
+    """Refuse, before anything is fetched, a folder no download could be written to (a
+    pseudo filesystem like /proc, a read-only mount, another user's folder): a folder is
+    made and removed where the target would be, leaving nothing behind."""
+    target = Path(target).expanduser().absolute()
+    if target.exists() and not target.is_dir():
+        raise K3Error(f"{target} is a file, not a folder.", "choose a folder with --dir", 2)
+    parent = target
+    while not parent.exists():
+        parent = parent.parent
+    try:
+        probe = tempfile.mkdtemp(prefix=".k3tui-probe-", dir=parent)
+        os.rmdir(probe)
+    except OSError as exc:
+        raise K3Error(f"{target} cannot hold a download: a folder cannot be made in {parent} "
+                      f"({exc.strerror}).",
+                      "choose a folder on a local disk you can write to with --dir", 2) from None
 
 
 def name_problem(name: str) -> str | None:

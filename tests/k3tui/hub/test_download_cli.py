@@ -117,3 +117,23 @@ def test_dl_gated_repo_uses_the_stored_login(repo_dir, tmp_path, monkeypatch):
         assert "hf_stored" not in open(job["log"]).read()
         assert "hf_stored" not in json.dumps(jobs.read_state(job["id"]))
         assert os.environ.get("HF_TOKEN") is None
+
+
+@pytest.mark.parametrize("where", ["proc", "file"])
+def test_dl_a_folder_no_download_can_be_written_to_is_refused_first(hub, tmp_path, where):
+    """`--dir /proc/x` said "Not enough space … only 0.0 MB free" after asking the Hub; a
+    folder that cannot be made (a pseudo filesystem) or a file is now refused before the Hub
+    is asked, in one sentence that names it, and nothing is left behind."""
+    target = "/proc/k3tui-dl-test" if where == "proc" else str(tmp_path / "a-file")
+    if where == "file":
+        (tmp_path / "a-file").write_text("mine")
+    p = k3("download", REPO_ID, "--dir", target, "--foreground", check=False)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    first = p.stderr.splitlines()[0]
+    assert first.startswith(f"k3tui: {target} ") and (
+        "cannot hold a download" in first or "is a file, not a folder" in first), p.stderr
+    assert "Checking" not in p.stdout and not hub.requests(), (p.stdout, hub.requests())
+    assert "space" not in p.stderr
+    if where == "file":
+        assert (tmp_path / "a-file").read_text() == "mine"
+    assert [x.name for x in tmp_path.iterdir() if x.name.startswith(".k3tui-probe")] == []
