@@ -74,14 +74,22 @@ def assert_error(resp: httpx.Response, code: int, *words: str) -> None:
         assert word in err["message"], err["message"]
 
 
+def read_until_closed(s: socket.socket) -> bytes:
+    """What the server sent on `s` until it closed it (a reset counts as closed)."""
+    out = b""
+    try:
+        while chunk := s.recv(65536):
+            out += chunk
+    except ConnectionResetError:
+        pass
+    return out
+
+
 def raw_request(port: int, head: bytes, timeout: float = HANG) -> bytes:
     """Send `head` (no body), read until the server closes; what it answered."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
         s.sendall(head)
-        out = b""
-        while chunk := s.recv(65536):
-            out += chunk
-        return out
+        return read_until_closed(s)
 
 
 def test_srv_limits_content_length_over_the_limit_is_413_before_the_body(server):
@@ -236,12 +244,8 @@ def test_srv_limits_half_open_connections_are_closed(ckpt, tmp_path):
         assert httpx.get(srv.url + "/health", timeout=HANG).status_code == 200
         answers = []
         for s in socks:  # each recv below returns when the server closes (or after 30 s)
-            out = b""
             try:
-                while chunk := s.recv(65536):
-                    out += chunk
-            except ConnectionResetError:
-                pass
+                out = read_until_closed(s)
             except TimeoutError:
                 sent = sends[len(answers)][:40]
                 pytest.fail(f"a connection that sent {sent!r} is still open after 30 s")
@@ -279,12 +283,7 @@ def test_srv_limits_a_dripped_body_is_408_before_it_ends(ckpt, tmp_path):
 
             dripper = threading.Thread(target=drip, daemon=True)
             dripper.start()
-            out = b""
-            try:
-                while chunk := s.recv(65536):
-                    out += chunk
-            except ConnectionResetError:
-                pass
+            out = read_until_closed(s)
             got_at = sent[0]
             stop.set()
             dripper.join(5)
