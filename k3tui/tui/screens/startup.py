@@ -51,6 +51,10 @@ class LogView(Vertical):
 
     def on_mount(self) -> None:
         self.border_title = f"log {self.path or '(none yet)'}"
+        # Anchored, the newest line stays in view when the view shrinks or its horizontal
+        # scrollbar appears after a write (a progress line growing to a failure's three lines
+        # hid the last log lines: the error); the user scrolling up releases it.
+        self.query_one(Log).anchor()
         self.reload()
         self.set_interval(0.5, self.reload)
 

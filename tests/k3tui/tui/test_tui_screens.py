@@ -135,6 +135,33 @@ async def test_tui_screens_startup_then_chat(app_factory):
         assert app.chat.current.content == "hi"
 
 
+async def test_tui_screens_failed_start_keeps_the_last_log_line_in_view(app_factory):
+    """The start fails after its log tail filled the view: the failure's three lines shrink
+    the tail, and its newest line (the server's error) must stay on screen."""
+    from k3tui.errors import K3Error
+
+    shown = threading.Event()
+
+    def starter(on_progress):
+        logs = get_paths().logs_dir
+        logs.mkdir(parents=True, exist_ok=True)
+        (logs / "engine-test.log").write_text(
+            "".join(f"load step {i}\n" for i in range(60)) + "error: out of memory\n")
+        on_progress("loading")                  # the screen finds the log now
+        shown.wait(30)
+        raise K3Error("The engine exited while loading.", "read the log below")
+
+    app = app_factory(ScriptedStream("x"), starter=starter)
+    async with app.run_test(size=(100, 30)) as pilot:
+        try:
+            await wait_until(pilot, lambda: "error: out of memory" in screen_text(app))
+        finally:
+            shown.set()
+        await wait_until(pilot, lambda: "press r to retry" in screen_text(app))
+        await wait_until(pilot, lambda: "error: out of memory" in screen_text(app))
+        assert "load step 59" in screen_text(app)
+
+
 async def test_tui_screens_dead_backend_while_idle_offers_restart(app_factory):
     alive = {"value": True}
     starts = []
