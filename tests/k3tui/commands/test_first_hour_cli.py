@@ -87,15 +87,13 @@ def test_doctor_names_a_missing_dir_instead_of_vouching_for_it(tmp_path):
 
 
 def test_doctor_tests_a_remote_endpoint_that_does_not_answer(tmp_path):
-    import socket
+    from llama_helpers import refused_port
 
-    with socket.socket() as s:  # a port that was free a moment ago: nothing listens
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     home = Path(os.environ["K3TUI_HOME"])
-    (home / "config.toml").write_text('[model]\nkind = "remote"\n[backend]\nkind = "remote"\n'
-                                      f'[remote]\nurl = "http://127.0.0.1:{port}/v1"\n')
-    p = k3("doctor", "--dir", str(tmp_path))
+    with refused_port() as port:  # held while doctor runs: nobody can start listening there
+        (home / "config.toml").write_text('[model]\nkind = "remote"\n[backend]\nkind = "remote"\n'
+                                          f'[remote]\nurl = "http://127.0.0.1:{port}/v1"\n')
+        p = k3("doctor", "--dir", str(tmp_path))
     assert p.returncode == 1
     assert re.search(rf"FAIL +remote +http://127.0.0.1:{port}/v1: Nothing answers", p.stdout)
     assert "all good" not in p.stdout

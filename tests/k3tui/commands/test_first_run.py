@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from llama_helpers import refused_port
 from probe_helpers import RMT_ENDPOINT, fake_endpoint
 
 from k3tui.config import load_config, save_config, set_value
@@ -96,23 +97,16 @@ def test_laptop_floor_advice_names_a_command_that_takes_effect():
     assert "of 8.2 GB RAM;" in plan.preset_reason and "GiB" not in plan.preset_reason
 
 
-def _closed_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_setup_yes_remote_tests_the_endpoint_before_saving():
     from k3tui.config import config_exists
 
-    url = f"http://127.0.0.1:{_closed_port()}/v1"
-    res = k3("setup", "--yes", "--backend", "remote", "--remote-url", url)
-    assert res.returncode == 1, res.stdout + res.stderr
-    assert "not saved" in res.stderr and "--force" in res.stderr and not config_exists()
-    res = k3("setup", "--yes", "--backend", "remote", "--remote-url", url, "--force")
-    assert res.returncode == 0 and "FAILED" in res.stdout
+    with refused_port() as port:  # held while the endpoint is tested: nobody listens there
+        url = f"http://127.0.0.1:{port}/v1"
+        res = k3("setup", "--yes", "--backend", "remote", "--remote-url", url)
+        assert res.returncode == 1, res.stdout + res.stderr
+        assert "not saved" in res.stderr and "--force" in res.stderr and not config_exists()
+        res = k3("setup", "--yes", "--backend", "remote", "--remote-url", url, "--force")
+        assert res.returncode == 0 and "FAILED" in res.stdout
     assert load_config().remote.url == url
     res = k3("setup", "--yes", "--remote-url", "ftp://host/v1", "--force")  # never usable
     assert res.returncode == 2 and "not an http:// or https://" in res.stderr
