@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
 import time
@@ -70,11 +71,34 @@ def engine_server(demo_checkpoint, tmp_path):
         proc.kill()
 
 
+def saved_answer(db, status: str) -> str | None:
+    """The newest assistant message's saved text (reasoning and answer) if it has `status`
+    and some text, read as another process would while the TUI writes."""
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        row = con.execute("SELECT reasoning || content, status FROM messages "
+                          "WHERE role='assistant' ORDER BY id DESC LIMIT 1").fetchone()
+    except sqlite3.OperationalError:  # not created yet
+        return None
+    finally:
+        con.close()
+    return row[0] if row and row[0] and row[1] == status else None
+
+
+def wait_for_value(get, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while (value := get()) is None:
+        assert time.monotonic() < deadline, "never saved"
+        time.sleep(0.1)
+    return value
+
+
 def test_tui_e2e_chat_against_engine_server(engine_server, tmp_path):
     env = {"K3TUI_HOME": str(tmp_path / "home"), "TERM": "xterm-256color",
            "PYTHONPATH": str(REPO_ROOT)}
     name = f"k3tui-e2e-{os.getpid()}"
     command = f"{sys.executable} -m k3tui chat --url {engine_server}/v1"
+    db = tmp_path / "home" / "history.sqlite3"
     tmux = Tmux(name, env)
     try:
         tmux.start(command)
@@ -104,11 +128,14 @@ def test_tui_e2e_chat_against_engine_server(engine_server, tmp_path):
         tmux.keys("And about rivers?", literal=True)
         tmux.keys("Enter")
         tmux.wait_for(lambda s: "And about rivers?" in s and "tokens" in s)
-        time.sleep(1.5)  # the streaming answer is saved about once a second
+        # the streaming answer is saved about once a second: kill once some of it is
+        partial = wait_for_value(lambda: saved_answer(db, "streaming"))
         tmux.kill()
         tmux.start(command)
         after = tmux.wait_for(lambda s: "interrupted" in s, timeout=20)
         assert "And about rivers?" in after
+        kept = saved_answer(db, "interrupted")
+        assert kept is not None and kept.startswith(partial), (partial, kept)
         tmux.keys("C-q")
     finally:
         tmux.close()
