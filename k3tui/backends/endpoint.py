@@ -27,11 +27,12 @@ from urllib.parse import urlsplit
 import httpx
 
 from k3tui.textsafe import clean
+from k3tui.units import MiB
 
 CREDENTIAL_KEY = "remote_api_key"
 CONNECT_TIMEOUT_S = 10.0
 TEST_TIMEOUT_S = 120.0  # a busy cluster may queue the one-token request behind others
-MAX_ANSWER_BYTES = 16 * 2**20  # /v1/models of a hosted API with hundreds of models
+MAX_ANSWER_BYTES = 16 * MiB  # /v1/models of a hosted API with hundreds of models
 MAX_MODEL_ID = 256  # characters of a model id kept (and shown, and saved)
 
 
@@ -238,7 +239,7 @@ def check_endpoint(url: str, api_key: str | None, verify_tls: bool | str = True,
             return _run_checks(http, root, v1, where, api_key, model, warnings)
     except _TooLarge as exc:
         return _fail(f"{where} answered {exc.args[0]} with more than "
-                     f"{MAX_ANSWER_BYTES // 2**20} MiB, which no OpenAI-compatible server sends.",
+                     f"{MAX_ANSWER_BYTES // MiB} MiB, which no OpenAI-compatible server sends.",
                      "check that the URL points at an OpenAI-compatible server",
                      warnings=warnings)
     except (httpx.TransportError, ssl.SSLError) as exc:

@@ -34,6 +34,7 @@ from k3tui.backends.events import (
     Waiting,
 )
 from k3tui.textsafe import clean
+from k3tui.units import KiB, MiB
 
 # A streamed token can take minutes on the bundled engine at a small budget, and
 # llama-server pings only every 30 s, so the read timeout is generous; connect is not.
@@ -42,12 +43,12 @@ CONNECT_TIMEOUT_S = 10.0
 LOADING_POLL_S = 1.0  # /health polls while a server loads its model
 # One SSE event holds one chunk (a token's delta, its timings and `k3`: about 1 kB); an
 # error answer is one sentence. More than these is a broken or hostile server.
-MAX_EVENT_BYTES = 2**20
-MAX_ERROR_BYTES = 64 * 2**10
+MAX_EVENT_BYTES = MiB
+MAX_ERROR_BYTES = 64 * KiB
 MAX_ERROR_CHARS = 500  # of a server's error message shown to the user
 MAX_FIGURE = 1e15  # a count, a time in ms, a size in GB: anything larger is not one
 MAX_TOKENS_PER_CHUNK = 4096  # what one chunk's cumulative predicted_n may add
-MAX_MODELS_BYTES = 16 * 2**20  # /v1/models of a hosted API with hundreds of models
+MAX_MODELS_BYTES = 16 * MiB  # /v1/models of a hosted API with hundreds of models
 
 
 class StreamTooLarge(Exception):
