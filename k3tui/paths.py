@@ -54,6 +54,25 @@ class Paths:
         return {name: str(getattr(self, name)) for name in names}
 
 
+def log_stamps() -> dict[Path, int]:
+    """Each backend log's modification time (ns); a log removed meanwhile is left out."""
+    stamps = {}
+    for p in get_paths().logs_dir.glob("*.log"):
+        try:
+            stamps[p] = p.stat().st_mtime_ns
+        except OSError:
+            continue
+    return stamps
+
+
+def newest_log_since(before: dict[Path, int]) -> Path | None:
+    """The newest log written since `before` was taken: new, or changed. Compared by the
+    stamps themselves, not with a clock: a kernel that stamps files with a coarse clock
+    can date a log written just after `time.time()` before it."""
+    changed = {p: t for p, t in log_stamps().items() if before.get(p) != t}
+    return max(changed, key=changed.__getitem__) if changed else None
+
+
 def get_paths() -> Paths:
     """Resolve the root now (not at import), so tests and users can set K3TUI_HOME late."""
     home = os.environ.get("K3TUI_HOME")

@@ -654,16 +654,16 @@ class ChatApp(App):
             if then is not None:
                 self.call_later(then)
 
-        since = time.time()
+        from k3tui.paths import log_stamps, newest_log_since
+
+        before = log_stamps()
 
         def log_path() -> str | None:
             """The backend's log: known once it runs, else the newest log written since."""
             if self.backend.log_path:
                 return self.backend.log_path
-            from k3tui.paths import get_paths
-
-            logs = [p for p in get_paths().logs_dir.glob("*.log") if p.stat().st_mtime >= since]
-            return str(max(logs, key=lambda p: p.stat().st_mtime)) if logs else None
+            newest = newest_log_since(before)
+            return str(newest) if newest else None
 
         title = clean(f"starting the {self.backend.kind} backend: {self.backend.model}")
         screen = StartupScreen(title, self.starter, log_path)
