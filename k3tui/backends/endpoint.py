@@ -26,13 +26,14 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from k3tui.backends.openai_stream import MAX_MODELS_BYTES, parse_json
 from k3tui.textsafe import clean
 from k3tui.units import MiB
 
 CREDENTIAL_KEY = "remote_api_key"
 CONNECT_TIMEOUT_S = 10.0
 TEST_TIMEOUT_S = 120.0  # a busy cluster may queue the one-token request behind others
-MAX_ANSWER_BYTES = 16 * MiB  # /v1/models of a hosted API with hundreds of models
+MAX_ANSWER_BYTES = MAX_MODELS_BYTES  # the largest answer a check reads: a model listing
 MAX_MODEL_ID = 256  # characters of a model id kept (and shown, and saved)
 
 
@@ -193,10 +194,7 @@ def _fetch(http: httpx.Client, method: str, url: str, **kwargs: Any) -> httpx.Re
 
 def _json(resp: httpx.Response) -> Any:
     """The body as JSON; ValueError also for nesting deeper than Python can read."""
-    try:
-        return resp.json()
-    except RecursionError:
-        raise ValueError("JSON nested too deeply") from None
+    return parse_json(resp.content)
 
 
 def _error_text(resp: httpx.Response, api_key: str | None) -> str:

@@ -51,6 +51,15 @@ MAX_TOKENS_PER_CHUNK = 4096  # what one chunk's cumulative predicted_n may add
 MAX_MODELS_BYTES = 16 * MiB  # /v1/models of a hosted API with hundreds of models
 
 
+def parse_json(raw: str | bytes) -> Any:
+    """`json.loads` for what a server wrote: nesting too deep for Python (10^5 `[`) is a
+    ValueError like any other unreadable JSON, never a RecursionError."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
 class StreamTooLarge(Exception):
     """An SSE line or event longer than MAX_EVENT_BYTES."""
 
@@ -226,8 +235,8 @@ class ChunkInterpreter:
             self.turn.done = True
             return []
         try:
-            chunk = json.loads(payload)
-        except (ValueError, RecursionError):  # not JSON, a 5000-digit number, 10^5 `[`
+            chunk = parse_json(payload)
+        except ValueError:  # not JSON, a 5000-digit number, 10^5 `[`
             return [BackendError("The backend sent a chunk that is not JSON.",
                                  "check the backend log; the answer so far is kept",
                                  log_tail=payload[:300])]
@@ -467,15 +476,21 @@ async def _read_answer(resp: httpx.Response,
             yield event
 
 
-async def _read_error_body(resp: httpx.Response) -> str:
-    """At most MAX_ERROR_BYTES of a refusal's body: enough for any error message, and a
-    server answering with a gigabyte is not read to its end."""
+async def _read_at_most(resp: httpx.Response, limit: int) -> tuple[bytes, bool]:
+    """The body's first `limit` bytes, and whether it ended within them: a server answering
+    with a gigabyte is not read to its end."""
     data = bytearray()
     async for chunk in resp.aiter_bytes():
         data += chunk
-        if len(data) >= MAX_ERROR_BYTES:
-            break
-    return bytes(data[:MAX_ERROR_BYTES]).decode("utf-8", "replace")
+        if len(data) > limit:
+            return bytes(data[:limit]), False
+    return bytes(data), True
+
+
+async def _read_error_body(resp: httpx.Response) -> str:
+    """At most MAX_ERROR_BYTES of a refusal's body: enough for any error message."""
+    data, _ = await _read_at_most(resp, MAX_ERROR_BYTES)
+    return data.decode("utf-8", "replace")
 
 
 def _is_loading(text: str) -> bool:
@@ -486,8 +501,8 @@ def _is_loading(text: str) -> bool:
 
 def _http_error(status: int, raw: str) -> BackendError:
     try:
-        doc = json.loads(raw)
-    except (ValueError, RecursionError):
+        doc = parse_json(raw)
+    except ValueError:
         doc = None
     if isinstance(doc, dict) and "error" in doc:
         return error_event(doc["error"], status)
@@ -536,15 +551,10 @@ async def list_models(base_url: str, *, api_key: str | None = None,
         async with http.stream("GET", api_base(base_url) + "/models",
                                headers=_headers(api_key)) as resp:
             resp.raise_for_status()
-            body = bytearray()
-            async for chunk in resp.aiter_bytes():
-                body += chunk
-                if len(body) > MAX_MODELS_BYTES:
-                    raise StreamTooLarge(f"/v1/models is larger than {MAX_MODELS_BYTES} bytes")
-        try:
-            doc = json.loads(bytes(body))
-        except RecursionError:
-            raise ValueError("/v1/models nests too deeply") from None
+            body, whole = await _read_at_most(resp, MAX_MODELS_BYTES)
+        if not whole:
+            raise StreamTooLarge(f"/v1/models is larger than {MAX_MODELS_BYTES} bytes")
+        doc = parse_json(body)
         data = doc.get("data") if isinstance(doc, dict) else None
         return [m for m in data if isinstance(m, dict)] if isinstance(data, list) else []
     finally:
@@ -554,7 +564,7 @@ async def list_models(base_url: str, *, api_key: str | None = None,
 
 def _error_message(text: str) -> str:
     try:
-        doc = json.loads(text)
+        doc = parse_json(text)
         return str(doc["error"]["message"])[:MAX_ERROR_CHARS]
-    except (ValueError, KeyError, TypeError, RecursionError):
+    except (ValueError, KeyError, TypeError):
         return text.strip()[:200]
