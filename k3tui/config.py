@@ -158,6 +158,12 @@ def _where(path: Path, text: str, section: str, key: str | None = None) -> str:
 COMMAND_LINE = Path("<command line>")  # the "file" of `k3tui config set`
 
 
+def is_http_url(url: str) -> bool:
+    """What remote.url, `setup --remote-url` and `chat --url` accept (httpx speaks no other
+    scheme): an http:// or https:// address."""
+    return url.startswith(("http://", "https://"))
+
+
 def _fix(cli: bool, section: str, key: str, example: Any) -> str:
     """The next step for a refused value: the command that sets it (`config set` also
     repairs a file that does not load because of that value), or for a file that line."""
@@ -231,7 +237,7 @@ def config_from_dict(data: dict[str, Any], *, path: Path | None = None,
                 raise K3Error(f"{where}[{section}] {key} = {converted!r} is outside "
                               f"{low}..{high}.", fix, 2)
             if (section, key) == ("remote", "url") and converted and \
-                    not converted.startswith(("http://", "https://")):
+                    not is_http_url(converted):
                 raise K3Error(f"{where}[remote] url = {converted!r} is not an http:// or "
                               "https:// address.",
                               _fix(cli, section, key, "https://HOST:PORT/v1"), 2)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
-from k3tui.config import Config, save_config, save_credential
+from k3tui.config import Config, is_http_url, save_config, save_credential
 from k3tui.errors import K3Error
 from k3tui.hub.metadata import hub_token_source
 from k3tui.paths import get_paths
@@ -275,7 +275,7 @@ class Wizard:
         old = self.existing.remote
 
         def valid_url(u: str) -> bool | str:
-            return True if u.startswith(("http://", "https://")) else \
+            return True if is_http_url(u) else \
                 "an http:// or https:// address, e.g. https://cluster.example:8000/v1"
 
         url = self.text("Endpoint URL:", default=old.url, validate=valid_url).strip()
@@ -486,7 +486,7 @@ def answers_from_flags(report: MachineReport, existing: Config, *, model: str | 
         if not url:
             raise K3Error("a remote setup needs the endpoint's URL.",
                           "add --remote-url https://HOST:PORT/v1", 2)
-        if not url.startswith(("http://", "https://")):  # --force cannot make it usable
+        if not is_http_url(url):  # --force cannot make it usable
             raise K3Error(f"--remote-url {url} is not an http:// or https:// address.",
                           "e.g. --remote-url https://cluster.example:8000/v1", 2)
         cfg = _configure(existing, "remote", "", None)

@@ -103,9 +103,9 @@ class Session:
 
 
 def _url_session(url: str, api_key_env: str | None, model: str | None) -> Session:
-    from k3tui.config import load_config
+    from k3tui.config import is_http_url, load_config
 
-    if not url.startswith(("http://", "https://")):
+    if not is_http_url(url):
         raise K3Error(f"--url {url} is not an http:// or https:// address.",
                       "e.g. `k3tui chat --url http://127.0.0.1:8080/v1`", 2)
     api_key = None
