@@ -20,7 +20,7 @@ from k3tui.config import Config, is_http_url, save_config, save_credential
 from k3tui.errors import K3Error
 from k3tui.hub.metadata import hub_token_source
 from k3tui.paths import get_paths
-from k3tui.planning.forecast import per_token
+from k3tui.planning.forecast import TOY, per_token
 from k3tui.planning.plan import (DOWNLOAD_BLOCKERS, GGUF_BYTES, MODEL_LABELS, PRESETS,
                                  SAFETENSORS_BYTES, Plan, describe_machine, make_plan,
                                  recommend_model_kind, usable_bytes)
@@ -378,8 +378,7 @@ class Wizard:
         if self.forecaster is None:
             return
         if self.forecast is not None:
-            toy = " (with --quick: toy sizes, not this machine's figures)" \
-                if self.forecast.quick else ""
+            toy = f" ({TOY})" if self.forecast.quick else ""
             self.say(f"A forecast measured {self.forecast.date} under {self.forecast.dir} is "
                      f"stored{toy}.")
             if not self.confirm("Measure this machine again (under a minute)?", default=False):

@@ -92,8 +92,7 @@ def forecast_notes(cfg, *, measure: bool) -> list[str]:
     if p is None:
         return table + [f"forecast: none for the {cfg.engine.preset} preset (`k3tui bench "
                         "forecast` shows the named presets)"]
-    toy = " (--quick: toy sizes for tests; these are not this machine's figures)" \
-        if fc.quick else ""
+    toy = f" ({forecast.TOY})" if fc.quick else ""
     return table + [f"forecast: {p.name} {p.brief()} — measured here {fc.date} "
                     f"({forecast.SAYS}){toy}"]
 

@@ -66,6 +66,9 @@ class Forecast:
         return asdict(self)
 
 
+TOY = "--quick: toy sizes for tests; these are not this machine's figures"
+
+
 def per_token(s: float) -> str:
     """Seconds per token: three figures ("43.4", "0.372"), whole seconds with thousands
     separators from 100 up ("3,480", never "3.48e+03")."""
@@ -259,7 +262,7 @@ def format_forecast(fc: Forecast) -> list[str]:
            + (f"; load {fc.load_average[0]:.2f}" if fc.load_average else "")
            + (f" → {fc.load_average_after[0]:.2f}" if fc.load_average_after else "")]
     if fc.quick:
-        out.append("  (--quick: toy sizes for tests; these are not this machine's figures)")
+        out.append(f"  ({TOY})")
     out.append(f"  {'preset':<12} {'fits':<4} {'s/token':>8}  {'bound':<8} {'peak RSS':>9}  "
                "first token: 50-token prompt / 500-token prompt (expert GB read)")
     for p in fc.presets:
