@@ -252,8 +252,8 @@ class ChatScreen(Screen):
         prompt = self.query_one(Prompt)
         prompt.remember(text)
         prompt.text = ""
-        await self.query_one("#chat").query("#chat-hint").remove()
         await self.query_one("#chat").mount(UserMessage(text, classes="user"))
+        await self._hint()
         await self._start_answer()
 
     async def _start_answer(self) -> None:
@@ -288,7 +288,7 @@ class ChatScreen(Screen):
                 "p95_ms": snap.p95_ms, "backend": self.k3app.backend.kind,
                 "model": self.k3app.backend.model}
 
-    def backend_failed(self, message: str, next_step: str, retry: bool = True) -> None:
+    def backend_failed(self, message: str, next_step: str, retry: bool) -> None:
         """`message` is the server's words: never markup (a `[` must not end the chat).
         `retry`: whether ctrl+r (the same request again) can help."""
         # Each part is a sentence of its own: "…:8099." then "Start it…", never "8099.. start".
