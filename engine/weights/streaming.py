@@ -33,6 +33,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -103,13 +104,17 @@ class CheckpointMap:
                 f"layer {empty[0]} has no trunk tensors in {self.root}; the download is "
                 "incomplete."
             )
-        if trunk_dir is not None:
+        self.trunk_dir = None if trunk_dir is None else Path(trunk_dir)
+        # layer -> the sha256 of its bytes in trunk.bin, checked on its first read
+        self.trunk_digests: dict[int, str] = {}
+        if self.trunk_dir is not None:
             from engine.checkpoint.trunk import (  # the packed trunk replaces the shard runs
                 trunk_specs,
             )
 
-            per_layer = trunk_specs(Path(trunk_dir), self.index, self.names, n, self.root)
-        self.trunk_kind = _trunk_kind(per_layer, trunk_dir)
+            packed = trunk_specs(self.trunk_dir, self.index, self.names, n, self.root)
+            per_layer, self.trunk_digests = packed.layers, packed.digests
+        self.trunk_kind = _trunk_kind(per_layer, trunk_dir, bool(self.trunk_digests))
         self.layers = [Layout(per_layer[i]) for i in range(n)]
         self._expert_layouts: dict[tuple[int, int], tuple[Layout, int]] = {}
         self._forms: dict[tuple, int] = {}
@@ -172,18 +177,22 @@ class CheckpointMap:
         )
 
 
-def _trunk_kind(per_layer: dict[int, list[TensorSpec]], trunk_dir: str | Path | None) -> str:
+def _trunk_kind(per_layer: dict[int, list[TensorSpec]], trunk_dir: str | Path | None,
+                digests: bool) -> str:
     """What the trunk streams from, for the forecast line."""
     from engine.checkpoint.compact import CompactSpec
 
     if trunk_dir is None:
         return "the checkpoint's shards (BF16)"
+    checked = ("each layer checked against its digest on its first read" if digests else
+               "not checked: packed without per-layer digests")
     specs = [s for layer in per_layer.values() for s in layer]
     if not any(isinstance(s, CompactSpec) for s in specs):
-        return f"the packed BF16 trunk in {trunk_dir}"
+        return f"the packed BF16 trunk in {trunk_dir} ({checked})"
     bf16 = sum(int(np.prod(s.shape)) * s.dtype.itemsize for s in specs)
     return (f"the compact trunk in {trunk_dir} "
-            f"({100 * sum(s.nbytes for s in specs) / max(bf16, 1):.1f}% of BF16, lossless)")
+            f"({100 * sum(s.nbytes for s in specs) / max(bf16, 1):.1f}% of BF16, lossless; "
+            f"{checked})")
 
 
 def _scratch_bytes(biggest: int, c: ModelConfig) -> int:
@@ -257,11 +266,12 @@ class StreamingSource:
         self._pinned: dict[int, _Pinned] = {}
         self._closed = False
         # Pinned layers stream in at once, in layer order, behind any urgent read.
+        # Layers whose trunk bytes matched their digest (checked once, on the first read).
+        self._verified: set[int] = set()
+        self.verify_s = 0.0  # reader time spent on those checks
         for i in plan.pinned:
-            lay = cmap.layers[i]
-            buf = aligned_buffer(lay.nbytes)
-            batch = self.pool.submit(lay.reads(self.files, buf), (TRUNK_PRIORITY, i))
-            self._pinned[i] = _Pinned(buf, batch)
+            buf = aligned_buffer(cmap.layers[i].nbytes)
+            self._pinned[i] = _Pinned(buf, self._read_layer(i, buf, (TRUNK_PRIORITY, i)))
         self._schedule(0, in_use=False, first=True)
         # When the plan holds every expert, read them all once up front, each layer's in
         # file order right behind its trunk layer, instead of on the critical path after
@@ -306,7 +316,7 @@ class StreamingSource:
             try:
                 p.batch.wait()
             except ReadError:  # read it again next time rather than fail for ever
-                p.batch = self.pool.submit(lay.reads(self.files, p.buf), (TRUNK_PRIORITY, -1))
+                p.batch = self._read_layer(index, p.buf, (TRUNK_PRIORITY, -1))
                 raise
             finally:
                 self._c["wait_trunk_s"] += time.perf_counter() - t0
@@ -357,9 +367,34 @@ class StreamingSource:
         if slot.batch is not None and not slot.batch.done():
             slot.batch.cancel()
             slot.batch.finished()  # no read may still be writing into this buffer
-        lay = self.map.layers[index]
         slot.layer, slot.views = index, None
-        slot.batch = self.pool.submit(lay.reads(self.files, slot.buf), priority)
+        slot.batch = self._read_layer(index, slot.buf, priority)
+
+    def _read_layer(self, index: int, buf: np.ndarray, priority: tuple) -> Batch:
+        """Queue layer `index`'s read into `buf`; until its bytes have once matched their
+        digest, the reader that lands them checks them (off the compute's thread), and a
+        mismatch fails the read: those bytes never reach the model."""
+        lay = self.map.layers[index]
+        want = self.map.trunk_digests.get(index)
+        check = None
+        if want is not None and index not in self._verified:
+            check = partial(self._check_layer, index, buf, want)
+        return self.pool.submit(lay.reads(self.files, buf), priority, then=check)
+
+    def _check_layer(self, index: int, buf: np.ndarray, want: str) -> None:
+        from engine.checkpoint.binding import new_digest
+        from engine.checkpoint.trunk import layer_mismatch
+
+        t0 = time.perf_counter()
+        (run,) = self.map.layers[index].runs  # trunk_specs: a digest's layer is one run
+        digest = new_digest()
+        digest.update(buf[run.payload_pos:run.payload_pos + run.end - run.start])
+        with self._wait_lock:
+            self.verify_s += time.perf_counter() - t0
+        if digest.hexdigest() != want:
+            assert self.map.trunk_dir is not None
+            raise ReadError(layer_mismatch(self.map.root, self.map.trunk_dir, index))
+        self._verified.add(index)
 
     def _schedule(self, current: int, in_use: bool, first: bool = False) -> None:
         """Fill free slots with the streamed layers that come after `current`, in cyclic

@@ -258,6 +258,10 @@ def test_trunk_layers_overlapping(tiny, bad_trunk):
     (lambda m: next(iter(m["layers"][1]["tensors"].values())).update(off="4"),
      r"tensors\['.*'\].off is '4', expected a non-negative integer"),
     (lambda m: m["layers"].__setitem__(5, "layer 5"), r"layers\[5\].layer is missing"),
+    (lambda m: m["layers"][2].update(sha256="0" * 63),
+     r"layers\[2\].sha256 or source_sha256 is not a sha256 in hex"),
+    (lambda m: m["layers"][3].update(source_sha256=5), r"layers\[3\].source_sha256 is 5"),
+    (lambda m: m.update(sources=[]), r"sources is \[\], expected a JSON object"),
 ])
 def test_trunk_json_schema(tiny, bad_trunk, edit, needle):
     edit_trunk(bad_trunk, edit)

@@ -206,6 +206,33 @@ def test_stream_expert_read_error_never_publishes_the_slot(small, tmp_path, copy
         assert (3, 0) in src.cache.resident()
 
 
+def test_stream_trunk_layer_not_matching_its_digest_never_reaches_the_model(tiny_a, tmp_path):
+    """A byte of layer 5 changed in trunk.bin after the pack: at every budget (pinned,
+    ring) asking for layer 5 fails with one sentence, every time; the other layers are the
+    shards' bytes, each checked once."""
+    import json
+
+    trunk = tmp_path / "t"
+    pack(tiny_a, trunk)
+    entry = json.loads((trunk / "trunk.json").read_text())["layers"][5]
+    with open(trunk / "trunk.bin", "r+b") as f:
+        f.seek(entry["file_off"] + 777)
+        f.write(b"\xff\x00\xff")
+    res = ResidentSource(tiny_a)
+    for kw in budgets(tiny_a):
+        with source(tiny_a, trunk, **kw) as src:
+            for L in list(range(13)) * 2:
+                if L == 5:
+                    with pytest.raises(ReadError, match="layer 5 of the trunk in .* does not "
+                                       "match the digest it was packed with .* `k3tui pack`"):
+                        with src.layer(5):
+                            pass
+                    continue
+                with src.layer(L) as w, res.layer(L) as ref:
+                    assert all(np.array_equal(w[k], ref[k]) for k in ref), (kw, L)
+            assert src._verified == set(range(13)) - {5}
+
+
 def test_stream_open_source_and_cli(small, capsys, tmp_path, copy_checkpoint):
     p = argparse.ArgumentParser()
     add_memory_arguments(p)
