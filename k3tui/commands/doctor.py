@@ -184,12 +184,7 @@ def _model_checks(cfg, model_dir: Path, have: int, explicit_dir: bool = False,
             step = f"`k3tui setup` (it chooses the checkpoint), then `{step}`"
         out.append(Check("model", "warn", detail, step))
     if kind == "safetensors" and cfg.backend.kind == "bundled":
-        trunk = Path(cfg.model.trunk_dir or (model_dir / "trunk")).expanduser()
-        if (trunk / "trunk.json").is_file():
-            out.append(Check("trunk", "ok", f"packed trunk in {trunk}"))
-        elif have >= need * 0.999:
-            out.append(Check("trunk", "warn", "the trunk is not packed yet (streaming needs it)",
-                             "k3tui pack"))
+        out += _trunk_check(cfg, model_dir, have >= need * 0.999)
     if cfg.backend.kind == "llama-server":
         from k3tui.backends.llama.binary import find_binary
 
@@ -200,6 +195,41 @@ def _model_checks(cfg, model_dir: Path, have: int, explicit_dir: bool = False,
             out.append(Check("llama-server", "fail", exc.message,
                              exc.next_step or "k3tui setup"))
     return out
+
+
+def _trunk_check(cfg, model_dir: Path, downloaded: bool) -> list[Check]:
+    """The packed trunk checked against the checkpoint as the engine checks it before use
+    (its layout, and each shard still the file it was packed from); its bytes are checked
+    on first read, or all at once by `k3tui pack --verify`."""
+    from k3tui.commands.pack import default_trunk_dir
+
+    trunk = Path(cfg.model.trunk_dir).expanduser() if cfg.model.trunk_dir else \
+        default_trunk_dir(model_dir)
+    if not (trunk / "trunk.json").is_file():
+        if (trunk / "trunk.progress.json").is_file():
+            return [Check("trunk", "warn", f"packing into {trunk} is not finished",
+                          "k3tui pack (it resumes)")]
+        return [Check("trunk", "warn", "the trunk is not packed yet (streaming needs it)",
+                      "k3tui pack")] if downloaded else []
+    if not (model_dir / "config.json").is_file():
+        return [Check("trunk", "warn", f"packed trunk in {trunk}, but no checkpoint in "
+                      f"{model_dir} to check it against", "k3tui download")]
+    try:
+        from engine.checkpoint.trunk import check
+        from engine.errors import EngineError
+    except ImportError as exc:
+        return [Check("trunk", "warn", f"the bundled engine cannot check the trunk ({exc})",
+                      "reinstall k3tui (`pip install -e .`)")]
+    try:
+        packed = check(model_dir, trunk)
+    except (EngineError, OSError) as exc:
+        return [Check("trunk", "fail", str(exc), "k3tui pack")]
+    if not packed.digests:
+        return [Check("trunk", "warn", f"packed trunk in {trunk} has no per-layer digests "
+                      "(packed by the C peer): its bytes are not checked",
+                      "k3tui pack (re-packs it with digests)")]
+    return [Check("trunk", "ok", f"packed trunk in {trunk} matches the checkpoint; each layer "
+                  "is checked on its first read (`k3tui pack --verify` checks every byte now)")]
 
 
 def format_checks(checks: list[Check], title: str) -> str:
