@@ -269,6 +269,21 @@ def test_trunk_json_schema(tiny, bad_trunk, edit, needle):
         specs(tiny, bad_trunk)
 
 
+def test_trunk_layer_with_a_gap_its_digest_does_not_cover(tiny, bad_trunk):
+    """The digest covers a layer's bytes from file_off to its last tensor's end: a tensor
+    moved into the padding would leave bytes the model reads that no digest checked."""
+    def gap(meta):
+        layer = next(e for e in meta["layers"]
+                     if e["nbytes"] - max(t["off"] + t["nbytes"] for t in e["tensors"].values())
+                     >= 64)
+        last = max(layer["tensors"].values(), key=lambda t: t["off"])
+        last["off"] += 64
+    edit_trunk(bad_trunk, gap)
+    with pytest.raises(CheckpointError, match="tensors leave a gap before .* which its digest "
+                       "does not cover"):
+        specs(tiny, bad_trunk)
+
+
 def test_deeply_nested_trunk_json(tiny, bad_trunk):
     (bad_trunk / "trunk.json").write_text('{"layers": ' + DEEP)
     refused(run_engine(tiny, "--trunk", bad_trunk, "--ids", "1,2", "--gen", "1"),
