@@ -50,7 +50,7 @@ def test_bash_completion_is_generated_from_the_parser(tmp_path):
 def _job(job_id: str, message: str) -> None:
     from k3tui import jobs
 
-    jobs._write_state({"id": job_id, "kind": "download", "pid": 0, "status": "failed",
+    jobs._write_state({"id": job_id, "kind": "download", "pid": None, "status": "failed",
                        "started": 1_780_000_000, "updated": 1_780_000_100, "message": message,
                        "log": str(jobs.jobs_dir() / f"{job_id}.log"), "total_bytes": 10,
                        "done_bytes": 5, "target": "/srv/models/Kimi-K3"})

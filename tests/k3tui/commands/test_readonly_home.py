@@ -109,3 +109,9 @@ def test_chat_in_a_read_only_home(readonly):
 def test_pack_in_a_read_only_home(readonly, tiny_a, tmp_path, how):
     _one_sentence(*readonly("pack", str(tiny_a), str(tmp_path / "trunk"), how))
 
+
+def test_reading_works_in_a_read_only_home(readonly):
+    rc, out = readonly("jobs")
+    assert (rc, out) == (0, "No jobs. Start one with `k3tui download` or `k3tui pack`.\n")
+    rc, out = readonly("config", "path")
+    assert rc == 0 and out.startswith(f"root              {os.environ['K3TUI_HOME']}\n"), out
