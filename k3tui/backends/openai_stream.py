@@ -2,7 +2,7 @@
 
 `stream_chat` posts one chat completion with `stream: true` and turns the SSE chunks into
 the typed events of `k3tui.backends.events`. It is written against what llama-server and
-the bundled engine really send (../shared/notes/llama-server.md §5): comment pings (`:`),
+the bundled engine really send (docs/reference/llama-server.md): comment pings (`:`),
 repeated role chunks, several keys in one delta, `timings` on every chunk when
 `timings_per_token` is asked for, usage in a trailing `choices: []` chunk, and errors
 mid-stream as `data: {"error": …}` without `[DONE]`.
