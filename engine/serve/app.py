@@ -14,7 +14,8 @@ Design:
   second request waits its turn (FIFO, `k3_requests_deferred`); more than
   `MAX_WAITING` waiting requests get 503. Closing the connection sets a cancel event that
   the generator checks between tokens and layers, so generation stops within one token.
-* Binding anything but loopback requires `--api-key`.
+* Binding anything but loopback requires `--api-key`. Several keys are several users:
+  a request resumes only the kept states its own key made (snapshots.py).
 * Hostile input is refused before it costs anything: a body over `--max-body-mb` gets 413
   (from Content-Length, or as soon as a chunked body passes it), a client that stalls
   sending its request head or body is closed after `--read-timeout` (a body dripped in
@@ -62,6 +63,7 @@ from engine.serve.protocol import (
     parse_chat_request,
     parse_json,
 )
+from engine.serve.snapshots import owner_of
 from engine.serve.worker import Job, Loaded, LoadProgress, Metrics, k3_record, load_engine, run_job
 from engine.text.chat_template import EFFORTS, ChatTemplate, TemplateError
 
@@ -75,6 +77,7 @@ READ_TIMEOUT = 10.0    # seconds a client may take for its request head, or stal
 # Past its first READ_TIMEOUT seconds a body must keep up this average rate: a client
 # dripping a byte now and then never stalls, but must not hold a connection for ever.
 MIN_BODY_RATE = 16 * 2**10  # bytes/s: a 4 MiB body may take READ_TIMEOUT + 256 s
+OWNER = "k3.owner"  # the scope key of the request's owner (snapshots.owner_of)
 SNAPSHOT_GB = 2.0      # real model: ~3 kept states of ~0.63 GB (KDA state) + their latent cache
 
 
@@ -155,7 +158,9 @@ class Service:
                 return await app(scope, receive, send)
             path = scope.get("path", "")
             refusal = None
-            if self.api_keys and path not in PUBLIC_PATHS and not self._authorised(scope):
+            owner = self._owner(scope) if self.api_keys else ""
+            scope[OWNER] = owner
+            if owner is None and path not in PUBLIC_PATHS:
                 refusal = BadRequest("Invalid API Key", 401)
             elif self.loaded is None and path not in LOADING_PATHS:
                 refusal = BadRequest("Loading model", 503)
@@ -220,7 +225,9 @@ class Service:
             more = message.get("more_body", False)
         return b"".join(chunks)
 
-    def _authorised(self, scope: dict) -> bool:
+    def _owner(self, scope: dict) -> str | None:
+        """Whose the request is: the digest of the API key it carries (snapshots.owner_of),
+        None when it carries none of the server's keys."""
         headers = {
             k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])
         }
@@ -228,7 +235,9 @@ class Service:
         auth = headers.get("authorization", "")
         if auth.lower().startswith("bearer "):
             given = auth[7:].strip()
-        return any(hmac.compare_digest(given.encode(), k.encode()) for k in self.api_keys)
+        # every key compared, in constant time, so the time says nothing about which matched
+        matched = [k for k in self.api_keys if hmac.compare_digest(given.encode(), k.encode())]
+        return owner_of(matched[0]) if matched else None
 
     # -- routes -------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
@@ -304,15 +313,15 @@ class Service:
         raw = await request.body()
         return await run_in_threadpool(lambda: then(parse_json(raw)))
 
-    def _prompt(self, body: Any) -> tuple[ChatRequest, list[int]]:
-        """The request and its prompt ids (worker thread: tokenising takes seconds for a
-        megabyte)."""
+    def _prompt(self, body: Any, owner: str) -> tuple[ChatRequest, list[int]]:
+        """The request and its prompt ids, with the replies `owner`'s requests generated
+        (worker thread: tokenising takes seconds for a megabyte)."""
         req = parse_chat_request(body, self.reasoning_budget)
         try:
             kept = self.loaded.snapshots if self.loaded is not None else None
             return req, self.template.render(
                 req.messages, thinking=req.thinking, effort=req.effort,
-                replies=kept.replies() if kept is not None else None,
+                replies=kept.replies(owner=owner) if kept is not None else None,
             )
         except TemplateError as exc:
             raise BadRequest(str(exc)) from exc
@@ -348,7 +357,7 @@ class Service:
         """The XTML prompt a chat request would be given, as text (llama-server's route)."""
 
         def as_text(body: Any) -> dict[str, Any]:
-            ids = self._prompt(body)[1]
+            ids = self._prompt(body, request.scope[OWNER])[1]
             return {"prompt": self.loaded.tok.decode(ids), "n_tokens": len(ids)}
 
         try:
@@ -358,8 +367,9 @@ class Service:
 
     async def chat(self, request: Request) -> Response:
         loaded, template = self.loaded, self.template
+        owner = request.scope[OWNER]
         try:
-            req, prompt = await self._json(request, self._prompt)
+            req, prompt = await self._json(request, lambda body: self._prompt(body, owner))
             if len(prompt) >= loaded.n_ctx:
                 raise BadRequest(
                     f"request ({len(prompt)} tokens) exceeds the available context size "
@@ -371,7 +381,7 @@ class Service:
         except BadRequest as exc:
             return error_response(exc.code, str(exc), exc.kind, **exc.extra)
         room = loaded.n_ctx - len(prompt)
-        job = Job(req, prompt, max_new=min(req.max_tokens or room, room))
+        job = Job(req, prompt, max_new=min(req.max_tokens or room, room), owner=owner)
 
         if self.waiting >= MAX_WAITING:
             return error_response(
