@@ -10,6 +10,8 @@ Each chunk also carries a `k3` object with the engine's per-token statistics.
 Design:
 * The socket is bound first, then the model loads in a background thread; until it is
   ready every route but /health and /metrics answers 503 (/health with load progress).
+* A silent stream (a long prefill) gets an SSE comment every PING_SECONDS, and says so in
+  the PING_HEADER of its response: a client tells a stopped server from a slow one.
 * One generation at a time, in a worker thread (the event loop only moves bytes). A
   second request waits its turn (FIFO, `k3_requests_deferred`); more than
   `MAX_WAITING` waiting requests get 503. Closing the connection sets a cancel event that
@@ -69,7 +71,10 @@ from engine.text.chat_template import EFFORTS, ChatTemplate, TemplateError
 
 MAX_WAITING = 8
 DEFAULT_CTX = 8192
-PING_SECONDS = 15.0
+PING_SECONDS = 15.0    # a silent stream gets an SSE comment this often (a long prefill)
+# Announces PING_SECONDS on every stream, so a client can tell a stopped server (no byte
+# for a few pings) from a slow one; a server that sends no such header promises nothing.
+PING_HEADER = "X-K3-Ping-Seconds"
 PUBLIC_PATHS = ("/health", "/v1/health")
 LOADING_PATHS = PUBLIC_PATHS + ("/metrics",)
 MAX_BODY_MB = 4.0      # a long conversation is well under 1 MB of JSON
@@ -96,8 +101,10 @@ def error_response(code: int, message: str, kind: str | None = None, *, close: b
 class Service:
     def __init__(self, *, model_name: str, steer_demo: bool, reasoning_budget: int,
                  api_keys: list[str], info: dict[str, Any] | None = None,
-                 max_body_mb: float = MAX_BODY_MB, read_timeout: float = READ_TIMEOUT) -> None:
+                 max_body_mb: float = MAX_BODY_MB, read_timeout: float = READ_TIMEOUT,
+                 ping_seconds: float = PING_SECONDS) -> None:
         self.model_name = model_name
+        self.ping_seconds = ping_seconds
         self.max_body_mb = max_body_mb
         self.read_timeout = read_timeout
         self.steer_demo = steer_demo
@@ -425,7 +432,7 @@ class Service:
             lambda last: self._final_k3(job, last),
         )
         if req.stream:
-            return EventStream(self._sse(answer, queue), job.cancel)
+            return EventStream(self._sse(answer, queue), job.cancel, self.ping_seconds)
         return await self._collect(job, answer, queue, request)
 
     async def _acquire(self, request: Request) -> bool:
@@ -459,7 +466,7 @@ class Service:
         yield answer.ids.sse({"role": "assistant", "content": None}, k3=first)
         while True:
             try:
-                event = await asyncio.wait_for(queue.get(), timeout=PING_SECONDS)
+                event = await asyncio.wait_for(queue.get(), timeout=self.ping_seconds)
             except TimeoutError:
                 yield ":\n\n"  # keep-alive comment while a long prefill runs
                 continue
@@ -501,12 +508,14 @@ class EventStream(StreamingResponse):
     """SSE body that watches for the client going away while it streams, and then sets
     the generation's cancel event at once (not only at the next write)."""
 
-    def __init__(self, chunks: AsyncIterator[str], cancel: threading.Event) -> None:
+    def __init__(self, chunks: AsyncIterator[str], cancel: threading.Event,
+                 ping_seconds: float) -> None:
         super().__init__(
             chunks,
             status_code=200,
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                     PING_HEADER: f"{ping_seconds:g}"},
         )
         self.chunks, self.cancel = chunks, cancel
 
@@ -612,6 +621,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--debug-load-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--debug-token-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    # tests: pings often enough that a client's stall window is short
+    parser.add_argument("--debug-ping-seconds", type=float, default=PING_SECONDS,
+                        help=argparse.SUPPRESS)
     from engine.weights.planner import add_memory_arguments
 
     add_memory_arguments(parser)
@@ -693,6 +705,8 @@ def main(args: argparse.Namespace) -> int:
         return _fail("--ctx-size must be at least 16 tokens", 2)
     if not (0 < args.max_body_mb < 2**20 and 0 < args.read_timeout < 86400):
         return _fail("--max-body-mb and --read-timeout must be positive numbers", 2)
+    if not 0 < args.debug_ping_seconds <= 3600:
+        return _fail("--debug-ping-seconds must be from 0 to 3600 seconds", 2)
     try:
         sock = socket.create_server(
             (args.host.strip("[]"), args.port),
@@ -714,6 +728,7 @@ def main(args: argparse.Namespace) -> int:
         api_keys=api_keys,
         max_body_mb=args.max_body_mb,
         read_timeout=args.read_timeout,
+        ping_seconds=args.debug_ping_seconds,
     )
 
     import uvicorn
