@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import sys
 import threading
@@ -34,8 +35,9 @@ from engine.text.tokenizer import Tokenizer
 
 @dataclass
 class Loaded:
-    """The model side: `generate(prompt_ids, params, cancel, logits_hook)` yields
-    engine.generate.GenToken-like objects (`id, seconds, index, prefill_seconds, stats`)."""
+    """The model side: `generate(prompt_ids, params, cancel, logits_hook, owner)` yields
+    engine.generate.GenToken-like objects (`id, seconds, index, prefill_seconds, stats`),
+    resuming and keeping states of `owner` only (engine/serve/snapshots.py)."""
 
     tok: Tokenizer
     generate: Callable[..., Iterator[Any]]
@@ -162,6 +164,7 @@ class Job:
     req: ChatRequest
     prompt_ids: list[int]
     max_new: int
+    owner: str = ""  # whose kept states it may resume and keeps (snapshots.owner_of)
     cancel: threading.Event = field(default_factory=threading.Event)
     # filled by the worker
     completion_tokens: int = 0
@@ -368,7 +371,8 @@ def run_job(
             seed=req.seed,
             stop_ids=tuple(end_ids),
         )
-        gen = loaded.generate(job.prompt_ids, params, cancel=job.cancel, logits_hook=hook)
+        gen = loaded.generate(job.prompt_ids, params, cancel=job.cancel, logits_hook=hook,
+                              owner=job.owner)
         job.finish = _decode(job, gen, text, loaded, metrics, emit)
         # Closed before the client hears the end: closing keeps the reply's state, and a
         # streamed response that ends sets the cancel, which keeps nothing.
@@ -379,7 +383,8 @@ def run_job(
         else:
             if loaded.snapshots is not None:  # its next turn renders this reply as these ids
                 cut_in = text.parser.channel if job.finish == "length" else ""
-                loaded.snapshots.remember_reply(*template.reply(job.generated, cut_in))
+                loaded.snapshots.remember_reply(*template.reply(job.generated, cut_in),
+                                                owner=job.owner)
             emit(End(job.finish))
     except Exception as exc:  # noqa: BLE001 - reported to the client as an error chunk
         if job.cancel.is_set():
@@ -450,9 +455,9 @@ def load_engine(
     delay = getattr(args, "debug_token_delay", 0.0)
     snapshots, note = _snapshot_store(model, getattr(args, "snapshot_gb", 0.0) or 0.0, n_ctx)
 
-    def gen(prompt_ids, params, cancel=None, logits_hook=None):
-        resume = snapshots.take(prompt_ids) if snapshots is not None else None
-        keep = snapshots.put if snapshots is not None else None
+    def gen(prompt_ids, params, cancel=None, logits_hook=None, owner=""):
+        resume = snapshots.take(prompt_ids, owner=owner) if snapshots is not None else None
+        keep = functools.partial(snapshots.put, owner=owner) if snapshots is not None else None
         run = generate(model, prompt_ids, params, cancel=cancel, logits_hook=logits_hook,
                        resume=resume, keep=keep)
         with contextlib.closing(run):  # closed now, not when collected: it keeps the state

@@ -288,7 +288,9 @@ class OutputParser:
     The generation prompt already opened the think (or response) channel. Control tokens
     switch channels (`<|close|>think<|sep|><|open|>response<|sep|>`) and never appear in
     the text; either end id finishes the message. Text outside both channels (between
-    tags) counts as content so nothing the model writes is dropped silently."""
+    tags) counts as content so nothing the model writes is dropped silently. A tag is
+    held back until its `<|sep|>`: one that proves not to be a tag (another opens first,
+    or it runs past MAX_TAG_CHARS) is given back as text, one the end cuts is dropped."""
 
     tok: Tokenizer
     thinking: bool = True
@@ -376,10 +378,11 @@ class OutputParser:
             self._emit(out, i)
 
     def finish(self) -> ParsedDelta:
-        """Flush what is pending (a partial tag, an incomplete UTF-8 tail) at the end."""
+        """Flush an incomplete UTF-8 tail at the end. A tag still open (the token limit or
+        an end id cut it before its `<|sep|>`) is dropped: a control token and half a
+        tag name are not text the model wrote."""
         out = ParsedDelta()
-        if self._tag is not None:
-            self._tag_as_text(out)
+        self._tag = None
         for key in list(self._decoders):
             piece = self._decoders.pop(key).flush()
             if key == "think":

@@ -7,6 +7,7 @@ import pytest
 from engine.text.bpe_train import write_test_tokenizer
 from engine.text.chat_template import (
     EFFORT_SENTENCE,
+    MAX_TAG_CHARS,
     ChatTemplate,
     Control,
     TemplateError,
@@ -218,9 +219,59 @@ def test_srv_parser_half_characters_wait_for_the_rest(tok, tpl):
 
 
 def test_srv_parser_stray_tag_text_is_not_lost(tok, tpl):
+    """A control token that proves not to start a tag (another tag opens before its
+    `<|sep|>`, or its name runs past MAX_TAG_CHARS) is text the model wrote."""
+    sp = tok.special
     p = tpl.parser(thinking=False)
-    _, content, _ = _feed_all(p, tok.encode("a") + [tok.special("<|open|>")] + tok.encode("b"))
-    assert content == "a<|open|>b"
+    ids = [*tok.encode("a"), sp("<|open|>"), *tok.encode("b"),
+           sp("<|open|>"), *tok.encode("response"), sp("<|sep|>"), *tok.encode("c")]
+    assert _feed_all(p, ids)[1] == "a<|open|>bc"
+    p = tpl.parser(thinking=False)
+    long = "x" * (MAX_TAG_CHARS + 1)
+    assert _feed_all(p, [sp("<|close|>"), *tok.encode(long)])[1] == "<|close|>" + long
+
+
+def _reply(tok, thinking: bool) -> tuple[list[int], list[tuple[int, int, str, str]]]:
+    """A whole reply with every tag the model writes, each tag name spelled one character
+    per id (so a cut can fall after any character); and per tag: where it starts, where
+    its `<|sep|>` is, and the reasoning and content written before it."""
+    sp = tok.special
+
+    def tag(control: str, name: str) -> list[int]:
+        return [sp(control), *(tok.encode(ch)[0] for ch in name), sp("<|sep|>")]
+
+    parts: list[tuple[str, list[int]]] = []
+    if thinking:
+        parts += [("reasoning", tok.encode("Let me think.")), ("tag", tag("<|close|>", "think")),
+                  ("tag", tag("<|open|>", "response"))]
+    parts += [("content", tok.encode("The answer.")), ("tag", tag("<|close|>", "response")),
+              ("tag", tag("<|close|>", "message"))]
+    ids: list[int] = []
+    tags = []
+    reasoning = content = ""
+    for kind, part in parts:
+        if kind == "tag":
+            tags.append((len(ids), len(ids) + len(part) - 1, reasoning, content))
+        elif kind == "reasoning":
+            reasoning += tok.decode(part)
+        else:
+            content += tok.decode(part)
+        ids += part
+    return ids + [sp("<|end_of_msg|>")], tags
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+@pytest.mark.parametrize("end", ["length", "<|end_of_msg|>", "[EOS]"])
+def test_srv_parser_a_tag_cut_at_the_end_never_reaches_the_text(tok, tpl, thinking, end):
+    """The token limit (or an end id) after any id of any tag but its `<|sep|>`: the
+    text is what came before the tag, without a control token or half a tag name."""
+    ids, tags = _reply(tok, thinking)
+    assert len(tags) == (4 if thinking else 2)
+    for start, sep, reasoning, content in tags:
+        for cut in range(start + 1, sep + 1):  # the control id alone … all but the sep
+            fed = ids[:cut] + ([] if end == "length" else [tok.special(end)])
+            got = _feed_all(tpl.parser(thinking=thinking), fed)[:2]
+            assert got == (reasoning, content), (tok.decode(ids[start:cut]), got)
 
 
 def test_real_vocab_chat_template_puts_the_specials_at_kimis_ids(real_tok):
