@@ -67,7 +67,7 @@ from engine.serve.protocol import (
 )
 from engine.serve.snapshots import owner_of
 from engine.serve.worker import Job, Loaded, LoadProgress, Metrics, k3_record, load_engine, run_job
-from engine.text.chat_template import EFFORTS, ChatTemplate, TemplateError
+from engine.text.chat_template import EFFORTS, ChatTemplate, Rendered, TemplateError
 
 MAX_WAITING = 8
 DEFAULT_CTX = 8192
@@ -307,7 +307,11 @@ class Service:
             "end_token_ids": list(self.template.end_ids()),
             "build_info": FINGERPRINT,
             "memory_plan": loaded.info.get("memory_plan"),
-            "prompt_reuse": loaded.info.get("prompt_reuse"),
+            "prompt_reuse": {
+                **(loaded.info.get("prompt_reuse") or {}),
+                "replies_not_round_trip": int(
+                    self.metrics.values["replies_not_round_trip_total"]),
+            },
             "budget_gb": loaded.budget_gb,
             "load_seconds": self.metrics.values["load_seconds"],
             "is_sleeping": False,
@@ -320,16 +324,13 @@ class Service:
         raw = await request.body()
         return await run_in_threadpool(lambda: then(parse_json(raw)))
 
-    def _prompt(self, body: Any, owner: str) -> tuple[ChatRequest, list[int]]:
-        """The request and its prompt ids, with the replies `owner`'s requests generated
-        (worker thread: tokenising takes seconds for a megabyte)."""
+    def _prompt(self, body: Any) -> tuple[ChatRequest, Rendered]:
+        """The request and its prompt, rendered from the request alone (worker thread:
+        tokenising takes seconds for a megabyte)."""
         req = parse_chat_request(body, self.reasoning_budget)
         try:
-            kept = self.loaded.snapshots if self.loaded is not None else None
-            return req, self.template.render(
-                req.messages, thinking=req.thinking, effort=req.effort,
-                replies=kept.replies(owner=owner) if kept is not None else None,
-            )
+            return req, self.template.render_full(req.messages, thinking=req.thinking,
+                                                  effort=req.effort)
         except TemplateError as exc:
             raise BadRequest(str(exc)) from exc
 
@@ -364,7 +365,7 @@ class Service:
         """The XTML prompt a chat request would be given, as text (llama-server's route)."""
 
         def as_text(body: Any) -> dict[str, Any]:
-            ids = self._prompt(body, request.scope[OWNER])[1]
+            ids = self._prompt(body)[1].ids
             return {"prompt": self.loaded.tok.decode(ids), "n_tokens": len(ids)}
 
         try:
@@ -376,7 +377,8 @@ class Service:
         loaded, template = self.loaded, self.template
         owner = request.scope[OWNER]
         try:
-            req, prompt = await self._json(request, lambda body: self._prompt(body, owner))
+            req, rendered = await self._json(request, self._prompt)
+            prompt = rendered.ids
             if len(prompt) >= loaded.n_ctx:
                 raise BadRequest(
                     f"request ({len(prompt)} tokens) exceeds the available context size "
@@ -388,7 +390,8 @@ class Service:
         except BadRequest as exc:
             return error_response(exc.code, str(exc), exc.kind, **exc.extra)
         room = loaded.n_ctx - len(prompt)
-        job = Job(req, prompt, max_new=min(req.max_tokens or room, room), owner=owner)
+        job = Job(req, prompt, max_new=min(req.max_tokens or room, room), owner=owner,
+                  reply_ends=rendered.reply_ends)
 
         if self.waiting >= MAX_WAITING:
             return error_response(

@@ -2,15 +2,18 @@
 
 Every chat request carries the whole conversation, so the next turn's prompt ids start
 with the ids of the previous prompt and reply. The worker keeps the model state right
-after each prompt and right after each reply (ids as generated, not re-tokenised text);
-a new request resumes from the longest kept state whose ids are a prefix of its prompt and
-prefills only the rest. Least recently used states go first when the budget is full.
+after each prompt, right after each reply (the ids as generated), and at the end of the
+last earlier reply in a prompt (the ids its text renders to); a new request resumes from
+the longest kept state whose ids are a prefix of its prompt and prefills only the rest.
+Least recently used states go first when the budget is full.
 
-A client sends earlier replies back as text, and encoding that text again may split it
-into other ids than the model generated; so the store also remembers each reply's ids by
-the shape of its text, and the template renders a history turn that matches as those ids.
+What is kept only makes an answer faster, never different: the prompt is rendered from
+the request alone. A reply whose text does not encode back to the ids the model generated
+(a `\\xNN` escape of bytes that formed no character, a split BPE would not make) misses
+its generated end state; the next turn resumes after the prompt before it and prefills the
+reply once, and the state kept at its rendered end serves every turn after.
 
-States and replies belong to their owner, the API key of the request that made them (by
+States belong to their owner, the API key of the request that made them (by
 `owner_of`, a digest: the key itself is never kept): a request only ever resumes its own
 key's states, so another key's prompt is as cold as on a fresh server (cache_n 0, the
 same answer) and a guess at it learns nothing. The budget is shared: one key's states can
@@ -24,9 +27,7 @@ import threading
 from collections import OrderedDict
 
 from engine.model.state import ModelState
-from engine.text.chat_template import ReplyKey
 
-MAX_REPLIES = 64  # generated replies remembered by their text (a few kB each)
 OWNER_DOMAIN = b"k3-engine kept-state owner\0"
 
 
@@ -44,21 +45,6 @@ class SnapshotStore:
         # (owner, ids) -> state, least recently used first, all owners in one order
         self._kept: OrderedDict[tuple[str, tuple[int, ...]], ModelState] = OrderedDict()
         self._lock = threading.Lock()
-        self._replies: OrderedDict[tuple[str, ReplyKey], tuple[int, ...]] = OrderedDict()
-
-    def remember_reply(self, key: ReplyKey, ids: tuple[int, ...], *, owner: str = "") -> None:
-        if not ids:
-            return
-        with self._lock:
-            self._replies.pop((owner, key), None)
-            self._replies[(owner, key)] = ids
-            while len(self._replies) > MAX_REPLIES:
-                self._replies.popitem(last=False)
-
-    def replies(self, *, owner: str = "") -> dict[ReplyKey, tuple[int, ...]]:
-        """The replies `owner`'s requests generated, by the shape of their text."""
-        with self._lock:
-            return {key: ids for (who, key), ids in self._replies.items() if who == owner}
 
     @property
     def used_bytes(self) -> int:

@@ -38,21 +38,13 @@ class Control:
 
 
 @dataclass(frozen=True)
-class Generated:
-    """An assistant turn's ids as the model generated them, used as they are: encoding the
-    same text again can split it differently, which would end the prefix a kept state
-    covers (engine/serve/snapshots.py)."""
-
-    ids: tuple[int, ...]
+class ReplyEnd:
+    """Where an assistant message's rendering ends (no id): the worker keeps the state
+    there, so a reply whose text does not encode back to the ids the model generated
+    costs the next turn only its own prefill, once."""
 
 
-Segment = Union[str, Control, Generated]
-# A reply's shape without ids: its text runs and control tokens, in order.
-ReplyKey = tuple[tuple[str, str], ...]
-
-
-def _key(segments: Iterable[Segment]) -> ReplyKey:
-    return tuple(("c", s.name) if isinstance(s, Control) else ("t", s) for s in segments)
+Segment = Union[str, Control, ReplyEnd]
 
 
 def _attr(value: str) -> str:
@@ -105,17 +97,23 @@ def _text(value: Any, what: str) -> str:
     raise TemplateError(f"{what} content must be a string or a list of text parts")
 
 
+def _channels(reasoning: str, content: str, thinking: bool) -> list[Segment]:
+    """An assistant turn's channels: think (when thinking), then response."""
+    out: list[Segment] = []
+    if thinking:
+        out += _open("think") + ([reasoning] if reasoning.strip() else []) + _close("think")
+    return out + _open("response") + ([content] if content else []) + _close("response")
+
+
 def render_segments(
     messages: Sequence[Mapping[str, Any]],
     *,
     thinking: bool = True,
     effort: str = "max",
     add_generation_prompt: bool = True,
-    replies: Mapping[ReplyKey, Sequence[int]] | None = None,
 ) -> list[Segment]:
-    """The conversation as text segments and control tokens, in order. An assistant turn
-    whose text is one of `replies` (what this model generated, by shape) is rendered
-    as those ids from the channel its generation prompt opened."""
+    """The conversation as text segments and control tokens, in order: a function of
+    the messages alone (earlier replies are rendered from their text)."""
     if thinking and effort not in EFFORTS:
         raise TemplateError(
             f"thinking effort {effort!r} is not supported by Kimi-K3; "
@@ -140,18 +138,9 @@ def render_segments(
             out += _message(role, body, attrs)
         elif role == "assistant":
             tool_index = 0
-            inner: list[Segment] = []
-            if thinking:
-                reasoning = _text(msg.get("reasoning_content"), what)
-                inner += (
-                    _open("think") + ([reasoning] if reasoning.strip() else []) + _close("think")
-                )
-            inner += _open("response") + body + _close("response")
-            turn = _message("assistant", inner, attrs)
-            opened = len(_open("message", [("role", role), *attrs])) + 3  # + the first channel
-            closing = len(turn) - len(_CLOSING)
-            known = (replies or {}).get(_key(turn[opened:closing]))
-            out += turn[:opened] + [Generated(tuple(known))] + turn[closing:] if known else turn
+            reasoning = _text(msg.get("reasoning_content"), what) if thinking else ""
+            out += _message("assistant", _channels(reasoning, content, thinking), attrs)
+            out.append(ReplyEnd())
         elif role == "tool":
             tool_index += 1
             tool = msg.get("name") or msg.get("tool_name")
@@ -170,10 +159,18 @@ def render_segments(
 def segments_to_text(segments: Iterable[Segment]) -> str:
     """Readable XTML (diagnostics only; token ids come from `ChatTemplate.render`)."""
     return "".join(
-        s.name if isinstance(s, Control) else f"<{len(s.ids)} ids>" if isinstance(s, Generated)
-        else s
+        s.name if isinstance(s, Control) else s
         for s in segments
+        if not isinstance(s, ReplyEnd)
     )
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A prompt's ids, and where each assistant message in it ends (ReplyEnd)."""
+
+    ids: list[int]
+    reply_ends: tuple[int, ...] = ()
 
 
 class ChatTemplate:
@@ -181,78 +178,50 @@ class ChatTemplate:
         self.tok = tokenizer
         self.control_ids = {name: tokenizer.special(name) for name in CONTROL}
 
-    def render(
+    def render(self, messages: Sequence[Mapping[str, Any]], **kw: Any) -> list[int]:
+        return self.render_full(messages, **kw).ids
+
+    def render_full(
         self,
         messages: Sequence[Mapping[str, Any]],
         *,
         thinking: bool = True,
         effort: str = "max",
         add_generation_prompt: bool = True,
-        replies: Mapping[ReplyKey, Sequence[int]] | None = None,
-    ) -> list[int]:
+    ) -> Rendered:
         segments = render_segments(
             messages, thinking=thinking, effort=effort,
-            add_generation_prompt=add_generation_prompt, replies=replies,
+            add_generation_prompt=add_generation_prompt,
         )
+        return self._ids(segments)
+
+    def _ids(self, segments: Sequence[Segment]) -> Rendered:
         texts = [s for s in segments if isinstance(s, str)]
         encoded = iter(self.tok.encode_batch(texts))
         ids: list[int] = []
+        ends: list[int] = []
         for s in segments:
             if isinstance(s, Control):
                 ids.append(self.control_ids[s.name])
-            elif isinstance(s, Generated):
-                ids += s.ids
+            elif isinstance(s, ReplyEnd):
+                ends.append(len(ids))
             else:
                 ids += next(encoded)
-        return ids
+        return Rendered(ids, tuple(ends))
 
-    def reply(self, ids: Sequence[int], cut_in: str = "") -> tuple[ReplyKey, tuple[int, ...]]:
-        """A generated reply as `render(replies=…)` takes it: the shape of its text (text
-        runs as the client got them, control tokens apart, so text that merely spells a
-        control token never matches one) and its ids, both without the end the template
-        renders for itself. `cut_in`: the channel the reply stopped in without closing it
-        (the token limit), whose closing tags the template renders after it."""
-        ends = set(self.end_ids())
-        ids = [int(i) for i in ids]
-        while ids and ids[-1] in ends:
+    def text_turn(self, reasoning: str, content: str, *, thinking: bool = True) -> list[int]:
+        """A reply as its next turn renders it from the text the client got: the ids after
+        the generation prompt (which opened the message and its first channel)."""
+        return self._ids(_channels(reasoning, content, thinking)[3:] + _CLOSING).ids
+
+    def round_trips(self, generated: Sequence[int], reasoning: str, content: str, *,
+                    thinking: bool = True) -> bool:
+        """Whether the reply's text renders back to the ids the model generated (all but an
+        end id, which is never fed), so that its kept end state serves the next turn."""
+        ids = [int(i) for i in generated]
+        if ids and ids[-1] in self.end_ids():
             ids.pop()
-        key = self._shape(ids)
-        if key[-3:] == _key(_close("message")):  # the model closed the message itself
-            close = self.control_ids[CLOSE]
-            ids, key = ids[: len(ids) - 1 - ids[::-1].index(close)], key[:-3]
-        tail = {"think": _close("think") + _open("response"), "response": []}.get(cut_in)
-        if tail is not None:
-            tail += _close("response")
-            ids += self._ids(tail)
-            key += _key(tail)
-        return key, tuple(ids)
-
-    def _ids(self, segments: Iterable[Segment]) -> list[int]:
-        out: list[int] = []
-        for s in segments:
-            out += [self.control_ids[s.name]] if isinstance(s, Control) else self.tok.encode(s)
-        return out
-
-    def _text(self, ids: Sequence[int]) -> str:
-        """Text as the output parser gives it to the client: invalid bytes and controls
-        escaped, stray special ids dropped."""
-        dec = self.tok.stream_decoder()
-        return "".join(dec.add(i) for i in ids if not self.tok.is_special(i)) + dec.flush()
-
-    def _shape(self, ids: Sequence[int]) -> ReplyKey:
-        names = {i: name for name, i in self.control_ids.items()}
-        parts: list[Segment] = []
-        run: list[int] = []
-        for i in [*ids, None]:
-            if i is None or i in names:
-                if run:
-                    parts.append(self._text(run))
-                    run = []
-                if i is not None:
-                    parts.append(Control(names[i]))
-            else:
-                run.append(int(i))
-        return _key(parts)
+        return self.text_turn(reasoning, content, thinking=thinking)[: len(ids)] == ids
 
     def parser(self, *, thinking: bool = True) -> OutputParser:
         return OutputParser(self.tok, thinking=thinking)

@@ -38,7 +38,7 @@ def fake_generate(
     generation is cancelled): a test holds the slot for as long as it needs, whatever
     the machine's speed, instead of racing a reply of a fixed length."""
 
-    def gen(prompt_ids, params, cancel=None, logits_hook=None, owner=""):
+    def gen(prompt_ids, params, cancel=None, logits_hook=None, owner="", keep_at=()):
         rng = np.random.default_rng(params.seed)
         generated: list[int] = []
         for index in range(params.max_tokens):
@@ -81,7 +81,7 @@ def scripted_generate(script: list[int]):
     """A generator that writes `script` (whatever the prompt), up to max_tokens, ending
     early at a stop id as generate() does; a test picks exactly where a reply is cut."""
 
-    def gen(prompt_ids, params, cancel=None, logits_hook=None, owner=""):
+    def gen(prompt_ids, params, cancel=None, logits_hook=None, owner="", keep_at=()):
         for index, tok in enumerate(script[: params.max_tokens]):
             if cancel is not None and cancel.is_set():
                 return

@@ -94,7 +94,7 @@ def test_srv_reply_the_model_ended_is_kept_before_the_client_hears_the_end(small
 
     def turn(messages):
         req = parse_chat_request({"messages": messages, "seed": 1, "max_tokens": 200}, -1)
-        prompt = template.render(req.messages, replies=loaded.snapshots.replies())
+        prompt = template.render(req.messages)
         job, events = Job(req, prompt, max_new=200), []
 
         def emit(event):

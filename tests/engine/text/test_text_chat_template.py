@@ -285,12 +285,12 @@ def test_real_vocab_chat_template_puts_the_specials_at_kimis_ids(real_tok):
 
 
 @pytest.mark.parametrize("thinking", [False, True])
-def test_real_vocab_a_reply_cut_by_the_limit_renders_as_its_ids(real_tok, thinking):
+def test_real_vocab_a_reply_that_does_not_round_trip_is_told(real_tok, thinking):
     """A random model at the real vocabulary writes ids whose text re-encodes otherwise,
     invalid UTF-8 and stray reserved ids, and the token limit cuts it inside its channel:
-    the follow-up must still render the reply as the ids generated (prompt reuse)."""
+    the template says so (the server counts it), and renders the follow-up from the text
+    alone, the state to keep marked at the reply's rendered end."""
     tpl = ChatTemplate(real_tok)
-    prompt = tpl.render(SPEC_MESSAGES, thinking=thinking)
     word = real_tok.encode(" lighthouse")
     reply = [*real_tok.encode(" light"), *real_tok.encode("house"), 163600, *word,
              *real_tok.encode("\u4f60")[:1], 0x07, *word, 150_000]
@@ -299,10 +299,12 @@ def test_real_vocab_a_reply_cut_by_the_limit_renders_as_its_ids(real_tok, thinki
     got = {"reasoning_content": "".join(d.reasoning for d in deltas),
            "content": "".join(d.content for d in deltas)}
     assert "\ufffd" not in str(got) and "\x07" not in str(got)
-    key, ids = tpl.reply(reply, parser.channel)
+    texts = (got["reasoning_content"], got["content"])
+    assert not tpl.round_trips(reply, *texts, thinking=thinking)
+    as_text = tpl.text_turn(*texts, thinking=thinking)
+    assert tpl.round_trips(as_text, *texts, thinking=thinking)
     follow = SPEC_MESSAGES + [{"role": "assistant", **got}, {"role": "user", "content": "More"}]
-    again = tpl.render(follow, thinking=thinking, replies={key: ids})
-    assert again[: len(prompt) + len(reply)] == prompt + reply
-    # after the reply: the closing tags and the next turn, as the text renders them
-    rest = again[len(prompt) + len(reply):]
-    assert tpl.render(follow, thinking=thinking)[-len(rest):] == rest
+    rendered = tpl.render_full(follow, thinking=thinking)
+    prompt = tpl.render(SPEC_MESSAGES, thinking=thinking)
+    end = rendered.reply_ends[-1]
+    assert rendered.ids[len(prompt):end] == as_text
