@@ -93,7 +93,7 @@ def generate(model: Model, prompt_ids: Sequence[int], params: GenParams, *,
             compute = time.perf_counter() - t0
             if logits_hook is not None:
                 logits = logits_hook(list(generated), logits)
-            token = sample(logits)
+            token = sample(logits, position=len(ids))  # the id at ids[len(ids)]
             seconds = time.perf_counter() - (start if index == 0 else last)
             generated.append(token)
             ids.append(token)

@@ -391,7 +391,7 @@ class Service:
             return error_response(exc.code, str(exc), exc.kind, **exc.extra)
         room = loaded.n_ctx - len(prompt)
         job = Job(req, prompt, max_new=min(req.max_tokens or room, room), owner=owner,
-                  reply_ends=rendered.reply_ends)
+                  reply_ends=rendered.reply_ends, partial=rendered.partial)
 
         if self.waiting >= MAX_WAITING:
             return error_response(
@@ -466,7 +466,7 @@ class Service:
 
     async def _sse(self, answer: Answer, queue: asyncio.Queue) -> AsyncIterator[str]:
         first = k3_record(None, self.loaded.budget_gb).k3()
-        yield answer.ids.sse({"role": "assistant", "content": None}, k3=first)
+        yield answer.ids.sse({"role": "assistant", "content": None}, k3=answer.k3(first))
         while True:
             try:
                 event = await asyncio.wait_for(queue.get(), timeout=self.ping_seconds)

@@ -169,6 +169,7 @@ class Job:
     max_new: int
     owner: str = ""  # whose kept states it may resume and keeps (snapshots.owner_of)
     reply_ends: tuple[int, ...] = ()  # where earlier replies end in the prompt (kept there)
+    partial: list[int] | None = None  # a partial answer's ids so far, which this continues
     cancel: threading.Event = field(default_factory=threading.Event)
     # filled by the worker
     completion_tokens: int = 0
@@ -337,7 +338,7 @@ def _decode(
         if was_reasoning:
             job.reasoning_tokens += 1
         _sent(job, reasoning, content)
-        emit(Token(k3, reasoning, content))
+        emit(Token(k3, reasoning, content, (int(t.id),)))
         if text.parser.done or hit:
             finish = "stop"
             break
@@ -369,6 +370,8 @@ def run_job(
     """Generate for `job`, emitting `Token` events, then `End`, `Failed` or `Stopped`.
     Runs in a worker thread."""
     text = _Text(template, job.req)
+    for i in job.partial or ():  # the parser where the answer so far left it; no text again
+        text.parser.feed(i)
     end_ids = list(template.end_ids())
     hook = _logits_hook(job, loaded.tok, text.parser, end_ids, steer_demo)
     metrics.set("requests_processing", 1)
@@ -393,8 +396,9 @@ def run_job(
             metrics.add("requests_cancelled_total")
             emit(Stopped())
         else:
-            if not template.round_trips(job.generated, "".join(job.reasoning),
-                                        "".join(job.content), thinking=job.req.thinking):
+            reply = "".join(job.reasoning), "".join(job.content)
+            if job.partial is None and not template.round_trips(
+                    job.generated, *reply, thinking=job.req.thinking):
                 metrics.add("replies_not_round_trip_total")
             emit(End(job.finish))
     except Exception as exc:  # noqa: BLE001 - reported to the client as an error chunk

@@ -44,7 +44,27 @@ class ReplyEnd:
     costs the next turn only its own prefill, once."""
 
 
-Segment = Union[str, Control, ReplyEnd]
+@dataclass(frozen=True)
+class Opened:
+    """Where a partial assistant turn (the last message, `"partial": true`) opened: what
+    follows is the answer so far, which generation continues."""
+
+
+@dataclass(frozen=True)
+class Given:
+    """An assistant turn's ids as the server sent them (`k3_token_ids`), rendered as they
+    are once `ChatTemplate` has checked that they parse to the message's text."""
+
+    ids: tuple[Any, ...]
+    reasoning: str
+    content: str
+    what: str
+    partial: bool
+    thinking: bool
+
+
+Segment = Union[str, Control, ReplyEnd, Opened, Given]
+MAX_GIVEN_IDS = 1 << 20  # k3_token_ids of one message (a longer one exceeds any context)
 
 
 def _attr(value: str) -> str:
@@ -105,6 +125,39 @@ def _channels(reasoning: str, content: str, thinking: bool) -> list[Segment]:
     return out + _open("response") + ([content] if content else []) + _close("response")
 
 
+def _assistant(msg: Mapping[str, Any], what: str, content: str,
+               attrs: Sequence[tuple[str, str]], thinking: bool,
+               last: bool) -> tuple[list[Segment], bool]:
+    """An assistant message: from its text, or from its `k3_token_ids`; whole, or (when
+    `"partial": true`, the last message only) opened and left open. And whether partial."""
+    partial = msg.get("partial", False)
+    if partial not in (True, False):
+        raise TemplateError(f"{what}: 'partial' must be true or false")
+    if partial and not last:
+        raise TemplateError(f"{what} is partial: only the last message may be")
+    reasoning = _text(msg.get("reasoning_content"), what)
+    given = msg.get("k3_token_ids")
+    out = _open("message", [("role", "assistant"), *attrs])
+    out += _open("think" if thinking else "response")
+    if partial:
+        out.append(Opened())
+    if given is not None:
+        if not isinstance(given, list) or len(given) > MAX_GIVEN_IDS:
+            raise TemplateError(
+                f"{what}: 'k3_token_ids' must be an array of at most {MAX_GIVEN_IDS} token ids")
+        out.append(Given(tuple(given), reasoning, content, what, partial, thinking))
+        if not partial:
+            out.append(Control(END_OF_MSG))  # the ids hold the rest of the closing
+    else:
+        rest = _channels(reasoning if thinking else "", content, thinking)[3:]
+        if partial and thinking and not content:  # still thinking, as far as it went
+            rest = [reasoning] if reasoning else []
+        elif partial:  # the response has begun
+            rest = rest[:-3]
+        out += rest if partial else rest + _CLOSING
+    return out + ([] if partial else [ReplyEnd()]), partial
+
+
 def render_segments(
     messages: Sequence[Mapping[str, Any]],
     *,
@@ -138,9 +191,11 @@ def render_segments(
             out += _message(role, body, attrs)
         elif role == "assistant":
             tool_index = 0
-            reasoning = _text(msg.get("reasoning_content"), what) if thinking else ""
-            out += _message("assistant", _channels(reasoning, content, thinking), attrs)
-            out.append(ReplyEnd())
+            turn, partial = _assistant(msg, what, content, attrs, thinking,
+                                       last=n == len(messages) - 1)
+            out += turn
+            if partial:
+                return out
         elif role == "tool":
             tool_index += 1
             tool = msg.get("name") or msg.get("tool_name")
@@ -159,18 +214,21 @@ def render_segments(
 def segments_to_text(segments: Iterable[Segment]) -> str:
     """Readable XTML (diagnostics only; token ids come from `ChatTemplate.render`)."""
     return "".join(
-        s.name if isinstance(s, Control) else s
+        s.name if isinstance(s, Control) else f"<{len(s.ids)} ids>" if isinstance(s, Given)
+        else s
         for s in segments
-        if not isinstance(s, ReplyEnd)
+        if not isinstance(s, (ReplyEnd, Opened))
     )
 
 
 @dataclass(frozen=True)
 class Rendered:
-    """A prompt's ids, and where each assistant message in it ends (ReplyEnd)."""
+    """A prompt's ids, where each assistant message in it ends (ReplyEnd), and the ids of
+    a partial last answer so far (after its generation prompt), or None."""
 
     ids: list[int]
     reply_ends: tuple[int, ...] = ()
+    partial: list[int] | None = None
 
 
 class ChatTemplate:
@@ -200,14 +258,58 @@ class ChatTemplate:
         encoded = iter(self.tok.encode_batch(texts))
         ids: list[int] = []
         ends: list[int] = []
+        opened = None
         for s in segments:
             if isinstance(s, Control):
                 ids.append(self.control_ids[s.name])
             elif isinstance(s, ReplyEnd):
                 ends.append(len(ids))
+            elif isinstance(s, Opened):
+                opened = len(ids)
+            elif isinstance(s, Given):
+                ids += self._given(s)
             else:
                 ids += next(encoded)
-        return Rendered(ids, tuple(ends))
+        return Rendered(ids, tuple(ends), None if opened is None else ids[opened:])
+
+    def _given(self, g: Given) -> list[int]:
+        """A message's `k3_token_ids`, checked: token ids, no end id but the last, and parsed
+        as the server parsed them (the text streamed, or with the held-back tail) they give
+        exactly the message's reasoning_content and content. A whole message gets the
+        closing tags of the channel the ids stopped in (as the template renders a reply
+        the limit cut); a partial one is left open."""
+        vocab, ends = self.tok.vocab_size, set(self.end_ids())
+        ids = list(g.ids)
+        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab
+                   for i in ids):
+            raise TemplateError(f"{g.what}: 'k3_token_ids' must hold token ids from 0 to "
+                                f"{vocab - 1}")
+        body = ids[:-1] if ids and ids[-1] in ends and not g.partial else ids
+        if ends.intersection(body):
+            raise TemplateError(f"{g.what}: 'k3_token_ids' holds an end id before its last id"
+                                if not g.partial else
+                                f"{g.what} is partial but its 'k3_token_ids' end the message")
+        parser = self.parser(thinking=g.thinking)
+        streamed = ParsedDelta()
+        for i in body:
+            d = parser.feed(i)
+            streamed.reasoning += d.reasoning
+            streamed.content += d.content
+        channel = parser.channel
+        tail = parser.finish()
+        whole = (streamed.reasoning + tail.reasoning, streamed.content + tail.content)
+        if (g.reasoning, g.content) not in ((streamed.reasoning, streamed.content), whole):
+            raise TemplateError(
+                f"{g.what}: its 'k3_token_ids' do not give its reasoning_content and content; "
+                "send the ids the server sent for this message, or leave k3_token_ids out")
+        if g.partial:
+            return body
+        closed = [self.control_ids[CLOSE], *self.tok.encode("message"), self.control_ids[SEP]]
+        if body[-len(closed):] == closed:  # the model closed the message itself
+            return body
+        tail_segments = {"think": _close("think") + _open("response") + _close("response"),
+                         "response": _close("response")}.get(channel, [])
+        return body + self._ids(tail_segments + _close("message")).ids
 
     def text_turn(self, reasoning: str, content: str, *, thinking: bool = True) -> list[int]:
         """A reply as its next turn renders it from the text the client got: the ids after

@@ -308,3 +308,29 @@ def test_real_vocab_a_reply_that_does_not_round_trip_is_told(real_tok, thinking)
     prompt = tpl.render(SPEC_MESSAGES, thinking=thinking)
     end = rendered.reply_ends[-1]
     assert rendered.ids[len(prompt):end] == as_text
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_real_vocab_a_reply_sent_with_its_ids_renders_as_them(real_tok, thinking):
+    """The same reply sent back with its k3_token_ids renders as the ids generated, then
+    the closing tags of the channel the limit cut it in; other ids are refused."""
+    tpl = ChatTemplate(real_tok)
+    prompt = tpl.render(SPEC_MESSAGES, thinking=thinking)
+    word = real_tok.encode(" lighthouse")
+    reply = [*real_tok.encode(" light"), *real_tok.encode("house"), 163600, *word,
+             *real_tok.encode("\u4f60")[:1], 0x07, *word, 150_000]
+    parser = tpl.parser(thinking=thinking)
+    deltas = [parser.feed(i) for i in reply] + [parser.finish()]
+    got = {"reasoning_content": "".join(d.reasoning for d in deltas),
+           "content": "".join(d.content for d in deltas)}
+    turn = {"role": "assistant", **got, "k3_token_ids": reply}
+    follow = SPEC_MESSAGES + [turn, {"role": "user", "content": "More"}]
+    again = tpl.render(follow, thinking=thinking)
+    assert again[: len(prompt) + len(reply)] == prompt + reply
+    rest = again[len(prompt) + len(reply):]
+    as_text = tpl.render([*SPEC_MESSAGES, {"role": "assistant"}, follow[-1]],
+                         thinking=thinking)
+    assert as_text[-len(rest):] == rest  # the channel closed, the message, the next turn
+    for bad in ([*reply, 5], reply[:-1] + [163_840], reply[1:]):
+        with pytest.raises(TemplateError, match=r"message \d+ \(assistant\)"):
+            tpl.render(SPEC_MESSAGES + [{**turn, "k3_token_ids": bad}], thinking=thinking)
