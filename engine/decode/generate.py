@@ -44,14 +44,17 @@ def generate(model: Model, prompt_ids: Sequence[int], params: GenParams, *,
              cancel: threading.Event | None = None,
              logits_hook: LogitsHook | None = None,
              resume: ModelState | None = None,
-             keep: Callable[[ModelState], None] | None = None) -> Iterator[GenToken]:
+             keep: Callable[[ModelState], None] | None = None,
+             keep_at: Sequence[int] = ()) -> Iterator[GenToken]:
     """Yield generated tokens one by one. A stop id is yielded (flagged `stop`) and ends the
     run; `cancel` is checked between tokens and between layers.
 
     `resume`: a state whose ids are a prefix of `prompt_ids` (the caller's own copy: it is
     advanced); only the rest of the prompt is prefilled, and the first token says how many
     ids were reused. `keep` is given the state right after the prompt and again when the run
-    ends (the ids it covers are in it), never a state a cancel left half-advanced."""
+    ends (the ids it covers are in it), never a state a cancel left half-advanced; and, during
+    the prefill, the state after each of the first `keep_at` prompt ids (the prefill split
+    there: the ids never depend on the split)."""
     if not prompt_ids:
         raise ValueError("generate needs at least one prompt id")
     sample = Sampler(params.temperature, params.top_k, params.top_p, params.seed)
@@ -74,7 +77,13 @@ def generate(model: Model, prompt_ids: Sequence[int], params: GenParams, *,
                     -1
                 ]
             elif index == 0:
-                rest = ids[reused:]
+                done = reused
+                for mark in sorted({int(m) for m in keep_at} if keep is not None else ()):
+                    if done < mark < len(ids):
+                        model.prefill(ids[done:mark], state, cancel=cancel)
+                        keep(state.snapshot())
+                        done = mark
+                rest = ids[done:]
                 logits = model.prefill(rest, state, cancel=cancel) if rest else state.logits
                 if keep is not None:
                     keep(state.snapshot())
@@ -84,7 +93,7 @@ def generate(model: Model, prompt_ids: Sequence[int], params: GenParams, *,
             compute = time.perf_counter() - t0
             if logits_hook is not None:
                 logits = logits_hook(list(generated), logits)
-            token = sample(logits)
+            token = sample(logits, position=len(ids))  # the id at ids[len(ids)]
             seconds = time.perf_counter() - (start if index == 0 else last)
             generated.append(token)
             ids.append(token)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import sys
 import threading
@@ -34,8 +35,10 @@ from engine.text.tokenizer import Tokenizer
 
 @dataclass
 class Loaded:
-    """The model side: `generate(prompt_ids, params, cancel, logits_hook)` yields
-    engine.generate.GenToken-like objects (`id, seconds, index, prefill_seconds, stats`)."""
+    """The model side: `generate(prompt_ids, params, cancel, logits_hook, owner, keep_at)`
+    yields engine.generate.GenToken-like objects (`id, seconds, index, prefill_seconds,
+    stats`), resuming and keeping states of `owner` only (engine/serve/snapshots.py), also
+    at the prompt positions `keep_at`."""
 
     tok: Tokenizer
     generate: Callable[..., Iterator[Any]]
@@ -90,6 +93,8 @@ class Metrics:
         "requests_failed_total": "generations that ended with an error",
         "prompt_tokens_total": "prompt tokens prefilled",
         "prompt_tokens_reused_total": "prompt tokens resumed from a kept conversation state",
+        "replies_not_round_trip_total": "replies whose text renders to other ids than the "
+        "model generated (the next turn prefills them again)",
         "prompt_seconds_total": "seconds spent in prefill",
         "tokens_predicted_total": "tokens generated (reasoning included)",
         "tokens_predicted_seconds_total": "seconds spent generating tokens",
@@ -162,6 +167,9 @@ class Job:
     req: ChatRequest
     prompt_ids: list[int]
     max_new: int
+    owner: str = ""  # whose kept states it may resume and keeps (snapshots.owner_of)
+    reply_ends: tuple[int, ...] = ()  # where earlier replies end in the prompt (kept there)
+    partial: list[int] | None = None  # a partial answer's ids so far, which this continues
     cancel: threading.Event = field(default_factory=threading.Event)
     # filled by the worker
     completion_tokens: int = 0
@@ -171,6 +179,8 @@ class Job:
     content_chars: int = 0
     finish: str | None = None
     generated: list[int] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)  # the text sent, as the client got it
+    content: list[str] = field(default_factory=list)
     cache_n: int = 0  # prompt ids resumed from a kept state (llama-server's cache_n)
     gb_read_prefill: float | None = None
 
@@ -327,8 +337,8 @@ def _decode(
         reasoning, content, hit = text.feed(int(t.id))
         if was_reasoning:
             job.reasoning_tokens += 1
-        job.content_chars += len(content)
-        emit(Token(k3, reasoning, content))
+        _sent(job, reasoning, content)
+        emit(Token(k3, reasoning, content, (int(t.id),)))
         if text.parser.done or hit:
             finish = "stop"
             break
@@ -338,9 +348,15 @@ def _decode(
         return "cancelled"
     reasoning, content = text.flush()
     if reasoning or content:
-        job.content_chars += len(content)
+        _sent(job, reasoning, content)
         emit(Token(None, reasoning, content))
     return finish
+
+
+def _sent(job: Job, reasoning: str, content: str) -> None:
+    job.reasoning.append(reasoning)
+    job.content.append(content)
+    job.content_chars += len(content)
 
 
 def run_job(
@@ -354,6 +370,8 @@ def run_job(
     """Generate for `job`, emitting `Token` events, then `End`, `Failed` or `Stopped`.
     Runs in a worker thread."""
     text = _Text(template, job.req)
+    for i in job.partial or ():  # the parser where the answer so far left it; no text again
+        text.parser.feed(i)
     end_ids = list(template.end_ids())
     hook = _logits_hook(job, loaded.tok, text.parser, end_ids, steer_demo)
     metrics.set("requests_processing", 1)
@@ -368,7 +386,8 @@ def run_job(
             seed=req.seed,
             stop_ids=tuple(end_ids),
         )
-        gen = loaded.generate(job.prompt_ids, params, cancel=job.cancel, logits_hook=hook)
+        gen = loaded.generate(job.prompt_ids, params, cancel=job.cancel, logits_hook=hook,
+                              owner=job.owner, keep_at=job.reply_ends[-1:])
         job.finish = _decode(job, gen, text, loaded, metrics, emit)
         # Closed before the client hears the end: closing keeps the reply's state, and a
         # streamed response that ends sets the cancel, which keeps nothing.
@@ -377,9 +396,10 @@ def run_job(
             metrics.add("requests_cancelled_total")
             emit(Stopped())
         else:
-            if loaded.snapshots is not None:  # its next turn renders this reply as these ids
-                cut_in = text.parser.channel if job.finish == "length" else ""
-                loaded.snapshots.remember_reply(*template.reply(job.generated, cut_in))
+            reply = "".join(job.reasoning), "".join(job.content)
+            if job.partial is None and not template.round_trips(
+                    job.generated, *reply, thinking=job.req.thinking):
+                metrics.add("replies_not_round_trip_total")
             emit(End(job.finish))
     except Exception as exc:  # noqa: BLE001 - reported to the client as an error chunk
         if job.cancel.is_set():
@@ -450,11 +470,11 @@ def load_engine(
     delay = getattr(args, "debug_token_delay", 0.0)
     snapshots, note = _snapshot_store(model, getattr(args, "snapshot_gb", 0.0) or 0.0, n_ctx)
 
-    def gen(prompt_ids, params, cancel=None, logits_hook=None):
-        resume = snapshots.take(prompt_ids) if snapshots is not None else None
-        keep = snapshots.put if snapshots is not None else None
+    def gen(prompt_ids, params, cancel=None, logits_hook=None, owner="", keep_at=()):
+        resume = snapshots.take(prompt_ids, owner=owner) if snapshots is not None else None
+        keep = functools.partial(snapshots.put, owner=owner) if snapshots is not None else None
         run = generate(model, prompt_ids, params, cancel=cancel, logits_hook=logits_hook,
-                       resume=resume, keep=keep)
+                       resume=resume, keep=keep, keep_at=keep_at)
         with contextlib.closing(run):  # closed now, not when collected: it keeps the state
             for token in run:
                 if delay:  # tests: a reply slow enough to stop or kill half-way on any machine

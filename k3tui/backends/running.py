@@ -105,6 +105,23 @@ class RunningBackend:
     def alive(self) -> bool:
         return self.process is None or self.process.poll() is None
 
+    def stopped_pid(self) -> int | None:
+        """The pid of the backend's process, or of one under it (a wrapper may fork the
+        server), that is stopped (SIGSTOP, Ctrl+Z): alive, but silent until continued."""
+        import psutil
+
+        if self.process is None or self.process.poll() is not None:
+            return None
+        try:
+            top = psutil.Process(self.process.pid)
+            for proc in (top, *top.children(recursive=True)):
+                with contextlib.suppress(psutil.Error):
+                    if proc.status() == psutil.STATUS_STOPPED:
+                        return proc.pid
+        except psutil.Error:  # it ended meanwhile: the connection says so
+            pass
+        return None
+
     def log_tail(self, n: int = 20) -> str:
         return tail_lines(self.log_path, n)
 
@@ -170,6 +187,8 @@ class RunningBackend:
 
         kwargs.setdefault("api_key", self.api_key)
         kwargs.setdefault("model", self.model)
+        if self.process is not None:  # a silent answer: is the process stopped?
+            kwargs.setdefault("stopped_pid", self.stopped_pid)
         if self.kind == "llama-server":  # its prompt cache: a follow-up prefills what is new
             kwargs["extra"] = {"cache_prompt": True, **(kwargs.get("extra") or {})}
         async for event in stream_chat(self.base_url, messages, **kwargs):
@@ -179,10 +198,11 @@ class RunningBackend:
 
     async def _explain(self, event: BackendError) -> BackendError:
         # The connection usually breaks a moment before the exit status is visible (longer
-        # on a loaded machine). A server still alive after 5 s is reported as it is.
+        # on a loaded machine). A server still alive after 5 s, or stopped, is reported as
+        # it is.
         deadline = time.monotonic() + 5.0
         while self.process is not None and self.process.poll() is None \
-                and time.monotonic() < deadline:
+                and self.stopped_pid() is None and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         dead = self.failure()
         if dead is None:

@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     if args.foreground:
         lock = jobs.lock_target(str(out), f"k3tui pack {ckpt} {out}")
         try:
-            summary = _pack(ckpt, out, _printer(), args.compact)
+            summary = _pack(ckpt, out, _printer(_layer_count(ckpt)), args.compact)
         finally:
             os.close(lock)
         print()
@@ -131,10 +131,10 @@ def _pack(ckpt: Path, out: Path, on_progress, compact: bool = False) -> dict:
 class _Meter:
     """Turns pack's (done, total, layer) callbacks into rate/ETA fields, <= 4 updates/s."""
 
-    def __init__(self, sink):
+    def __init__(self, sink, layers: int | None = None):
         from k3tui.hub.progress import Progress
 
-        self.sink, self._progress_cls = sink, Progress
+        self.sink, self._progress_cls, self.layers = sink, Progress, layers
         self.progress = None
         self.last_done = 0
         self.last_emit = 0.0
@@ -151,15 +151,28 @@ class _Meter:
             self.last_emit = now
             ev = self.progress.snapshot()
             self.sink({"total_bytes": total, "done_bytes": done, "rate_bps": ev.rate_bps,
-                       "eta_s": ev.eta_s, "stalled": False, "layer": layer})
+                       "eta_s": ev.eta_s, "stalled": False, "layer": layer,
+                       "layers": self.layers})
 
 
-def _printer():
+def _layer_count(ckpt: Path) -> int | None:
+    """How many layers the checkpoint has ("layer 6 of 12"); pack itself reports a bad
+    config, so None here."""
+    try:
+        from engine.errors import EngineError
+        from engine.model.config import ModelConfig
+
+        return ModelConfig.from_dir(ckpt).num_hidden_layers
+    except (ImportError, EngineError, OSError, ValueError):
+        return None
+
+
+def _printer(layers: int | None):
     def show(fields: dict) -> None:
         from k3tui.commands.jobs import summary_line
 
         print("\r" + summary_line(dict(fields, status="running")), end="", flush=True)
-    return _Meter(show)
+    return _Meter(show, layers)
 
 
 def _conclude(summary: dict, out: Path, remember: bool, say) -> int:
@@ -189,7 +202,8 @@ def _run_in_job(reporter, ckpt: Path, out: Path, remember: bool, compact: bool =
     reporter.update(message=f"packing {ckpt} into {out}")
     print(time.strftime("%H:%M:%S"), f"pack {ckpt} -> {out}", flush=True)
     try:
-        summary = _pack(ckpt, out, _Meter(lambda fields: reporter.update(**fields)), compact)
+        meter = _Meter(lambda fields: reporter.update(**fields), _layer_count(ckpt))
+        summary = _pack(ckpt, out, meter, compact)
         lines: list[str] = []
         _conclude(summary, out, remember, lines.append)
         for line in lines:

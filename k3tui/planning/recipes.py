@@ -21,7 +21,7 @@ from k3tui.units import GiB
 
 ROUTES = ("rpc", "sglang", "vllm")
 
-# Kimi-K3 facts (../shared/spec/kimi-k3.md): 24 MLA layers keep a latent KV cache of
+# Kimi-K3 facts (docs/spec/kimi-k3.md §1.5): 24 MLA layers keep a latent KV cache of
 # 512 + 64 values per position per layer; 69 KDA layers keep a fixed 96 × 128 × 128 state.
 MLA_LAYERS, KDA_LAYERS = 24, 69
 KV_BYTES_PER_POS_F16 = MLA_LAYERS * (512 + 64) * 2
@@ -110,7 +110,8 @@ def _rpc(
         "GGUFs need a build with the `kimi-k3` architecture (b11434 has it)",
         sources=(
             "ggml-org/llama.cpp tools/rpc/README.md (rpc-server, --rpc, -c local cache)",
-            "../shared/notes/llama-server.md (flags of b11434; kimi-k3 support)",
+            "docs/reference/llama-server.md in k3tui's repository (flags of b11434; kimi-k3 "
+            "support)",
         ),
         fit=(
             (

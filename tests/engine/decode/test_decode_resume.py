@@ -89,7 +89,7 @@ def test_cancelled_answer_keeps_no_state_past_its_prompt(model):
     store = SnapshotStore(1 << 30)
     a1 = SYS_A + [60]
     turn(model, store, a1, 0, cancel_after=2)
-    assert [len(k) for k in store._kept] == [len(a1)]  # the prompt's, none of the reply's
+    assert [len(ids) for _, ids in store._kept] == [len(a1)]  # the prompt's, none of the reply's
     partial = run(model, a1)[0][:2]
     turn(model, store, a1 + partial + [61], len(a1))
 

@@ -3,7 +3,7 @@
 The tiny model is a 2-layer `llama` with random weights and an SPM tokenizer. Random
 weights would sample byte and control tokens, which makes llama-server's chat parser fail,
 so embedding dim 0 is a constant and `output.weight[:, 0]` acts as a per-token logit bias
-that favours printable pieces (see ../shared/notes/llama-server.md §3).
+that favours printable pieces (see docs/reference/llama-server.md).
 """
 
 from __future__ import annotations
