@@ -105,7 +105,7 @@ def _verify(ckpt: Path, out: Path) -> int:
 
     trunk, EngineError = _engine_trunk()
     try:
-        summary = trunk.verify(ckpt, out, progress=_printer())
+        summary = trunk.verify(ckpt, out, progress=_printer(_layer_count(ckpt)))
     except EngineError as exc:
         raise K3Error(str(exc), f"k3tui pack {ckpt} {out}") from None
     print()
