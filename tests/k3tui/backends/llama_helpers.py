@@ -288,3 +288,38 @@ def systemd_that_applies(argv):
     """What a systemd user manager with the memory controller delegated answers."""
     limit = next(a.split("=", 1)[1] for a in argv if a.startswith("MemoryMax="))
     return subprocess.CompletedProcess(argv, 0, stdout=limit + "\n", stderr="")
+
+
+# --- the pool: real ggml-rpc-server workers started through `k3tui worker` ------------------
+
+def k3tui_cli(*args: str, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "k3tui", *args], capture_output=True,
+                          text=True, env=env, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def start_worker(env: dict, host: str = "127.0.0.1") -> str:
+    """`k3tui worker` on a free loopback port: its endpoint. A port another program takes
+    between the lookup and the bind makes the worker refuse it: then another port (a real
+    start-up failure fails all three times and is raised)."""
+    for attempt in range(3):
+        port = free_port()
+        done = k3tui_cli("worker", "--host", host, "--port", str(port), env=env)
+        if done.returncode == 0:
+            return f"{host}:{port}"
+        if attempt == 2 or "cannot be listened on" not in done.stderr:
+            raise AssertionError(f"k3tui worker failed: {done.stdout}{done.stderr}")
+    raise AssertionError("unreachable")
+
+
+def worker_process(env: dict, endpoint: str):
+    """The ggml-rpc-server (a psutil.Process) of the running worker job at `endpoint`."""
+    import json
+
+    import psutil
+
+    jobs = json.loads(k3tui_cli("jobs", "--json", env=env).stdout)
+    job = next(j for j in jobs if j["target"] == endpoint and j["status"] == "running")
+    return next(p for p in psutil.Process(job["pid"]).children(recursive=True)
+                if "rpc-server" in p.name())
