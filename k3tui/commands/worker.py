@@ -219,7 +219,8 @@ def _serve(settings: dict, reporter) -> int:
     threads = settings["threads"] or report.cpu.usable
     argv = limit.wrap([settings["binary"], "-H", host, "-p", str(port), "-t", str(threads),
                        "-c"])
-    env = binary_env(Path(settings["binary"])) | {"LLAMA_CACHE": str(cache)}
+    env = binary_env(Path(settings["binary"])) | {"LLAMA_CACHE": str(cache),
+                                                   "GGML_NO_BACKTRACE": "1"}
     say(f"starting: {' '.join(argv)}")
     try:
         # restore_signals=False keeps SIGPIPE ignored, as Python has it: ggml-rpc-server

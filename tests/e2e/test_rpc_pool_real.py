@@ -156,13 +156,28 @@ def test_rpc_worker_killed_mid_answer_is_named_and_the_other_survives(pool, mode
         assert f"worker {endpoints[1]} is gone" in err.message, err.message
         assert endpoints[0] not in err.message
         assert "`k3tui worker`" in err.next_step
+        # the log ends on the cause, not on a debugger's backtrace of the abort
+        assert "Remote RPC server crashed" in "\n".join(err.log_tail.splitlines()[-3:]), \
+            err.log_tail
     finally:
         backend.stop()
     # the head's death did not take the other worker with it (SIGPIPE, before the fix)
     survivor = rpc.probe(endpoints[0])
     assert survivor.ok, survivor
-    jobs = k3tui_cli("jobs", env=env).stdout
-    assert "failed" in jobs and "killed with SIGKILL" in jobs  # the victim's job says so
+    # the victim's job says what happened, once its supervisor has seen it (it looks twice
+    # a second)
+    deadline = time.monotonic() + 60
+    while (job := victim_job(env, endpoints[1]))["status"] == "running":
+        assert time.monotonic() < deadline, job
+        time.sleep(0.1)
+    assert job["status"] == "failed" and "killed with SIGKILL" in job["message"], job
+
+
+def victim_job(env: dict, endpoint: str) -> dict:
+    import json
+
+    jobs = json.loads(k3tui_cli("jobs", "--json", env=env).stdout)
+    return next(j for j in jobs if j["target"] == endpoint)
 
 
 def test_rpc_head_names_an_unreachable_worker_within_seconds_and_starts_nothing(pool):

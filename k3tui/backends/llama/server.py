@@ -301,6 +301,8 @@ def start(prepared: Prepared, *, on_progress: ProgressCallback | None = None,
     log_path = log_path or logs / f"llama-server-{time.strftime('%Y%m%d-%H%M%S')}-{cmd.port}.log"
     argv = prepared.limit.wrap(cmd.argv)
     env = binary_env(prepared.info.path) | cmd.env
+    if cmd.rpc:  # a lost worker aborts the head: at once, its log ending on why (not gdb's
+        env["GGML_NO_BACKTRACE"] = "1"  # attach and 40 frames, ~1-3 s later)
 
     def cleanup() -> None:
         prepared.limit.cleanup()
