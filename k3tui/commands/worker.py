@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
               f"`k3tui jobs log {job_id}`.")
     print(f"job {job_id}: it keeps running if this terminal closes; "
           "`k3tui worker stop` ends it.")
-    print(head_line(settings["host"]))
+    print(head_line(endpoint))
     return 0
 
 
@@ -158,9 +158,11 @@ def running_workers() -> list[dict]:
     return [j for j in jobs.list_jobs() if j["kind"] == KIND and j["status"] == "running"]
 
 
-def head_line(host: str) -> str:
-    """What to run on the head: every worker running here, as the config's list."""
-    endpoints = sorted({j["target"] for j in running_workers()})
+def head_line(endpoint: str) -> str:
+    """What to run on the head: this worker and every other one running here, as the
+    config's list."""
+    host = endpoint.split(":")[0]
+    endpoints = sorted({endpoint} | {j["target"] for j in running_workers()})
     line = ("On the head, pool " + ("them" if len(endpoints) > 1 else "it") + ":\n"
             f"  k3tui config set llama_server.rpc '{json.dumps(endpoints)}'\n"
             f"  (or for one start: k3tui serve --rpc {','.join(endpoints)})")
@@ -241,7 +243,8 @@ def _serve(settings: dict, reporter) -> int:
         if reporter is not None:
             reporter.update(message=READY_PREFIX + line)
         else:
-            print(f"worker {line}\n{head_line(host)}\nCtrl-C stops it.", flush=True)
+            print(f"worker {line}\n{head_line(f'{host}:{port}')}\nCtrl-C stops it.",
+                  flush=True)
         while proc.poll() is None and not (stop_event and stop_event.is_set()):
             if stop_event is not None:
                 stop_event.wait(0.5)

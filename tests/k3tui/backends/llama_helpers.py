@@ -299,14 +299,16 @@ def k3tui_cli(*args: str, env: dict, timeout: float = 120) -> subprocess.Complet
                           text=True, env=env, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
-def start_worker(env: dict, host: str = "127.0.0.1") -> str:
-    """`k3tui worker` on a free loopback port: its endpoint. A port another program takes
-    between the lookup and the bind makes the worker refuse it: then another port (a real
-    start-up failure fails all three times and is raised)."""
+def start_worker(env: dict, host: str = "127.0.0.1", said: list | None = None) -> str:
+    """`k3tui worker` on a free loopback port: its endpoint (`said` gets what it printed).
+    A port another program takes between the lookup and the bind makes the worker refuse
+    it: then another port (a real start-up failure fails all three times and is raised)."""
     for attempt in range(3):
         port = free_port()
         done = k3tui_cli("worker", "--host", host, "--port", str(port), env=env)
         if done.returncode == 0:
+            if said is not None:
+                said.append(done.stdout)
             return f"{host}:{port}"
         if attempt == 2 or "cannot be listened on" not in done.stderr:
             raise AssertionError(f"k3tui worker failed: {done.stdout}{done.stderr}")

@@ -37,7 +37,9 @@ def test_worker_refuses_a_public_or_wildcard_bind_in_one_sentence(env, host):
 @pytest.mark.slow
 def test_worker_runs_as_a_job_answers_the_handshake_and_stops(env):
     real_binary()
-    endpoint = start_worker(env)
+    said: list[str] = []
+    endpoint = start_worker(env, said=said)
+    assert f"k3tui config set llama_server.rpc '[\"{endpoint}\"]'" in said[0]
     server = worker_process(env, endpoint)
     status = rpc.probe(endpoint)
     # the same build as the head: the protocol the head's own ggml-rpc-server prints
