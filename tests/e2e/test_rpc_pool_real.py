@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-from llama_helpers import (k3tui_cli, real_binary, refused_port, start_worker, worker_process,
-                           write_tiny_gguf)
+from llama_helpers import (FakeWorker, k3tui_cli, real_binary, refused_port, start_worker,
+                           worker_process, write_tiny_gguf)
 
 from k3tui.backends.events import BackendError, ContentDelta, ReasoningDelta
 from k3tui.backends.llama import rpc
@@ -225,3 +225,23 @@ def test_rpc_head_that_lost_a_worker_while_loading_is_stopped(pool, model):
     assert f"could not connect to worker {lost} while loading" in exc.value.message
     assert not [p for p in psutil.Process().children(recursive=True)
                 if p.name() == "llama-server" and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_rpc_worker_of_another_build_is_refused_before_the_head_starts(pool):
+    """A worker of a newer protocol (a fake: the one build installed here cannot be
+    another) beside a real one: `k3tui serve` refuses it before llama-server exists."""
+    env, endpoints = pool
+    head = rpc.server_protocol(rpc.find_rpc_server())
+    newer = (head[0], head[1] + 1, 0)
+    other = FakeWorker(version=newer)
+    try:
+        done = k3tui_cli("serve", "--rpc", f"{endpoints[0]},{other.endpoint}", env=env)
+    finally:
+        other.close()
+    assert done.returncode == 2
+    assert (f"refuses a worker of another build: worker {other.endpoint} speaks RPC protocol "
+            f"{rpc.version_text(newer)} but the head speaks {rpc.version_text(head)}") \
+        in done.stderr
+    assert other.hellos == [24]  # asked once, and nothing else
+    logs = Path(env["K3TUI_HOME"]) / "logs"
+    assert not any(logs.glob("llama-server-*.log"))

@@ -5,81 +5,13 @@ the addresses a worker may listen on, and what a head's log and sockets say."""
 from __future__ import annotations
 
 import socket
-import struct
-import threading
 
 import pytest
-from llama_helpers import refused_port
+from llama_helpers import FakeWorker, refused_port
 
 from k3tui.backends.llama import rpc
 from k3tui.errors import K3Error
 from k3tui.units import GiB
-
-
-class FakeWorker:
-    """A loopback server that speaks RPC as a given build would: its `version`, a hello
-    payload of `hello_size` bytes (24 from protocol 5, 0 before), one device of `memory`
-    bytes; or `silent` (takes the connection, never answers) or `garbage`."""
-
-    def __init__(self, version=(5, 0, 0), hello_size=24, memory=64 * GiB, silent=False,
-                 garbage=False):
-        self.version, self.hello_size, self.memory = version, hello_size, memory
-        self.silent, self.garbage = silent, garbage
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.endpoint = f"127.0.0.1:{self.sock.getsockname()[1]}"
-        self.hellos: list[int] = []
-        self.done = threading.Event()
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while not self.done.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with conn:
-                if self.silent:
-                    self.done.wait()
-                    return
-                self._client(conn)
-
-    def _read(self, conn, n):
-        data = b""
-        while len(data) < n:
-            chunk = conn.recv(n - len(data))
-            if not chunk:
-                raise EOFError
-            data += chunk
-        return data
-
-    def _client(self, conn) -> None:
-        try:
-            while True:
-                cmd = self._read(conn, 1)[0]
-                size = struct.unpack("<Q", self._read(conn, 8))[0]
-                payload = self._read(conn, size)
-                if self.garbage:
-                    conn.sendall(struct.pack("<Q", 1 << 40))
-                    return
-                if cmd == rpc.CMD_HELLO:
-                    self.hellos.append(size)
-                    if size != self.hello_size:
-                        return  # what a real server of another protocol does: hang up
-                    reply = bytes(self.version) + bytes(1 + self.hello_size)
-                elif cmd == rpc.CMD_DEVICE_COUNT:
-                    reply = struct.pack("<I", 1)
-                elif cmd == rpc.CMD_GET_DEVICE_MEMORY:
-                    assert payload == struct.pack("<I", 0)
-                    reply = struct.pack("<QQ", self.memory // 2, self.memory)
-                else:
-                    return
-                conn.sendall(struct.pack("<Q", len(reply)) + reply)
-        except (EOFError, OSError):
-            return
-
-    def close(self) -> None:
-        self.done.set()
-        self.sock.close()
 
 
 @pytest.fixture
