@@ -650,7 +650,8 @@ class ChatApp(App):
             chat.query_one("#header", Static).update(self.backend.header())
             if self.monitor is not None:
                 self.monitor.set_pid(self.backend.pid)
-                self.monitor.set_pool(self.backend.pool, self.backend.log_path)
+                if self.backend.pool:
+                    self.monitor.set_pool(self.backend.pool, self.backend.log_path)
             if screen.typed:  # typed while the start-up screen covered the chat: kept
                 chat.query_one(Prompt).insert(screen.typed)
             if then is not None:
