@@ -56,6 +56,7 @@ class LlamaServerSection:
     memory_limit_gb: float = 0.0
     n_gpu_layers: int = 99
     extra_args: list[str] = field(default_factory=list)
+    rpc: list[str] = field(default_factory=list)  # the pool's workers, "host:port" each
 
 
 @dataclass
@@ -164,6 +165,46 @@ def is_http_url(url: str) -> bool:
     return url.startswith(("http://", "https://"))
 
 
+MAX_RPC_WORKERS = 16  # llama.cpp's GGML_RPC_MAX_SERVERS
+_HOST_NAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                        r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
+
+
+def split_endpoint(text: str) -> tuple[str, int] | None:
+    """`host:port` → (host, port): an IPv4 address or a host name, and a port 1..65535;
+    None when it is not one. (llama.cpp's RPC client reads the host up to the first colon,
+    so an IPv6 address cannot name a worker.)"""
+    host, sep, port = text.partition(":")
+    if not sep or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return (host, int(port)) if _HOST_NAME.fullmatch(host) else None
+
+
+def rpc_problem(endpoints: list[str]) -> str | None:
+    """Why a list of RPC workers cannot be used (one sentence), or None."""
+    if len(endpoints) > MAX_RPC_WORKERS:
+        return f"llama.cpp takes at most {MAX_RPC_WORKERS} RPC workers, not {len(endpoints)}"
+    for endpoint in endpoints:
+        if split_endpoint(endpoint) is None:
+            return (f"{endpoint!r} is not host:port (an IPv4 address or a host name, a port "
+                    "1..65535; llama.cpp's RPC client cannot take an IPv6 address)")
+    twice = sorted({e for e in endpoints if endpoints.count(e) > 1})
+    if twice:
+        return f"{', '.join(twice)} is listed twice"
+    return None
+
+
+def parse_rpc(given: str, flag: str = "--rpc") -> list[str]:
+    """A command line's `HOST:PORT,HOST:PORT` (empty: no workers), checked like the
+    config's list."""
+    workers = [w.strip() for w in given.split(",") if w.strip()]
+    why = rpc_problem(workers)
+    if why:
+        raise K3Error(f"{flag}: {why}.", f"e.g. {flag} 192.168.1.20:50052,192.168.1.21:50052",
+                      2)
+    return workers
+
+
 def _fix(cli: bool, section: str, key: str, example: Any) -> str:
     """The next step for a refused value: the command that sets it (`config set` also
     repairs a file that does not load because of that value), or for a file that line."""
@@ -241,6 +282,9 @@ def config_from_dict(data: dict[str, Any], *, path: Path | None = None,
                 raise K3Error(f"{where}[remote] url = {converted!r} is not an http:// or "
                               "https:// address.",
                               _fix(cli, section, key, "https://HOST:PORT/v1"), 2)
+            if (section, key) == ("llama_server", "rpc") and rpc_problem(converted):
+                raise K3Error(f"{where}[llama_server] rpc: {rpc_problem(converted)}.",
+                              _fix(cli, section, key, '\'["192.168.1.20:50052"]\''), 2)
             setattr(target, key, converted)
     return cfg
 

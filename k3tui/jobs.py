@@ -379,6 +379,8 @@ def resume_hint(state: JobState) -> str:
     argv = state["argv"]
     if "--resume-as" in argv[:-1]:
         return f"rerun `{clean(argv[argv.index('--resume-as') + 1])}` to resume"
+    if state["kind"] == "rpc-worker":
+        return "start it again with `k3tui worker` (with the same --host and --port)"
     if state["kind"] == "pack":
         return "rerun `k3tui pack` with the same folders to resume (it resumes per layer)"
     return "rerun the same command to resume"

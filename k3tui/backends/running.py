@@ -99,8 +99,10 @@ class RunningBackend:
     notes: list[str] = field(default_factory=list)  # warnings shown before use
     memory_limit_bytes: int | None = None
     cgroup_dir: Path | None = None  # the cgroup k3tui made for it: its OOM count is there
+    rpc_workers: list[str] = field(default_factory=list)  # a pool's workers, host:port each
     process: subprocess.Popen | None = field(default=None, repr=False)
     on_stop: list[Callable[[], None]] = field(default_factory=list, repr=False)
+    _story: str = field(default="", repr=False)  # exit_reason of a process that has ended
 
     def alive(self) -> bool:
         return self.process is None or self.process.poll() is None
@@ -130,20 +132,31 @@ class RunningBackend:
         if self.process is None or self.process.poll() is None:
             return None
         why = self.exit_reason()
-        return BackendError(f"The {self.kind} backend {why}.",
-                            f"read its log ({self.log_path}) and start it again with "
-                            "`k3tui serve`" if self.log_path else "start it again",
-                            log_tail=self.log_tail())
+        step = f"read its log ({self.log_path}) and start it again with `k3tui serve`" \
+            if self.log_path else "start it again"
+        if self.rpc_workers and "; worker " in why:
+            step = "start that worker again (`k3tui worker` on its machine), then " + step
+        return BackendError(f"The {self.kind} backend {why}.", step, log_tail=self.log_tail())
 
     def exit_reason(self) -> str:
-        """Why the process ended; an OOM kill only when the kernel or the cgroup says so."""
+        """Why the process ended; an OOM kill only when the kernel or the cgroup says so;
+        the head of a pool names the workers it lost (asked once, when it has ended)."""
+        if self._story:
+            return self._story
         code = self.process.returncode if self.process is not None else 0
         oom = None
         if code == -signal.SIGKILL:
             from k3tui.probe.limits import oom_kill_seen
 
             oom = oom_kill_seen(self.pid, self.cgroup_dir)
-        return describe_exit(code, memory_limit_bytes=self.memory_limit_bytes, oom_killed=oom)
+        story = describe_exit(code, memory_limit_bytes=self.memory_limit_bytes, oom_killed=oom)
+        if self.rpc_workers:
+            from k3tui.backends.llama.rpc import pool_story
+
+            story += pool_story(self.rpc_workers, self.log_tail(50))
+        if self.process is not None and self.process.poll() is not None:
+            self._story = story
+        return story
 
     def wait(self, timeout: float | None = None) -> int | None:
         if self.process is None:

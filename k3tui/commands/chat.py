@@ -79,6 +79,7 @@ class Session:
         self.info.url = running.base_url
         self.info.pid = running.pid
         self.info.log_path = str(running.log_path or "")
+        self.info.pool = list(getattr(running, "rpc_workers", []))
         limit = getattr(running, "memory_limit_bytes", None)
         if limit and not self.info.budget_gb:
             self.info.budget_gb = limit / GB  # llama-server's enforced memory limit

@@ -84,6 +84,9 @@ def _eta(s: float | None) -> str:
 def summary_line(state: dict) -> str:
     from k3tui.jobs import layer_progress
 
+    if state.get("kind") == "rpc-worker":  # a service, not a transfer: nothing to count
+        return "RPC worker" + (": serves a head until `k3tui worker stop`"
+                               if state.get("status") == "running" else "")
     total, done = state.get("total_bytes") or 0, state.get("done_bytes") or 0
     pct = f"{100 * done / total:.1f}%" if total else "--"
     rate = state.get("rate_bps") or 0.0

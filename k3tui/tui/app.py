@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rich.text import Text
@@ -56,6 +56,7 @@ class BackendInfo:
     pid: int | None = None
     log_path: str = ""
     label: str = ""                 # e.g. the demo's "random weights" warning
+    pool: list[str] = field(default_factory=list)  # a pool head's workers, host:port each
 
     def header(self) -> Text:
         """The label (the demo's warning) first, so 80 columns never cut it off."""
@@ -649,6 +650,8 @@ class ChatApp(App):
             chat.query_one("#header", Static).update(self.backend.header())
             if self.monitor is not None:
                 self.monitor.set_pid(self.backend.pid)
+                if self.backend.pool:
+                    self.monitor.set_pool(self.backend.pool, self.backend.log_path)
             if screen.typed:  # typed while the start-up screen covered the chat: kept
                 chat.query_one(Prompt).insert(screen.typed)
             if then is not None:

@@ -34,7 +34,7 @@ def test_every_documented_key_exists():
         "backend": {"kind", "host", "port"},
         "engine": {"preset", "trunk_gb", "cache_gb", "threads"},
         "llama_server": {"binary", "ctx_size", "reasoning_budget", "memory_limit_gb",
-                         "n_gpu_layers", "extra_args"},
+                         "n_gpu_layers", "extra_args", "rpc"},
         "remote": {"url", "model", "api_key_env", "verify_tls"},
         "chat": {"thinking", "thinking_effort", "max_tokens", "temperature", "system_prompt"},
     }
@@ -49,6 +49,12 @@ def test_every_documented_key_exists():
     ("[engine]\npreset = \"huge\"\n", 2, "not one of"),
     ("[llama_server]\nextra_args = [1, 2]\n", 2, "a list of strings"),
     ("[engine]\ntrunk_gb = -3\n", 2, "must not be negative"),
+    ("[llama_server]\nrpc = [\"10.0.0.2\"]\n", 2, "'10.0.0.2' is not host:port"),
+    ("[llama_server]\nrpc = [\"[::1]:50052\"]\n", 2, "cannot take an IPv6 address"),
+    ("[llama_server]\nrpc = [\"a:1\", \"b:70000\"]\n", 2, "'b:70000' is not host:port"),
+    ("[llama_server]\nrpc = [\"a:1\", \"a:1\"]\n", 2, "a:1 is listed twice"),
+    ("[llama_server]\nrpc = [" + ", ".join(f'\"h{i}:1\"' for i in range(17)) + "]\n", 2,
+     "at most 16 RPC workers"),
 ])
 def test_bad_input_names_file_and_line(text, line, words):
     path = get_paths().config_file
@@ -155,3 +161,14 @@ def test_config_set_repairs_the_value_that_stops_the_file_loading():
     path.write_text('[engine]\npreset = "turbo"\nnokey = 1\n')
     res = _cli("set", "engine.preset", "laptop")  # a second fault is still reported by line
     assert res.returncode == 2 and "line 3: unknown key `nokey`" in res.stderr, res.stderr
+
+
+def test_rpc_workers_are_a_checked_list_of_host_port():
+    cfg = set_value(Config(), "llama_server.rpc", '["192.168.1.20:50052", "node-2.lan:50053"]')
+    assert cfg.llama_server.rpc == ["192.168.1.20:50052", "node-2.lan:50053"]
+    assert set_value(Config(), "llama_server.rpc", "10.0.0.2:50052").llama_server.rpc == \
+        ["10.0.0.2:50052"]  # one worker, as a plain word
+    res = _cli("set", "llama_server.rpc", "10.0.0.2")
+    assert res.returncode == 2 and "'10.0.0.2' is not host:port" in res.stderr
+    assert "next: e.g. `k3tui config set llama_server.rpc '[\"192.168.1.20:50052\"]'`" \
+        in res.stderr

@@ -35,6 +35,7 @@ class GGUFHeader:
     split_count: int | None
     expected_size: int | None  # None when a tensor type is unknown to us
     n_tensors: int
+    block_count: int | None = None  # the model's layers, as its architecture's metadata says
 
 
 def read_gguf_header(path: Path) -> GGUFHeader:
@@ -90,9 +91,11 @@ def read_gguf_header(path: Path) -> GGUFHeader:
         align = int(kv.get("general.alignment") or 32)
         data_start = -(-fh.tell() // align) * align
     no, count = kv.get("split.no"), kv.get("split.count")
+    blocks = kv.get(f"{kv.get('general.architecture')}.block_count")
     return GGUFHeader(path, None if no is None else int(no),
                       None if count is None else int(count),
-                      data_start + end if known else None, n_tensors)
+                      data_start + end if known else None, n_tensors,
+                      blocks if isinstance(blocks, int) and blocks > 0 else None)
 
 
 def model_shards(model: Path) -> list[Path]:
