@@ -152,18 +152,6 @@ def _pid_alive(pid: int) -> bool:
         return False
 
 
-@pytest.fixture
-def small_fs(tmp_path):
-    """A 12 MiB tmpfs (needs root); skipped where mounting is not allowed."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs",
-                                            str(mnt)], capture_output=True).returncode:
-        pytest.skip("cannot mount a small tmpfs here (ENOSPC is injected in test_dl_transfer)")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
-
-
 def test_dl_real_full_disk_leaves_resumable_partial(hub, repo_dir, small_fs):
     out = small_fs / "model"
     state, release = start_held(hub, out, 2 * CHUNK_BYTES + 300_000)

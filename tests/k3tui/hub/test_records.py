@@ -4,6 +4,7 @@ folder holds is recorded, so another repo is refused there."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -204,6 +205,33 @@ def test_records_a_real_kill9_at_a_random_moment_never_damages_them(tmp_path):
     store.record("after", 1, 1, "d" * 40, "c" * 40)
     store.close()
     assert set(LocalStore(out).journal.verified) == got | {"after"}
+
+
+def test_records_a_full_disk_refuses_the_record_and_leaves_no_half_line(small_fs):
+    """A real full filesystem: the record that does not fit is an ENOSPC (the download stops
+    as disk-full), what was recorded stays, and once there is room the next line fits."""
+    out = small_fs / "out"
+    store = LocalStore(out)
+    store.ensure()
+    filler = small_fs / "filler"
+    with open(filler, "wb", buffering=0) as fh:
+        try:
+            while fh.write(b"\0" * 4096):
+                pass
+        except OSError:
+            pass
+    recorded = 0
+    with pytest.raises(OSError) as full:
+        while True:
+            store.record(f"f{recorded}-" + "x" * 150, 1, 1, "d" * 64, "c" * 40)
+            recorded += 1
+    assert full.value.errno == errno.ENOSPC
+    assert store.journal_file.read_bytes().endswith(b"\n") or recorded == 0
+    assert len(LocalStore(out).journal.verified) == recorded
+    filler.unlink()
+    store.record("after", 1, 1, "d" * 64, "c" * 40)
+    store.close()
+    assert len(LocalStore(out).journal.verified) == recorded + 1
 
 
 @pytest.mark.parametrize("damage", [
