@@ -32,7 +32,7 @@ import numpy as np
 from engine import kernels
 from engine.checkpoint.schema import expected_tensors
 from engine.kernels import reference
-from engine.model.config import ModelConfig
+from engine.core.config import ModelConfig
 from engine.model.kda import KDAState
 from engine.model.mla import MLAState
 from engine.model.moe import run_experts

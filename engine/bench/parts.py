@@ -87,7 +87,7 @@ def measure_disk(folder: Path, scratch_bytes: int, expert_bytes: int, top_k: int
     """The three ways the engine reads, each as the engine issues it: trunk runs at
     read-ahead priority (the ring's), the streamed head's chunks urgent and one at a time,
     and top-k experts at once, urgent, in the engine's expert chunks."""
-    from engine.weights.io import FileTable, ReadPool, aligned_buffer
+    from engine.core.directio import FileTable, ReadPool, aligned_buffer
     from engine.weights.streaming import EXPERT_CHUNK, EXPERT_PRIORITY, TRUNK_PRIORITY
     from engine.weights.tables import HEAD_CHUNK_BYTES
 
@@ -135,14 +135,14 @@ def measure_disk(folder: Path, scratch_bytes: int, expert_bytes: int, top_k: int
 
 
 def _layout(path: Path, start: int, nbytes: int):
-    from engine.weights.io import Layout, TensorSpec
+    from engine.core.directio import Layout, TensorSpec
 
     return Layout([TensorSpec("t", path, start, nbytes, np.dtype(np.uint8), (nbytes,))])
 
 
 def _runs(pool, files, path: Path, size: int, run: int, priority: tuple) -> float:
     """Bytes per second reading the file start to end in runs of `run` bytes, one at a time."""
-    from engine.weights.io import aligned_buffer
+    from engine.core.directio import aligned_buffer
 
     buf = aligned_buffer(run + 8192)
     buf[:] = 0  # the engine's buffers are touched once; page faults are not disk time
@@ -400,7 +400,7 @@ def preset_forecasts(parts_json: dict[str, Any]) -> list[dict[str, Any]]:
 def checkpoint_widths(folder: Path):
     """The config of the checkpoint in `folder`, to measure compute at its widths: its
     layers 0, 1 and 3 must be dense, KDA-MoE and MLA-MoE, as in the release."""
-    from engine.model.config import ModelConfig
+    from engine.core.config import ModelConfig
 
     cfg = ModelConfig.from_dir(folder)
     if cfg.num_hidden_layers < 4 or cfg.is_moe(0) or cfg.is_mla(1) or not cfg.is_mla(3) \
@@ -435,7 +435,7 @@ def measure(folder: Path, scratch_gb: float, tokens: int, quick: bool = False,
     the measurement's expected peak needs."""
     from engine.bench.forward import REAL_WIDTHS
     from engine.checkpoint.synth import flat_config
-    from engine.model.config import ModelConfig
+    from engine.core.config import ModelConfig
     from engine.weights.plan_cli import geometry_from_config, real_config
     from engine.weights.planner import default_threads
     from engine.weights.sysmem import current_rss, peak_rss, read_memory_facts

@@ -127,7 +127,7 @@ def reference_raw(cmap, plan, rng: np.random.Generator) -> dict:
     read-ahead chunk) and queue depths (the plan's readers, twice that), on this
     checkpoint's files, through the engine's pool and buffers."""
     from engine.bench.disk import raw_sweep
-    from engine.weights.io import CHUNK
+    from engine.core.directio import CHUNK
     from engine.weights.streaming import EXPERT_CHUNK
 
     g = plan.geometry

@@ -34,7 +34,7 @@ import numpy as np
 
 from engine.checkpoint.schema import EXPERT_PARTS, TensorNames, expected_tensors
 from engine.errors import EngineError
-from engine.model.config import ModelConfig
+from engine.core.config import ModelConfig
 
 _BASE: dict[str, Any] = dict(
     rms_norm_eps=1e-5,

@@ -101,7 +101,7 @@ def expert_hit_rate(plan: Plan, tokens: int = 16, seed: int = 0) -> float:
     """The hit rate of the engine's ExpertCache (its policy, the plan's slots, tiny slots
     of one page) replayed on uniformly random top-k routing, after it has filled."""
     from engine.weights.experts import ExpertCache
-    from engine.weights.io import ALIGN
+    from engine.core.directio import ALIGN
 
     g = plan.geometry
     if not g.moe_layers or plan.expert_slots >= g.n_experts * g.moe_layers:

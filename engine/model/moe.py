@@ -11,7 +11,7 @@ import numpy as np
 
 from engine.kernels import compute_threads, linear, mxfp4_linear
 from engine.kernels.reference import to_f32
-from engine.model.config import ModelConfig
+from engine.core.config import ModelConfig
 from engine.model.ops import rmsnorm, sigmoid, situ_glu
 from engine.weights.source import ExpertSet, ExpertWeights
 

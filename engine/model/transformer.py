@@ -21,7 +21,7 @@ from engine.errors import EngineError
 from engine.kernels import linear
 from engine.kernels.reference import to_f32
 from engine.model.attnres import attn_res, fold
-from engine.model.config import ModelConfig
+from engine.core.config import ModelConfig
 from engine.model.kda import KDAState, kda_mixer
 from engine.model.mla import MLAState, mla_mixer
 from engine.model.moe import dense_ffn, distinct, latent_moe, route

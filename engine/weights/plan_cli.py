@@ -15,8 +15,8 @@ import math
 import sys
 
 from engine.errors import EngineError
-from engine.model.config import ModelConfig
-from engine.weights.io import ALIGN, align_up
+from engine.core.config import ModelConfig
+from engine.core.directio import ALIGN, align_up
 from engine.weights.planner import DEFAULT_CONTEXT, PRESETS, Geometry, Plan, make_plan
 
 REAL_CHECKPOINT_BYTES = 1_560_936_091_448  # spec 1.2, all 96 shards

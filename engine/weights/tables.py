@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from engine.weights.io import FileTable, Layout, ReadPool, TensorSpec, aligned_buffer
+from engine.core.directio import FileTable, Layout, ReadPool, TensorSpec, aligned_buffer
 
 HEAD_CHUNK_BYTES = 64_000_000  # per buffer; two buffers are resident
 

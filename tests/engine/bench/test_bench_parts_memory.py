@@ -11,7 +11,7 @@ import numpy as np
 from engine.bench import parts
 from engine.checkpoint.schema import expected_tensors
 from engine.checkpoint.synth import flat_config
-from engine.model.config import ModelConfig
+from engine.core.config import ModelConfig
 from engine.weights import sysmem
 
 

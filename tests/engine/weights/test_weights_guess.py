@@ -18,7 +18,7 @@ from engine.errors import PlanError, ReadError
 from engine.model.transformer import load_model
 from engine.weights.planner import GB, add_memory_arguments, make_plan, plan_from_args
 from engine.weights.resident import ResidentSource
-from engine.weights.io import Read, aligned_buffer
+from engine.core.directio import Read, aligned_buffer
 from engine.weights.streaming import CheckpointMap, StreamingSource
 
 PROMPT = [3, 7, 11, 5, 9, 200, 17]

@@ -19,7 +19,7 @@ from engine.checkpoint.trunk import pack
 from engine.decode.generate import GenParams, generate
 from engine.errors import ReadError
 from engine.model.transformer import load_model
-from engine.weights.io import Layout
+from engine.core.directio import Layout
 from engine.weights.planner import GB, add_memory_arguments, make_plan
 from engine.weights.resident import ResidentSource
 from engine.weights import streaming
