@@ -22,7 +22,7 @@ import numpy as np
 
 from engine.errors import EngineError
 from engine.jsonfile import load_json
-from engine.weights.planner import GB, add_memory_arguments
+from engine.weights.planner import GB, MemorySettings, add_memory_arguments
 from engine.weights.streaming import open_source
 from engine.weights.sysmem import peak_rss
 
@@ -99,7 +99,8 @@ def main(args: argparse.Namespace) -> int:
         if not Path(args.checkpoint).exists():
             raise EngineError(f"{args.checkpoint} does not exist; pass a checkpoint folder.")
         t0 = time.perf_counter()
-        model = load_model(args.checkpoint, open_source(args.checkpoint, args))
+        source = open_source(args.checkpoint, MemorySettings.from_args(args))
+        model = load_model(args.checkpoint, source)
         load_s = time.perf_counter() - t0
         stops = (
             _parse_ids(args.stop, "--stop")

@@ -20,13 +20,12 @@
   (pinned layers once, streamed layers each pass, experts on a miss), waits as wall time
   the model spent blocked on reads.
 
-`open_source(checkpoint_dir, args)` is what run/serve/bench call: the resident source when
+`open_source(checkpoint_dir, memory)` is what run/serve/bench call: the resident source when
 no memory flag was given, else a plan (printed to stderr as a forecast) and this source.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 import threading
 import time
@@ -63,8 +62,7 @@ from engine.weights.planner import (
     GB,
     Geometry,
     Plan,
-    plan_from_args,
-    wants_streaming,
+    MemorySettings,
 )
 from engine.weights.resident import ResidentSource
 from engine.weights.source import ExpertSet, ExpertWeights, expert_from_arrays
@@ -812,15 +810,14 @@ class _ExpertGroups(Mapping[int, ExpertWeights]):
             self.group = None
 
 
-def open_source(checkpoint_dir: str | Path, args: argparse.Namespace | None = None,
-                *, context: int | None = None, quiet: bool = False):
-    """The resident source when no memory flag was given, else a planned StreamingSource."""
-    if args is None or not wants_streaming(args):
+def open_source(checkpoint_dir: str | Path, memory: MemorySettings | None = None,
+                *, context: int = DEFAULT_CONTEXT, quiet: bool = False):
+    """The resident source when no memory flag was given, else a planned StreamingSource
+    (its plan printed to stderr as a forecast unless `quiet`)."""
+    if memory is None or not memory.streams:
         return ResidentSource(checkpoint_dir, index=open_checked(checkpoint_dir)[1])
-    cmap = CheckpointMap(checkpoint_dir, getattr(args, "trunk", None))
-    ctx = context or getattr(args, "context_tokens", None) or DEFAULT_CONTEXT
-    plan = plan_from_args(cmap.geometry(), args, context=ctx)
+    cmap = CheckpointMap(checkpoint_dir, memory.trunk)
+    plan = memory.plan(cmap.geometry(), context=context)
     if not quiet:
         print(f"trunk: {cmap.trunk_kind}\n{plan.describe()}", file=sys.stderr, flush=True)
     return StreamingSource(cmap, plan)
-
