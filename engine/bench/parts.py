@@ -89,7 +89,7 @@ def measure_disk(folder: Path, scratch_bytes: int, expert_bytes: int, top_k: int
     and top-k experts at once, urgent, in the engine's expert chunks."""
     from engine.core.directio import FileTable, ReadPool, aligned_buffer
     from engine.weights.streaming import EXPERT_CHUNK, EXPERT_PRIORITY, TRUNK_PRIORITY
-    from engine.weights.tables import HEAD_CHUNK_BYTES
+    from engine.weights.planner import HEAD_CHUNK_BYTES
 
     fd, name = tempfile.mkstemp(prefix=".k3-bench-parts-", dir=folder)
     path = Path(name)
@@ -198,7 +198,7 @@ def compute_weight_bytes(cfg) -> int:
     the largest layer kind or the head), each kind's vectors (F32 at most) and the routed
     experts' pool."""
     from engine.checkpoint.schema import expected_tensors
-    from engine.weights.plan_cli import geometry_from_config
+    from engine.weights.geometry import geometry_from_config
 
     layout, union = _shared_layout(cfg)
     shapes = expected_tensors(cfg)
@@ -382,7 +382,7 @@ def preset_forecasts(parts_json: dict[str, Any]) -> list[dict[str, Any]]:
     """The real 93-layer model's forecast for each preset, from a parts measurement."""
     from engine.decode.forecast import LayerKinds, Parts, forecast
     from engine.weights.planner import PRESETS
-    from engine.weights.plan_cli import plan_for, real_config
+    from engine.weights.geometry import plan_for, real_config
     from engine.weights.sysmem import read_memory_facts
 
     parts = Parts.from_dict(parts_json)
@@ -436,7 +436,7 @@ def measure(folder: Path, scratch_gb: float, tokens: int, quick: bool = False,
     from engine.bench.forward import REAL_WIDTHS
     from engine.checkpoint.synth import flat_config
     from engine.core.config import ModelConfig
-    from engine.weights.plan_cli import geometry_from_config, real_config
+    from engine.weights.geometry import geometry_from_config, real_config
     from engine.weights.planner import default_threads
     from engine.weights.sysmem import current_rss, peak_rss, read_memory_facts
 

@@ -177,7 +177,7 @@ def load_model(checkpoint_dir: str | Path, source: WeightSource | None = None) -
         checkpoint_dir, index if isinstance(index, SafetensorsIndex) else None
     )
     if kernels.FUSED:
-        from engine.kernels import fused
+        from engine.kernels import fused  # numba is optional: only there when FUSED
 
         fused.warm_up()
     return Model(cfg, source or ResidentSource(checkpoint_dir, index=index))

@@ -23,6 +23,7 @@ from typing import Any
 from engine.errors import PlanError
 from engine.weights.sysmem import MemoryFacts, read_memory_facts
 
+HEAD_CHUNK_BYTES = 64_000_000  # a streamed head's read buffer (tables.py); two are resident
 GB = 1e9
 # Per-preset (trunk GB, expert cache GB), as the peer's `--list-presets` for the real model.
 PRESETS: dict[str, tuple[float, float]] = {
@@ -114,8 +115,6 @@ class Plan:
         g = self.geometry
         if not self.stream_tables:
             return g.model_bytes
-        from engine.weights.tables import HEAD_CHUNK_BYTES
-
         return g.model_bytes - g.table_bytes + 2 * HEAD_CHUNK_BYTES
 
     def terms(self) -> dict[str, int]:

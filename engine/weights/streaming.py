@@ -171,7 +171,7 @@ class CheckpointMap:
             checkpoint_bytes=sum(Path(f).stat().st_size for f in files),
             kv_bytes_per_token=n_mla * (c.kv_lora_rank + c.qk_rope_head_dim) * 4,
             state_bytes=kda_state + conv,
-            scratch_bytes=_scratch_bytes(biggest, c),
+            scratch_bytes=scratch_bytes(biggest, c),
         )
 
 
@@ -191,7 +191,7 @@ def _trunk_kind(per_layer: dict[int, list[TensorSpec]], trunk_dir: str | Path | 
             f"{checked})")
 
 
-def _scratch_bytes(biggest: int, c: ModelConfig) -> int:
+def scratch_bytes(biggest: int, c: ModelConfig) -> int:
     """Compute temporaries: activations, plus a widened copy (u32 + f32) of the largest
     matrix when the numpy reference kernels run instead of the fused ones."""
     acts = 16 * 4 * max(c.vocab_size, c.intermediate_size, c.hidden_size * 4) + (32 << 20)

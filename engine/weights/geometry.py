@@ -1,31 +1,27 @@
-"""`python -m engine plan --model real|DIR --preset NAME`: the memory plan, without weights.
+"""The memory plan without weights (`python -m engine plan`, engine/commands/plan.py, and
+the forecast of `bench parts`).
 
-`--model real` builds the geometry of the released 93-layer Kimi-K3 from its config
-(spec 1.1-1.3: the slice synthesiser's widths with 93 layers and 896 experts), so a user
-can see what a preset will hold, read and cost before a 1.56 TB download. `--model DIR`
-plans a checkpoint on disk from its headers. The plan is printed as a forecast for any
-machine: it is not refused for lack of memory here (`fits_here` says whether it would be).
+`real_config` is the released 93-layer Kimi-K3's config (spec 1.1-1.3: the slice
+synthesiser's widths with 93 layers and 896 experts) and `geometry_from_config` the
+planner's geometry from a config alone, so a user can see what a preset will hold, read
+and cost before a 1.56 TB download; `plan_for` plans that or a checkpoint on disk (from
+its headers), as a forecast for any machine: never refused for lack of memory here.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import sys
 
-from engine.errors import EngineError
+from engine.checkpoint.synth import flat_config, nested_config, slice_overrides, synth_shapes
 from engine.core.config import ModelConfig
 from engine.core.directio import ALIGN, align_up
-from engine.weights.planner import DEFAULT_CONTEXT, PRESETS, Geometry, Plan, make_plan
+from engine.weights.planner import DEFAULT_CONTEXT, Geometry, Plan, make_plan
 
 REAL_CHECKPOINT_BYTES = 1_560_936_091_448  # spec 1.2, all 96 shards
 _F32 = ("A_log", "dt_bias", "conv1d.weight", "e_score_correction_bias")
 
 
 def real_config() -> ModelConfig:
-    from engine.checkpoint.synth import flat_config, nested_config, slice_overrides
-
     return ModelConfig.from_dict(nested_config(flat_config("slice", slice_overrides(93, 896))))
 
 
@@ -37,8 +33,8 @@ def _nbytes(short: str, shape: tuple[int, ...]) -> int:
 def geometry_from_config(cfg: ModelConfig, checkpoint_bytes: int = 0) -> Geometry:
     """The planner's geometry from a config alone, laid out as the release (and synth) do:
     each layer's trunk one run (aligned window), each expert one run, A_log 128 values."""
-    from engine.checkpoint.synth import synth_shapes
-    from engine.weights.streaming import MODEL_TENSORS, _scratch_bytes
+    # deferred: streaming imports the kernels and numba, ~0.3 s of `plan --help` (measured)
+    from engine.weights.streaming import MODEL_TENSORS, scratch_bytes
 
     shapes = synth_shapes(cfg)
     n = cfg.num_hidden_layers
@@ -67,7 +63,7 @@ def geometry_from_config(cfg: ModelConfig, checkpoint_bytes: int = 0) -> Geometr
         checkpoint_bytes=checkpoint_bytes or sum(_nbytes(s, v) for s, v in shapes.items()),
         kv_bytes_per_token=n_mla * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4,
         state_bytes=state,
-        scratch_bytes=_scratch_bytes(biggest, cfg),
+        scratch_bytes=scratch_bytes(biggest, cfg),
         table_bytes=model[0] + model[1],
     )
 
@@ -77,41 +73,8 @@ def plan_for(model: str, preset: str | None = None, budget_gb: float | None = No
     if model == "real":
         g = geometry_from_config(real_config(), REAL_CHECKPOINT_BYTES)
     else:
-        from engine.weights.streaming import CheckpointMap
+        from engine.weights.streaming import CheckpointMap  # deferred: as above
 
         g = CheckpointMap(model).geometry()
     return make_plan(g, preset=preset, budget_gb=budget_gb, context=context,
                      check_memory=False)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="real", metavar="real|DIR",
-                        help="'real' (the released 93-layer model, from its geometry) or a "
-                        "checkpoint folder")
-    parser.add_argument("--preset", choices=[*PRESETS, "auto"], default=None)
-    parser.add_argument("--budget-gb", type=float, default=None, metavar="X")
-    parser.add_argument("--context", type=int, default=DEFAULT_CONTEXT, metavar="N")
-    parser.add_argument("--json", action="store_true", help="one JSON object")
-
-
-def main(args: argparse.Namespace) -> int:
-    if args.preset is None and args.budget_gb is None:
-        args.preset = "laptop"
-    if args.context < 1:
-        print("error: --context must be at least 1 token.", file=sys.stderr)
-        return 2
-    try:
-        plan = plan_for(args.model, args.preset, args.budget_gb, args.context)
-    except (EngineError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    avail = plan.facts.available if plan.facts else 0
-    fits = bool(avail) and plan.forecast_rss_bytes <= 0.95 * avail
-    if args.json:
-        print(json.dumps({"model": args.model, "source": plan.source, **plan.as_dict(),
-                          "context": plan.context, "fits_here": fits}))
-        return 0
-    print(plan.describe())
-    print(f"  reads per token: {plan.read_bytes_per_token / 1e9:.2f} GB of trunk/head + "
-          f"expert misses; fits in this machine's memory: {'yes' if fits else 'no'}")
-    return 0
