@@ -66,7 +66,16 @@ from engine.serve.protocol import (
     parse_json,
 )
 from engine.serve.snapshots import owner_of
-from engine.serve.worker import Job, Loaded, LoadProgress, Metrics, k3_record, load_engine, run_job
+from engine.serve.worker import (
+    Job,
+    Loaded,
+    LoadProgress,
+    LoadSettings,
+    Metrics,
+    k3_record,
+    load_engine,
+    run_job,
+)
 from engine.text.chat_template import EFFORTS, ChatTemplate, Rendered, TemplateError
 
 MAX_WAITING = 8
@@ -762,7 +771,8 @@ def main(args: argparse.Namespace) -> int:
             if args.debug_load_delay:
                 service.progress.phase = "debug-delay"
                 time.sleep(args.debug_load_delay)
-            loaded = load_engine(checkpoint, tok_dir, args, service.progress, args.ctx_size)
+            settings = LoadSettings.from_args(args)
+            loaded = load_engine(checkpoint, tok_dir, settings, service.progress, args.ctx_size)
             service.set_loaded(loaded)
             print(
                 f"model ready in {service.metrics.values['load_seconds']:.1f} s",

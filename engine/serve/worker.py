@@ -31,6 +31,7 @@ from engine.serve.protocol import ChatRequest, End, Event, Failed, Stopped, Toke
 from engine.serve.snapshots import SnapshotStore
 from engine.text.chat_template import ChatTemplate, OutputParser
 from engine.text.tokenizer import Tokenizer
+from engine.weights.planner import MemorySettings
 
 
 @dataclass
@@ -428,10 +429,23 @@ def _close(gen: Any) -> None:
             pass
 
 
+@dataclass(frozen=True)
+class LoadSettings:
+    """What loading the engine takes from serve's command line, read once (`from_args`)."""
+
+    memory: MemorySettings  # the memory flags, and --snapshot-gb which the plan counts
+    debug_token_delay: float = 0.0  # tests: seconds slept after each token
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> LoadSettings:
+        return cls(MemorySettings.from_args(args, snapshot_gb=args.snapshot_gb),
+                   args.debug_token_delay)
+
+
 def load_engine(
     checkpoint: Path,
     tokenizer_dir: Path,
-    args: argparse.Namespace,
+    settings: LoadSettings,
     progress: LoadProgress,
     n_ctx: int,
 ) -> Loaded:
@@ -444,8 +458,7 @@ def load_engine(
     progress.checkpoint_bytes = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
     tok = Tokenizer.from_dir(tokenizer_dir)
     progress.phase = "weights"
-    args.context_tokens = n_ctx
-    source = open_source(checkpoint, args)
+    source = open_source(checkpoint, settings.memory, context=n_ctx)
     progress.phase = "model"
     model = load_model(checkpoint, source)
     source.warm()  # the pinned layers and tables now, not in the first request's time
@@ -467,8 +480,8 @@ def load_engine(
     )
     max_pos = getattr(cfg, "max_position_embeddings", None) or n_ctx
 
-    delay = getattr(args, "debug_token_delay", 0.0)
-    snapshots, note = _snapshot_store(model, getattr(args, "snapshot_gb", 0.0) or 0.0, n_ctx)
+    delay = settings.debug_token_delay
+    snapshots, note = _snapshot_store(model, settings.memory.snapshot_gb, n_ctx)
 
     def gen(prompt_ids, params, cancel=None, logits_hook=None, owner="", keep_at=()):
         resume = snapshots.take(prompt_ids, owner=owner) if snapshots is not None else None

@@ -13,7 +13,7 @@ import pytest
 
 from engine.decode.steer import end_of_answer, only, think_to_response
 from engine.serve.app import Service, add_arguments
-from engine.serve.worker import LoadProgress, load_engine
+from engine.serve.worker import LoadProgress, LoadSettings, load_engine
 from engine.text.chat_template import ChatTemplate
 from engine.text.tokenizer import Tokenizer
 from tests.engine.serve.conftest import InProcServer
@@ -26,7 +26,7 @@ def loaded_engine(ckpt, *flags):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args([str(ckpt), *flags])
-    return load_engine(ckpt, ckpt, args, LoadProgress(), args.ctx_size)
+    return load_engine(ckpt, ckpt, LoadSettings.from_args(args), LoadProgress(), args.ctx_size)
 
 
 def scripted(loaded, script: list[int]):
