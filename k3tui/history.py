@@ -167,20 +167,30 @@ class History:
         return int(self._db.execute("PRAGMA user_version").fetchone()[0])
 
     def _migrate(self) -> None:
-        version = self.schema_version
+        """Read the version and raise it in one write transaction: another process opening
+        a fresh file at the same moment waits here, then finds the schema already made."""
+        if self.schema_version == len(MIGRATIONS):
+            return  # the usual open takes no write lock
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            version = self.schema_version
+            for number in range(version, len(MIGRATIONS)):
+                for statement in MIGRATIONS[number].split(";"):
+                    if statement.strip():
+                        self._db.execute(statement)
+            if version < len(MIGRATIONS):
+                self._db.execute(f"PRAGMA user_version={len(MIGRATIONS)}")
+            self._db.execute("COMMIT")
+        except BaseException:
+            if self._db.in_transaction:  # SQLite rolls some failures back itself
+                self._db.execute("ROLLBACK")
+            raise
         if version > len(MIGRATIONS):
             from k3tui.errors import K3Error
 
             self.close()
             raise K3Error(f"The chat history {self.path} was written by a newer k3tui "
                           f"(schema {version}).", "upgrade k3tui, or move that file away")
-        for number in range(version, len(MIGRATIONS)):
-            self._db.execute("BEGIN")
-            for statement in MIGRATIONS[number].split(";"):
-                if statement.strip():
-                    self._db.execute(statement)
-            self._db.execute(f"PRAGMA user_version={number + 1}")
-            self._db.execute("COMMIT")
 
     def close(self) -> None:
         if self._db is not None:
