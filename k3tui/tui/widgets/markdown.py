@@ -165,9 +165,9 @@ class StreamedMarkdown(Vertical):
 
     def __init__(self, source: str = "", **kwargs) -> None:
         super().__init__(**kwargs)
-        self._texts: list[str] = []  # each segment's text (joined only when asked)
-        self._live = Part("")
         self._initial = split_segments(source)
+        self._texts = [p.text for p in self._initial]  # each segment's (joined when asked)
+        self._live = self._initial[-1]
 
     @property
     def source(self) -> str:
@@ -175,8 +175,6 @@ class StreamedMarkdown(Vertical):
 
     def compose(self) -> ComposeResult:
         parts, self._initial = self._initial, []
-        self._texts = [p.text for p in parts]
-        self._live = parts[-1]
         yield from _segments(parts)
 
     async def append(self, text: str) -> None:
