@@ -84,3 +84,19 @@ def test_tui_history_a_fresh_file_opened_by_another_process_between_version_and_
     assert read(h) == len(MIGRATIONS)
     h.new_conversation("works")
     assert [c.title for c in h.list_conversations()] == ["works"]
+
+
+def test_tui_history_window_marks_are_seen_across_connections_and_go_with_the_conversation(
+        tmp_path):
+    a, b = History(tmp_path / "h.db"), History(tmp_path / "h.db")
+    cid = a.new_conversation("shown")
+    assert not b.shown_elsewhere(cid)
+    mark = a.show(cid)
+    assert b.shown_elsewhere(cid) and a.shown_elsewhere(cid)  # any other look: shown
+    second = b.show(cid)  # two windows may show one conversation (asked for by name)
+    a.hide(mark)
+    assert a.shown_elsewhere(cid)
+    b.hide(second)
+    assert not a.shown_elsewhere(cid)
+    a.delete(cid)
+    assert not (tmp_path / "h.db.windows" / str(cid)).exists()
