@@ -27,6 +27,7 @@ import psutil
 from engine.decode.stats import TokenStats
 from engine.decode.steer import NEG, DemoSteer, Forced, think_to_response
 from engine.errors import EngineError
+from engine.serve.durable import StateDir, checkpoint_fingerprint
 from engine.serve.protocol import ChatRequest, End, Event, Failed, Stopped, Token
 from engine.serve.snapshots import SnapshotStore
 from engine.text.chat_template import ChatTemplate, OutputParser
@@ -468,7 +469,9 @@ def load_engine(
     max_pos = getattr(cfg, "max_position_embeddings", None) or n_ctx
 
     delay = getattr(args, "debug_token_delay", 0.0)
-    snapshots, note = _snapshot_store(model, getattr(args, "snapshot_gb", 0.0) or 0.0, n_ctx)
+    disk, disk_note = _state_dir(model, checkpoint, args, n_ctx)
+    snapshots, note = _snapshot_store(model, getattr(args, "snapshot_gb", 0.0) or 0.0, n_ctx,
+                                      disk)
 
     def gen(prompt_ids, params, cancel=None, logits_hook=None, owner="", keep_at=()):
         resume = snapshots.take(prompt_ids, owner=owner) if snapshots is not None else None
@@ -494,6 +497,9 @@ def load_engine(
                 "on": snapshots is not None,
                 "snapshot_gb": snapshots.budget / 1e9 if snapshots is not None else 0.0,
                 "note": note,
+                "state_dir": str(disk.root) if disk is not None else None,
+                "state_gb": disk.budget / 1e9 if disk is not None else 0.0,
+                "state_note": disk_note,
             },
         },
         budget_gb=budget,
@@ -502,14 +508,18 @@ def load_engine(
     )
 
 
-def _snapshot_store(model: Any, snapshot_gb: float, n_ctx: int) -> tuple[SnapshotStore | None, str]:
-    """The kept conversation states under `--snapshot-gb`, or None (reuse off) when the
-    budget cannot hold the state of even an empty conversation; and a sentence saying so."""
+def _snapshot_store(model: Any, snapshot_gb: float, n_ctx: int, disk: StateDir | None = None
+                    ) -> tuple[SnapshotStore | None, str]:
+    """The kept conversation states under `--snapshot-gb` (and in the state folder), or None
+    (reuse off) when neither can hold the state of even an empty conversation; and a
+    sentence saying so."""
     empty = model.new_state()
     empty.logits = np.zeros(model.config.vocab_size, np.float32)
     smallest = empty.nbytes()
     budget = int(max(snapshot_gb, 0.0) * 1e9)
     if budget < smallest:
+        if disk is not None:
+            return SnapshotStore(0, disk), "keeps conversation states in the state folder only"
         return None, (
             f"prompt reuse is off: --snapshot-gb {snapshot_gb:g} cannot hold one conversation "
             f"state ({smallest / 1e9:.3g} GB before its latent cache), so every turn is "
@@ -518,11 +528,34 @@ def _snapshot_store(model: Any, snapshot_gb: float, n_ctx: int) -> tuple[Snapsho
     cfg = model.config
     per_token = sum(cfg.mla_latent_width * 4 for i in range(cfg.num_hidden_layers) if cfg.is_mla(i))
     full = smallest + per_token * n_ctx
-    return SnapshotStore(budget), (
+    return SnapshotStore(budget, disk), (
         f"keeps up to {budget // smallest} conversation states "
         f"({budget // full} at the full {n_ctx}-token context) in {budget / 1e9:.3g} GB, "
         "least recently used dropped first"
     )
+
+
+def _state_dir(model: Any, checkpoint: Path, args: argparse.Namespace, n_ctx: int
+               ) -> tuple[StateDir | None, str]:
+    """The state folder of `--state-dir` under `--state-gb`, or None and why not."""
+    where = getattr(args, "state_dir", None)
+    if not where:
+        return None, "no state folder (--state-dir): kept states end with the process"
+    gb = float(getattr(args, "state_gb", 0.0) or 0.0)
+    if gb <= 0:
+        return None, "--state-gb 0: kept states end with the process"
+    fingerprint = checkpoint_fingerprint(checkpoint)
+    if fingerprint is None:
+        return None, ("the checkpoint has no fingerprint (its trunk layout cannot be "
+                      "packed), so states are not kept on disk")
+    try:
+        disk = StateDir(Path(where).expanduser().absolute(), int(gb * 1e9), fingerprint,
+                        model.new_state(), model.config.vocab_size, n_ctx)
+    except OSError as exc:
+        return None, (f"the state folder {where} cannot be used ({exc.strerror or exc}); "
+                      "states are not kept on disk: pass another --state-dir")
+    print(f"state folder: {disk.root}, up to {gb:g} GB", file=sys.stderr, flush=True)
+    return disk, f"states also kept in {disk.root} (up to {gb:g} GB, least recently used out)"
 
 
 def _jsonable(value: Any) -> Any:
