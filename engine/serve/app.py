@@ -639,6 +639,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--debug-load-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--debug-token-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    # tests: mid-answer checkpoints every N tokens, and a generation that stops after N tokens
+    # (as if the server were killed there)
+    parser.add_argument("--debug-checkpoint-every", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--debug-hang-after", type=int, default=0, help=argparse.SUPPRESS)
     # tests: pings often enough that a client's stall window is short
     parser.add_argument("--debug-ping-seconds", type=float, default=PING_SECONDS,
                         help=argparse.SUPPRESS)

@@ -473,16 +473,36 @@ def load_engine(
     snapshots, note = _snapshot_store(model, getattr(args, "snapshot_gb", 0.0) or 0.0, n_ctx,
                                       disk)
 
+    every = getattr(args, "debug_checkpoint_every", 0)
+    hang = getattr(args, "debug_hang_after", 0)
+
     def gen(prompt_ids, params, cancel=None, logits_hook=None, owner="", keep_at=()):
         resume = snapshots.take(prompt_ids, owner=owner) if snapshots is not None else None
         keep = functools.partial(snapshots.put, owner=owner) if snapshots is not None else None
+        mids: list[list[int]] = []  # this answer's mid-answer checkpoints, the last two kept
+
+        def checkpoint(state):
+            if snapshots.put(state, owner=owner):
+                mids.append(list(state.ids))
+                while len(mids) > 2:  # two: the client may be a token behind the newest
+                    snapshots.drop(mids.pop(0), owner=owner)
+
         run = generate(model, prompt_ids, params, cancel=cancel, logits_hook=logits_hook,
-                       resume=resume, keep=keep, keep_at=keep_at)
-        with contextlib.closing(run):  # closed now, not when collected: it keeps the state
-            for token in run:
-                if delay:  # tests: a reply slow enough to stop or kill half-way on any machine
-                    time.sleep(delay)
-                yield token
+                       resume=resume, keep=keep, keep_at=keep_at,
+                       checkpoint=checkpoint if snapshots is not None else None,
+                       checkpoint_every=every)
+        try:
+            with contextlib.closing(run):  # closed now, not when collected: it keeps the state
+                for token in run:
+                    if delay:  # tests: a reply slow enough to stop or kill half-way
+                        time.sleep(delay)
+                    yield token
+                    if hang and token.index + 1 >= hang and cancel is not None:
+                        cancel.wait()  # tests: a server killed at a known token
+        finally:
+            if not (cancel is not None and cancel.is_set()):
+                for ids in mids:  # the answer ended and its end state is kept
+                    snapshots.drop(ids, owner=owner)
 
     return Loaded(
         tok=tok,

@@ -17,7 +17,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from engine.decode.generate import checkpoint_interval
 from engine.serve.durable import MAGIC, PREFIX
+from engine.text.chat_template import ChatTemplate
+from engine.text.tokenizer import Tokenizer
+from tests.engine.serve.test_serve_determinism import parsed
 from tests.engine.serve.test_serve_process import CHAT, ServeProcess, small_ckpt  # noqa: F401
 
 FIRST = [{"role": "user", "content": "Hello there"}]
@@ -186,3 +190,82 @@ def test_srv_hostile_state_files_are_refused(small_ckpt, cold, tmp_path):  # noq
     assert "Traceback" not in log
     # nothing outside the folder was written (or replaced)
     assert {p: p.stat().st_mtime_ns for p in outside.iterdir()} == before
+
+
+# --- mid-answer checkpoints ------------------------------------------------------------------
+
+def stream_until(srv, body, n: int, then=lambda: None) -> list[int]:
+    """The ids of a streamed answer until `n` have come; `then()` runs before the stream
+    is closed."""
+    got: list[int] = []
+    with httpx.stream("POST", srv.url + CHAT, json={**body, "stream": True},
+                      timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                got += json.loads(line[6:])["k3"]["token_ids"]
+                if len(got) >= n:
+                    break
+        then()
+    return got
+
+
+def cut_after_text(tok, ids: list[int], at_least: int) -> int:
+    """The first k >= at_least whose k-th id brings text: a stream has sent all k ids by
+    then (an id that brings none waits for the next chunk)."""
+    parser = ChatTemplate(tok).parser(thinking=True)
+    for k, i in enumerate(ids, 1):
+        delta = parser.feed(i)
+        if k >= at_least and (delta.reasoning or delta.content):
+            return k
+    raise AssertionError("no text after the cut")
+
+
+@pytest.mark.parametrize("demo", [()], ids=["model"])
+def test_srv_killed_mid_answer_continues_from_its_checkpoint(small_ckpt, tmp_path, demo):  # noqa: F811
+    """SIGKILL after k >= 10 tokens, checkpoints every 4: the restarted server continues
+    the partial answer from the last checkpoint (only the ids after it prefilled), and the
+    answer is the uninterrupted run's."""
+    n, every = 24, 4
+    body = {"messages": FIRST, "max_tokens": n, "ignore_eos": True, "reasoning_budget_tokens": 12,
+            **SAMPLING}
+    states = tmp_path / "states"
+    flags = ["--port", "0", "--state-dir", str(states), *demo]
+    ref = ServeProcess(str(small_ckpt), "--port", "0", "--snapshot-gb", "0", *demo)
+    try:
+        whole = stream_until(ref, body, n + 1)
+    finally:
+        stop(ref, "stop")
+    assert len(whole) == n
+    tok = Tokenizer.from_dir(small_ckpt)
+    k = cut_after_text(tok, whole, 10)
+    srv = ServeProcess(str(small_ckpt), *flags, "--debug-checkpoint-every", str(every),
+                       "--debug-hang-after", str(k))
+    got = stream_until(srv, body, k, then=lambda: stop(srv, "kill"))
+    assert got == whole[:k]
+
+    again = ServeProcess(str(small_ckpt), *flags)
+    try:
+        reasoning, content = parsed(tok, got)
+        turn = {"role": "assistant", "reasoning_content": reasoning, "content": content,
+                "partial": True, "k3_token_ids": got}
+        resp = httpx.post(again.url + CHAT, json={**body, "messages": FIRST + [turn],
+                                                   "max_tokens": n - k}, timeout=120)
+        assert resp.status_code == 200, resp.text
+        rest = resp.json()
+    finally:
+        stop(again, "stop")
+    assert got + rest["k3"]["token_ids"] == whole
+    t = rest["timings"]
+    covered = (k - 1) // every * every  # the last checkpoint: after that many ids
+    assert t["prompt_n"] == k - covered < k
+    assert t["cache_n"] == rest["usage"]["prompt_tokens"] - t["prompt_n"]
+
+
+def test_checkpoint_interval_keeps_saves_under_two_percent():
+    assert checkpoint_interval(0.5, 60.0) == 1          # the real model: every token
+    assert checkpoint_interval(0.004, 0.005) == 40      # a tiny model: 4 ms save, 5 ms token
+    assert checkpoint_interval(0.001, 0.0) > 10**6      # no measured token: never
+    for save, token in ((0.3, 2.0), (0.02, 0.01), (1e-5, 1.0)):
+        n = checkpoint_interval(save, token)
+        assert save / n <= 0.02 * token < save / max(1, n - 1) or n == 1
