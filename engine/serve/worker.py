@@ -262,34 +262,47 @@ class _Text:
         )
 
 
-def _logits_hook(
-    job: Job, tok: Tokenizer, parser: OutputParser, end_ids: list[int], steer_demo: bool
-) -> Callable:
+class _Hook:
     """What the worker does to each step's logits: forced tokens first (the reasoning
-    budget's close-think), `ignore_eos`, then the demo steering."""
-    req = job.req
-    forced = Forced()
-    steer = DemoSteer(tok, parser, forced, seed=req.seed) if steer_demo else None
-    budget = req.reasoning_budget
+    budget's close-think), `ignore_eos`, then the demo steering. Its choices depend only on
+    the request, the position in the answer and the ids before it, so a continued answer
+    (`job.partial`) primes it with the ids so far (`prime`) and goes on as the
+    uninterrupted run did, also when the cut fell inside a forced tag."""
 
-    def hook(generated, logits):
-        f = forced.take(logits)
+    def __init__(self, job: Job, tok: Tokenizer, parser: OutputParser, end_ids: list[int],
+                 steer_demo: bool):
+        self.req, self.tok, self.parser, self.end_ids = job.req, tok, parser, end_ids
+        self.forced = Forced()
+        self.steer = DemoSteer(tok, parser, self.forced, seed=job.req.seed) if steer_demo else None
+        self.offset = len(job.partial or ())
+
+    def __call__(self, generated, logits):
+        return self._decide(self.offset + len(generated), logits)
+
+    def prime(self, ids: list[int]) -> None:
+        """Walk the answer so far as the uninterrupted run did (`parser` fed alongside)."""
+        dummy = np.zeros(self.tok.vocab_size, np.float32)
+        for position, i in enumerate(ids):
+            self._decide(position, dummy, given=int(i))
+            self.parser.feed(int(i))
+
+    def _decide(self, position: int, logits: np.ndarray, given: int | None = None):
+        f = self.forced.take(logits)
         if f is not None:
             return f
-        if req.ignore_eos:  # llama-server's knob: keep generating to max_tokens
+        if self.req.ignore_eos:  # llama-server's knob: keep generating to max_tokens
             logits = logits.copy()
-            logits[end_ids] = NEG
+            logits[self.end_ids] = NEG
+        budget, parser = self.req.reasoning_budget, self.parser
         if (
             budget >= 0
             and parser.in_reasoning
             and not parser.in_tag
             and parser.reasoning_tokens >= budget
         ):
-            forced.push(think_to_response(tok))
-            return forced.take(logits)
-        return steer(generated, logits) if steer else logits
-
-    return hook
+            self.forced.push(think_to_response(self.tok))
+            return self.forced.take(logits)
+        return self.steer(position, logits, given) if self.steer else logits
 
 
 def _count(job: Job, t: Any, loaded: Loaded, metrics: Metrics) -> TokenStats:
@@ -371,10 +384,9 @@ def run_job(
     """Generate for `job`, emitting `Token` events, then `End`, `Failed` or `Stopped`.
     Runs in a worker thread."""
     text = _Text(template, job.req)
-    for i in job.partial or ():  # the parser where the answer so far left it; no text again
-        text.parser.feed(i)
     end_ids = list(template.end_ids())
-    hook = _logits_hook(job, loaded.tok, text.parser, end_ids, steer_demo)
+    hook = _Hook(job, loaded.tok, text.parser, end_ids, steer_demo)
+    hook.prime(job.partial or [])  # where the answer so far left parser and hook; no text again
     metrics.set("requests_processing", 1)
     gen = None
     try:

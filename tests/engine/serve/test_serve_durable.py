@@ -224,7 +224,7 @@ def cut_after_text(tok, ids: list[int], at_least: int) -> int:
     raise AssertionError("no text after the cut")
 
 
-@pytest.mark.parametrize("demo", [()], ids=["model"])
+@pytest.mark.parametrize("demo", [(), ("--steer-demo",)], ids=["model", "steer-demo"])
 def test_srv_killed_mid_answer_continues_from_its_checkpoint(small_ckpt, tmp_path, demo):  # noqa: F811
     """SIGKILL after k >= 10 tokens, checkpoints every 4: the restarted server continues
     the partial answer from the last checkpoint (only the ids after it prefilled), and the
