@@ -132,14 +132,16 @@ class StateDir:
         h = hashlib.sha256(owner.encode() + b"\0" + np.asarray(ids, "<i8").tobytes())
         return self._folder(owner) / (h.hexdigest()[:32] + SUFFIX)
 
-    def _files(self):
-        """(path, lstat) of every regular state-named file, and sentences for the rest."""
+    def _files(self, say: bool = False):
+        """(path, lstat) of every regular state-named file; with `say`, a sentence for
+        each state-named thing that is not one (a symlink)."""
         for folder in sorted(self.root.iterdir()):
             if not _OWNER.match(folder.name):
                 continue
             info = os.lstat(folder)
             if not stat.S_ISDIR(info.st_mode):
-                _say(f"{folder} is not a folder (a symlink?); ignored")
+                if say:
+                    _say(f"{folder} is not a folder (a symlink?); ignored")
                 continue
             for path in sorted(folder.iterdir()):
                 if path.name.startswith(".") and path.name.endswith(".tmp"):
@@ -149,14 +151,15 @@ class StateDir:
                     continue
                 info = os.lstat(path)
                 if not stat.S_ISREG(info.st_mode):
-                    _say(f"{path} is not a regular file (a symlink?); ignored")
+                    if say:
+                        _say(f"{path} is not a regular file (a symlink?); ignored")
                     continue
                 yield path, info
 
     # -- start-up -----------------------------------------------------------------------------
     def _scan(self) -> None:
         foreign = 0
-        for n, (path, info) in enumerate(self._files()):
+        for n, (path, info) in enumerate(self._files(say=True)):
             if n >= MAX_FILES:
                 _say(f"more than {MAX_FILES} files; the rest are ignored")
                 break
@@ -256,7 +259,7 @@ class StateDir:
             return None
         try:
             state = self._read_state(entry.path, owner, ids)
-            os.utime(entry.path)  # recently used
+            os.utime(entry.path, follow_symlinks=False)  # recently used
             return state
         except (Refused, OSError, ValueError) as exc:
             with self._lock:
@@ -322,6 +325,8 @@ class StateDir:
         tmp = folder / f".{path.stem}.{os.getpid()}.tmp"
         try:
             folder.mkdir(mode=0o700, exist_ok=True)
+            if not stat.S_ISDIR(os.lstat(folder).st_mode):
+                raise OSError(f"{folder} is not a folder (a symlink?)")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "wb") as f:
                 f.write(PREFIX.pack(MAGIC, len(header), digest.digest()))
@@ -348,7 +353,7 @@ class StateDir:
             entry = self._index.get((owner, ids))
         if entry is not None:
             try:
-                os.utime(entry.path)
+                os.utime(entry.path, follow_symlinks=False)
             except OSError:
                 pass
 

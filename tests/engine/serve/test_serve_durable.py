@@ -147,17 +147,26 @@ def symlink_out(path, outside):
     os.symlink(target, path)
 
 
+def symlinked_folder(path, outside):
+    """The owner's whole folder, moved outside, and a symlink to it where it was."""
+    folder = path.parent
+    if not folder.is_symlink():
+        shutil.move(folder, outside / "folder")
+        os.symlink(outside / "folder", folder)
+
+
 def not_json(path, outside):
     raw = b"{" * 100000
     path.write_bytes(PREFIX.pack(MAGIC, len(raw), b"\0" * 32) + raw)
 
 
 KINDS = [corrupt, truncated, foreign_checkpoint, foreign_format, huge_header, huge_shapes,
-         wrong_dtype, symlink_out, not_json]
+         wrong_dtype, symlink_out, symlinked_folder, not_json]
 SAID = {corrupt: "checksum", truncated: "truncated or padded",
         foreign_checkpoint: "another checkpoint", foreign_format: "another checkpoint",
         huge_header: "header declares", huge_shapes: "not this model's",
         wrong_dtype: "not this model's", symlink_out: "not a regular file",
+        symlinked_folder: "not a folder",
         not_json: "not JSON"}
 
 
@@ -175,7 +184,7 @@ def test_srv_hostile_state_files_are_refused(small_ckpt, cold, tmp_path):  # noq
     assert len(folders) == len(keys)  # one owner folder per key, named by its digest
     from engine.serve.snapshots import owner_of
     for kind, key in zip(KINDS, keys):
-        for path in (states / owner_of(key)).glob("*.k3s"):
+        for path in sorted((states / owner_of(key)).glob("*.k3s")):
             kind(path, outside)
     before = {p: p.stat().st_mtime_ns for p in outside.iterdir()}
 
