@@ -279,9 +279,9 @@ class StateDir:
             got = self._check_header(header, n, path, size)
             if got[:2] != (owner, ids):
                 raise Refused("it no longer holds the state it was indexed as")
-            body = f.read(size - PREFIX.size - n + 1)  # the size the header declares
-        if len(body) != size - PREFIX.size - n:
-            raise Refused("it changed while it was read")
+            body = bytearray(size - PREFIX.size - n)  # the size the header declares
+            if f.readinto(body) != len(body) or f.read(1):
+                raise Refused("it changed while it was read")
         check = hashlib.sha256(raw)
         check.update(body)
         if check.digest() != digest:
@@ -289,7 +289,9 @@ class StateDir:
         arrays, off = [], 0
         for _, shape in header["arrays"]:
             count = int(np.prod(shape))
-            arrays.append(np.frombuffer(body, "<f4", count, off).reshape(shape).astype(np.float32))
+            # views of the one buffer read (writable, 4-byte aligned): no second copy
+            view = np.frombuffer(body, "<f4", count, off).reshape(shape)
+            arrays.append(view.astype(np.float32, copy=False))
             off += 4 * count
         layers: list[KDAState | MLAState] = []
         it = iter(arrays)

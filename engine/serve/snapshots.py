@@ -114,7 +114,6 @@ class SnapshotStore:
         if self.disk is not None:
             ids = self.disk.best(prompt_ids, owner, len(best[1]) if best else 0)
             state = self.disk.load(owner, ids) if ids is not None else None
-            if state is not None:
-                self._remember((owner, ids), state)
-                return state.snapshot()
+            if state is not None:  # kept in memory too when it fits, handed out as a copy
+                return state.snapshot() if self._remember((owner, ids), state) else state
         return found if best is not None else None

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import sys
 import threading
@@ -490,8 +489,12 @@ def load_engine(
 
     def gen(prompt_ids, params, cancel=None, logits_hook=None, owner="", keep_at=()):
         resume = snapshots.take(prompt_ids, owner=owner) if snapshots is not None else None
-        keep = functools.partial(snapshots.put, owner=owner) if snapshots is not None else None
         mids: list[list[int]] = []  # this answer's mid-answer checkpoints, the last two kept
+        kept: list[list[int]] = []  # the ids of the states kept by `keep`
+
+        def keep(state):
+            kept.append(list(state.ids))
+            snapshots.put(state, owner=owner)
 
         def checkpoint(state):
             if snapshots.put(state, owner=owner):
@@ -500,7 +503,8 @@ def load_engine(
                     snapshots.drop(mids.pop(0), owner=owner)
 
         run = generate(model, prompt_ids, params, cancel=cancel, logits_hook=logits_hook,
-                       resume=resume, keep=keep, keep_at=keep_at,
+                       resume=resume, keep=keep if snapshots is not None else None,
+                       keep_at=keep_at,
                        checkpoint=checkpoint if snapshots is not None else None,
                        checkpoint_every=every)
         try:
@@ -513,8 +517,9 @@ def load_engine(
                         cancel.wait()  # tests: a server killed at a known token
         finally:
             if not (cancel is not None and cancel.is_set()):
-                for ids in mids:  # the answer ended and its end state is kept
-                    snapshots.drop(ids, owner=owner)
+                for ids in mids:  # the answer ended and its end state is kept (which may
+                    if ids not in kept[-1:]:  # be the last checkpoint's ids: not dropped)
+                        snapshots.drop(ids, owner=owner)
 
     return Loaded(
         tok=tok,
