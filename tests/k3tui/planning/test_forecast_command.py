@@ -132,7 +132,7 @@ def test_the_wizard_measures_and_shows_the_forecast_beside_each_preset(tmp_path,
     screen, out = io.StringIO(), io.StringIO()
     # checkpoint, folder, "measure?" yes, no token, the recommended preset, write it
     with create_pipe_input() as inp:
-        inp.send_text("\r" + "\r" + "y" + "\r" + "\r" + "y")
+        inp.send_text("\r" + "\r" + "y\r" + "\r" + "\r" + "y\r")  # y/n wait for Enter
         rc = run_interactive(report, Config(), input=inp, output=PlainTextOutput(screen),
                              out=out, forecaster=measure,
                              storage_probe=lambda d: report.storage, llama_binary=lambda c: None)
@@ -258,9 +258,9 @@ def test_at_80_columns_each_preset_shows_its_measured_speed_and_ctrl_c_writes_no
         tmux.keys("Enter")
         screen = tmux.wait_for(lambda s: "Choose another folder?" in s or "again" in s)
         if "Choose another folder?" in screen:              # this disk is far below 1.56 TB
-            tmux.keys("n")
+            tmux.keys("n", "Enter")
         tmux.wait_for(lambda s: "Measure this machine again" in s)
-        tmux.keys("n")
+        tmux.keys("n", "Enter")
         tmux.wait_for(lambda s: "Hugging Face token" in s)
         tmux.keys("Enter")
         screen = tmux.wait_for(lambda s: "custom" in s and "Engine memory preset" in s)
