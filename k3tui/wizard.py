@@ -21,8 +21,8 @@ from k3tui.errors import K3Error
 from k3tui.hub.metadata import hub_token_source
 from k3tui.paths import get_paths
 from k3tui.planning.forecast import TOY, per_token
-from k3tui.planning.plan import (DOWNLOAD_BLOCKERS, GGUF_BYTES, MODEL_LABELS, PRESETS,
-                                 SAFETENSORS_BYTES, Plan, describe_machine, make_plan,
+from k3tui.planning.plan import (DOWNLOAD_BLOCKERS, GGUF_BYTES, MODEL_LABELS, PEER_SOURCE,
+                                 PRESETS, SAFETENSORS_BYTES, Plan, describe_machine, make_plan,
                                  recommend_model_kind, usable_bytes)
 from k3tui.probe.report import MachineReport
 from k3tui.probe.storage import StorageInfo
@@ -156,19 +156,16 @@ def wrapped(text: str) -> str:
 
 def preset_title(p: Any, measured: Any = None, width: int | None = None) -> str:
     """One preset as a choice that fits on one line of a `width`-column terminal (the
-    select's "» " and a margin included): the C peer's figure and this machine's forecast
-    where there is room, else the shorter forms, this machine's s/token kept longest."""
+    select's "» " and a margin included), with ONE speed: this machine's forecast where there
+    is one, else the C engine's figure (the line above the choices says whose it is)."""
     base = f"{p.name:<12} trunk {p.trunk_gb:>3g} + cache {p.cache_gb:>3g} GB, peak " \
            f"~{p.peak_rss_gb:g} GB"
-    peer = p.note.rsplit(", ", 1)[-1]  # "the floor, ~27–33 s/token": its figure
-    forms = [f"{base}, {p.note}"]
     if measured is not None:
         s = per_token(measured.s_per_token)
-        forms = [f"{base}, {p.note} | {measured.brief()} — measured here",
-                 f"{base} | {measured.brief()} — measured here",
+        forms = [f"{base} | {measured.brief()} — measured here",
                  f"{base} | ~{s} s/token measured here", f"{base} | ~{s} s/token here"]
-    elif peer != p.note:
-        forms.append(f"{base}, {peer}")
+    else:
+        forms = [f"{base} | {p.speed}"]
     limit = (width or columns()) - 4
     return next((f for f in forms if len(f) <= limit), forms[-1])
 
@@ -435,6 +432,11 @@ class Wizard:
         cfg = result.config
         if plan.backend == "bundled":
             measured = self.forecast.preset if self.forecast is not None else (lambda n: None)
+            if self.forecast is not None:
+                self.say(f"s/token below: this machine's forecast ({self.forecast.date}), "
+                         "from its measured parts.")
+            else:
+                self.say(f"s/token below: {PEER_SOURCE}.")
             choices = [(preset_title(p, measured(p.name)), p.name) for p in PRESETS.values()]
             choices.append(("auto         sized by the engine from free memory at start",
                             "auto"))

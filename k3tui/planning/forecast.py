@@ -275,13 +275,17 @@ def format_forecast(fc: Forecast) -> list[str]:
 
 
 def plan_lines(preset: str) -> list[str]:
-    """For `k3tui plan`: the stored forecast for `preset`, or how to get one."""
+    """For `k3tui plan`: the stored forecast for `preset`, else the C engine's figure (one
+    speed per preset, never both) and how to get this machine's."""
+    from k3tui.planning.plan import peer_speed_lines
+
     fc, why = load_stored()
     if fc is None:
-        return [f"Forecast: {why or 'none measured yet: ' + HOW}"]
+        return peer_speed_lines(preset) + [f"Forecast: {why or 'none measured yet: ' + HOW}"]
     p = fc.preset(preset)
     if p is None:
-        return [f"Forecast: none for the {preset} preset in the measurement of {fc.date}"]
+        return peer_speed_lines(preset) + [
+            f"Forecast: none for the {preset} preset in the measurement of {fc.date}"]
     return [f"Forecast: {preset} ~{per_token(p.s_per_token)} s/token ({p.bound}-bound), "
             f"first token {duration(p.first_token_s)} for a 50-token prompt, peak RSS "
             f"~{p.peak_rss_gb:.1f} GB; measured here {fc.date} under {fc.dir}"

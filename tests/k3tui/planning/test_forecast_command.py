@@ -62,7 +62,9 @@ def test_bench_forecast_json_is_stored_and_plan_shows_it(tmp_path):
     chosen = next(p for p in stored["presets"] if f"Forecast: {p['name']} " in line)
     assert f"~{forecast.per_token(chosen['s_per_token'])} s/token ({chosen['bound']}-bound)" in line
     assert "first token ~" in line and f"under {tmp_path}" in line and preset
-    assert "the C peer's figure" in plan.stdout  # the old table, labelled
+    # one speed for the preset: this machine's forecast, not the C engine's figure beside it
+    assert "Speed:" not in plan.stdout and "kimi-k3-in-c" not in plan.stdout
+    assert "s/token" not in next(ln for ln in plan.stdout.splitlines() if ln.startswith("Preset"))
     assert json.loads(k3("plan", "--json", "--model", "safetensors").stdout)["forecast"][
         "dir"] == str(tmp_path)
 
@@ -144,9 +146,11 @@ def test_the_wizard_measures_and_shows_the_forecast_beside_each_preset(tmp_path,
     stored = forecast.load_stored()[0]
     laptop = stored.preset("laptop")
     shown = "".join(screen.getvalue().split())  # the choice, wrapped at 80 columns
-    beside = f"laptop trunk 3 + cache 1 GB, peak ~8.2 GB, {PRESETS['laptop'].note} | " \
-             f"{laptop.brief()} — measured here"
+    beside = f"laptop trunk 3 + cache 1 GB, peak ~8.2 GB | {laptop.brief()} — measured here"
     assert "".join(beside.split()) in shown
+    # one figure per preset, said whose: the forecast's, never the C engine's beside it
+    assert "this machine's forecast" in text and PRESETS["laptop"].speed not in text
+    assert "".join(PRESETS["laptop"].speed.split()) not in shown
     assert load_config().engine.preset == "laptop"
 
 
@@ -221,19 +225,19 @@ def stored_forecast(s_per_token: float = 43.4) -> forecast.Forecast:
     return fc
 
 
-def test_a_wide_terminal_shows_the_peers_figure_and_the_whole_forecast(tmp_path, monkeypatch):
+def test_a_wide_terminal_shows_the_whole_forecast_and_one_speed(tmp_path, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     from k3tui.wizard import preset_title
 
     fc = stored_forecast()
     title = preset_title(PRESETS["laptop"], fc.preset("laptop"))
-    assert title.endswith(f"{PRESETS['laptop'].note} | {fc.preset('laptop').brief()} — "
-                          "measured here")
+    assert title.endswith(f"GB | {fc.preset('laptop').brief()} — measured here")
+    assert title.count("s/token") == 1
     for p in PRESETS.values():  # 80 columns: the select's "» " and every title on one line
         assert len(preset_title(p, fc.preset(p.name), width=80)) <= 76
         assert preset_title(p, fc.preset(p.name), width=80).endswith("~43.4 s/token here")
         assert len(preset_title(p, None, width=80)) <= 76
-    assert preset_title(PRESETS["laptop"], None, width=80).endswith(", ~27–33 s/token")
+    assert preset_title(PRESETS["laptop"], None, width=80).endswith(" | ~27–33 s/token")
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
@@ -271,6 +275,10 @@ def test_at_80_columns_each_preset_shows_its_measured_speed_and_ctrl_c_writes_no
         assert set(rows) == set(named), screen
         for row in rows.values():
             assert row.rstrip().endswith(f"{shown} s/token here"), screen
+            assert row.count("s/token") == 1, screen   # one speed a preset
+        # the recommendation above says no other speed, and whose the figures are is said
+        assert "27–33" not in screen and "C peer" not in screen and "the floor" not in screen
+        assert "s/token below: this machine's forecast" in " ".join(screen.split()), screen
         assert not (home / "config.toml").exists()
         tmux.keys("C-c")
         screen = tmux.wait_for(lambda s: "EXIT=" in s)
@@ -283,3 +291,14 @@ def test_at_80_columns_each_preset_shows_its_measured_speed_and_ctrl_c_writes_no
         assert not list(home.glob("*.tmp"))
     finally:
         tmux.close()
+
+
+def test_without_a_forecast_plan_shows_one_speed_and_says_whose(tmp_path):
+    """"the floor, ~27–33 s/token (the C peer's figure, on its machine)": neither the floor
+    nor the C peer was explained anywhere a new user looks."""
+    res = k3("plan", "--machine", "laptop-8g", "--checkpoint-kind", "safetensors")
+    assert res.returncode == 0, res.stderr
+    speeds = [ln for ln in res.stdout.splitlines() if "s/token" in ln]
+    assert len(speeds) == 1, speeds
+    assert speeds[0].startswith("Speed:   ~27–33 s/token (measured by kimi-k3-in-c, a C engine")
+    assert "C peer" not in res.stdout and "the floor" not in res.stdout
