@@ -263,13 +263,16 @@ def format_forecast(fc: Forecast) -> list[str]:
            + (f" → {fc.load_average_after[0]:.2f}" if fc.load_average_after else "")]
     if fc.quick:
         out.append(f"  ({TOY})")
-    out.append(f"  {'preset':<12} {'fits':<4} {'s/token':>8}  {'bound':<8} {'peak RSS':>9}  "
-               "first token: 50-token prompt / 500-token prompt (expert GB read)")
+    # Every row within 80 columns (an SSH window): the two prompts' figures share a column
+    # and the footnote says which is which.
+    out.append(f"  {'preset':<11} {'fits':<4} {'s/token':>7}  {'bound':<7} {'peak RSS':>8}  "
+               f"{'first token*':<18} experts read*")
     for p in fc.presets:
-        out.append(f"  {p.name:<12} {'yes' if p.fits else 'no':<4} {p.s_per_token:>8.1f}  "
-                   f"{p.bound:<8} {p.peak_rss_gb:>6.1f} GB  {duration(p.first_token_s)} "
-                   f"({p.prefill_gb:,.0f} GB) / {duration(p.first_token_500_s)} "
-                   f"({p.prefill_500_gb:,.0f} GB)")
+        first = f"{duration(p.first_token_s)} / {duration(p.first_token_500_s)}"
+        out.append(f"  {p.name:<11} {'yes' if p.fits else 'no':<4} {p.s_per_token:>7.1f}  "
+                   f"{p.bound:<7} {p.peak_rss_gb:>5.1f} GB  {first:<18} "
+                   f"{p.prefill_gb:,.0f} / {p.prefill_500_gb:,.0f} GB")
+    out.append("  * for a 50-token / a 500-token prompt (experts: what its prefill reads)")
     out.append(f"This is {SAYS}.")
     return out
 

@@ -302,3 +302,30 @@ def test_without_a_forecast_plan_shows_one_speed_and_says_whose(tmp_path):
     assert len(speeds) == 1, speeds
     assert speeds[0].startswith("Speed:   ~27–33 s/token (measured by kimi-k3-in-c, a C engine")
     assert "C peer" not in res.stdout and "the floor" not in res.stdout
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_the_forecast_table_fits_an_80_column_terminal(tmp_path):
+    """`k3tui bench forecast` in a real 80x24 window: the header ran to 130 columns, so the
+    terminal cut it mid-word ("first token: 50-token / prompt / 500-token prompt")."""
+    from tui_helpers import Tmux
+
+    tmux = Tmux(f"k3fc{os.getpid()}", {"K3TUI_HOME": str(get_paths().root),
+                                       "HOME": str(tmp_path / "home"), "TERM": "xterm"})
+    try:
+        tmux.start(f"{sys.executable} -m k3tui bench forecast --quick --dir {tmp_path} "
+                   "2>/dev/null; echo EXIT=$?")
+        screen = tmux.wait_for(lambda s: "EXIT=" in s, timeout=120)
+        assert "EXIT=0" in screen, screen
+        lines = screen.splitlines()
+        # a line the terminal had to break reaches the last column; none may
+        assert all(len(ln) < 80 for ln in lines), [ln for ln in lines if len(ln) >= 80]
+        header = next(ln for ln in lines if ln.lstrip().startswith("preset"))
+        assert header.split() == ["preset", "fits", "s/token", "bound", "peak", "RSS",
+                                  "first", "token*", "experts", "read*"]
+        rows = [ln.split() for ln in lines if ln.lstrip().startswith(("laptop", "server"))]
+        assert len(rows) == 2 and all(r[1] in ("yes", "no") and r[3] in ("disk", "compute")
+                                      for r in rows), rows
+        assert "* for a 50-token / a 500-token prompt" in screen
+    finally:
+        tmux.close()
