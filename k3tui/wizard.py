@@ -74,6 +74,12 @@ class SetupResult:
         if kind == "remote":
             return ["k3tui chat                talk to the endpoint"]
         cmds = ["k3tui download            fetch the checkpoint (resumable, runs detached)"]
+        short = [f for f in (self.plan.blockers if self.plan else []) if f.code in
+                 DOWNLOAD_BLOCKERS]
+        if short:  # saved anyway: the download would be refused, so the folder comes first
+            cmds = ["first a folder that can take the download (see the blocker above): "
+                    "`k3tui setup` again, or `k3tui config set model.dir PATH`",
+                    "k3tui download            then fetch the checkpoint (resumable, detached)"]
         if kind == "safetensors":
             cmds.append("k3tui pack                pack the trunk for streaming")
         return cmds + ["k3tui doctor              check everything again",

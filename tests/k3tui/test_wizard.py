@@ -338,3 +338,19 @@ def test_what_setup_prints_after_writing_wraps_at_words_in_a_terminal(monkeypatc
     words = " ".join(out.getvalue().split())
     assert note in words and "(`k3tui chat --demo` works meanwhile)" in words
     assert f"  {note}" in piped.getvalue().splitlines()   # a script's grep still finds it
+
+
+def test_setup_saved_over_a_disk_blocker_does_not_say_download_next(tmp_path):
+    """`setup --yes --force` on a disk too small: "Next: k3tui download" came first, which
+    the download then refused with the same numbers."""
+    if shutil.disk_usage(tmp_path).free >= 1.7 * TB:
+        pytest.skip("this disk can take the checkpoint")
+    res = subprocess.run([sys.executable, "-m", "k3tui", "setup", "--yes", "--force",
+                          "--model-dir", str(tmp_path)], capture_output=True, text=True,
+                         stdin=subprocess.DEVNULL, timeout=120)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    steps = [ln.strip() for ln in lines[lines.index("Next:") + 1:]]
+    assert steps[0].startswith("first a folder that can take the download") and \
+        "`k3tui setup` again" in steps[0], steps
+    assert steps[1].startswith("k3tui download") and "then" in steps[1]
