@@ -546,7 +546,10 @@ class ChatScreen(Screen):
 
     def show_io(self) -> None:
         backend = self.k3app.backend
-        self.query_one(IOPane).show(self.last_sample, self.k3, backend.budget_gb, backend.kind)
+        k3 = self.k3
+        if not self.generating:  # the engine's MB/s is its last token's: stale once it ends
+            k3 = {k: v for k, v in k3.items() if k != "mb_per_s"}
+        self.query_one(IOPane).show(self.last_sample, k3, backend.budget_gb, backend.kind)
 
     def _check_backend(self) -> None:
         """A backend we started that died while idle: say so once, offer the restart."""

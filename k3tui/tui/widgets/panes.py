@@ -74,7 +74,7 @@ def memory_title(kind: str, reported_budget: float | None, budget_gb: float | No
 
 
 class IOPane(Vertical):
-    """Disk and memory: system and backend read MB/s, GB/token, hit rate, RSS vs budget."""
+    """Disk and memory: every disk's and the backend's read MB/s, GB/token, hit rate, RSS."""
 
     def __init__(self, *, ascii: bool = False, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -110,9 +110,8 @@ class IOPane(Vertical):
         # per-process counter only sees storage, so prefer the engine's when it reports.
         # One label either way: the source changing must not rename the figure.
         mb_s = k3["mb_per_s"] if k3.get("mb_per_s") is not None else s.proc_read_mb_s
-        proc = f"backend {_num(mb_s, '.0f', ' MB/s')}"
-        lines = [
-            f"disk {_num(s.disk_read_mb_s, '.0f', ' MB/s')}  {proc}",
+        lines = [  # "all disks": the machine's reads, whoever reads; the backend's apart
+            f"all disks {_num(s.disk_read_mb_s, '.0f')} · backend {_num(mb_s, '.0f')} MB/s",
             f"read/token {gb_amount(k3.get('gb_read'))}  "
             f"hit {_num(None if hit is None else hit * 100, '.0f', '%')}",
             f"RSS {rss_text}  cache {_num(s.page_cache_gb, '.1f', ' GB')}",
