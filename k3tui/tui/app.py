@@ -18,6 +18,7 @@ from textual import on
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.geometry import Offset
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 from textual.worker import Worker, WorkerState
@@ -99,6 +100,14 @@ class ChatLog(VerticalScroll):
         if self.following:
             self.scroll_end(animate=False, immediate=True)
 
+    def scroll_to_region(self, region: Any, **kwargs: Any) -> Any:
+        """The reasoning block collapsing as its answer starts asks to be scrolled into view
+        (Textual's Collapsible does), which pulled a followed answer back up for good: while
+        the view follows, the bottom wins (Ctrl+T lets go first to show what it opens)."""
+        if self.following:
+            return Offset(0, 0)
+        return super().scroll_to_region(region, **kwargs)
+
     def hold(self, held: bool) -> None:
         self.held = held
         self.following = not held and self.scroll_y >= self.max_scroll_y - 2
@@ -127,6 +136,9 @@ class ChatScreen(Screen):
         # desktop takes Ctrl+arrows (macOS Mission Control).
         Binding("ctrl+up,alt+up", "pick(-1)", "Pick", show=False, priority=True),
         Binding("ctrl+down,alt+down", "pick(1)", "Pick next", show=False, priority=True),
+        # The prompt has the focus, so the chat would never see these: the screen takes them.
+        Binding("pageup", "scroll_chat(-1)", "Scroll up", show=False, priority=True),
+        Binding("pagedown", "scroll_chat(1)", "Scroll down", show=False, priority=True),
         Binding("f1", "keys", "Keys", priority=True),
         Binding("f2", "toggle_panes", "Panes", show=False, priority=True),
         Binding("f3", "downloads", "Downloads", show=False, priority=True),
@@ -354,11 +366,12 @@ class ChatScreen(Screen):
 
     def action_toggle_reasoning(self) -> None:
         picked = self._picked()
-        if isinstance(picked, AssistantMessage) and picked.reasoning:
-            picked.toggle_reasoning()
-            return
         answers = [a for a in self.query("#chat > AssistantMessage") if a.reasoning]
+        if isinstance(picked, AssistantMessage) and picked.reasoning:
+            answers = [picked]
         if answers:
+            if answers[-1].reasoning_block.collapsed:  # opening it: show it, stop following
+                self.query_one("#chat", ChatLog).following = False
             answers[-1].toggle_reasoning()
 
     def _last_answer(self) -> AssistantMessage | None:
@@ -453,13 +466,28 @@ class ChatScreen(Screen):
 
     def action_copy_answer(self) -> None:
         target = self._copy_target()
+        then = ""
+        if target is not None and not target.body and self._picked() is None:
+            # the last answer was stopped in its reasoning: the latest one with text
+            earlier = [a for a in self.query("#chat > AssistantMessage") if a.body]
+            if earlier:
+                target = earlier[-1]
+                then = " (The last answer has no text: it was stopped while reasoning.)"
         text = "" if target is None else target.body
         if target is None or not text:
             self.notify("No answer to copy yet." if target is None or self.picked is None
                         else f"{self._label(target).capitalize()} is empty.")
             return
         self._code_at = None
-        self._copy(text, self._label(target))
+        self._copy(text, self._label(target), then)
+
+    def action_scroll_chat(self, pages: int) -> None:
+        """PgUp / PgDn scroll the conversation; back at the bottom it follows the answer."""
+        chat = self.query_one("#chat", ChatLog)
+        if pages < 0:
+            chat.scroll_page_up(animate=False)
+        else:
+            chat.scroll_page_down(animate=False)
 
     def action_copy_code(self) -> None:
         """The last code block; pressed again on the same message, the one before it."""
