@@ -293,14 +293,15 @@ def _plan_llama(report: MachineReport, plan: Plan, ctx: int, budget: int) -> Non
                   f"{gib(DRIVER_RESERVE_BYTES)} for the driver and the system")
         if held:
             reason += f" minus {gib(held)} held by other GPU processes"
-        plan.findings.append(Finding(
-            "warn", "unified_memory",
-            "unified memory is shared by the GPU and the page cache: an uncapped mmap of the "
-            "GGUF can starve CUDA and lock the machine up (the DGX Spark lockup)",
-            "nothing to do: k3tui starts llama-server under the memory limit above"
-            if report.isolation.method != "none" else
-            "`k3tui serve` refuses to start llama-server here until the limit can be "
-            "enforced (see no_isolation)"))
+        risk = ("unified memory is shared by the GPU and the page cache: an uncapped mmap of "
+                "the GGUF can starve CUDA and lock the machine up (the DGX Spark lockup)")
+        if report.isolation.method != "none":  # handled: said, not a warning with no action
+            plan.findings.append(Finding("info", "unified_memory", f"{risk}; k3tui starts "
+                                         "llama-server under the memory limit above"))
+        else:
+            plan.findings.append(Finding(
+                "warn", "unified_memory", risk, "`k3tui serve` refuses to start llama-server "
+                "here until the limit can be enforced (see no_isolation)"))
     else:
         reserve = max(2 * GiB, int(0.1 * mem.effective_total_bytes))
         limit = mem.effective_total_bytes - reserve
