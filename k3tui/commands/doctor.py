@@ -81,12 +81,12 @@ def run_checks(target: str | None, measure: bool,
     plan = make_plan(report, cfg.model.kind, ctx_size=cfg.llama_server.ctx_size,
                      reasoning_budget=cfg.llama_server.reasoning_budget, have_bytes=have)
 
-    lines = {line.split()[0].lower(): line.split(None, 1)[1] for line in describe_machine(report)}
+    lines = {line.split()[0].lower(): line.split(None, 1)[1]
+             for line in describe_machine(report, binary=cfg.model.kind == "gguf")}
     checks.append(Check("cpu", "ok", lines["cpu"]))
     m = report.memory
     mem = lines["ram"]
-    mem += f"; cgroup {m.cgroup_version}"
-    mem += "" if m.cgroup_limit_bytes is None else f" limit {gib(m.cgroup_limit_bytes)}"
+    mem += f"; cgroup {m.cgroup_version}"  # its limit, if any, is in the RAM line
     mem += ("; PSI unavailable" if m.psi_some_avg10 is None
             else f"; pressure {m.psi_some_avg10:.1f}%")
     checks.append(Check("memory", "ok", mem))

@@ -373,15 +373,20 @@ def peer_speed_lines(preset: str) -> list[str]:
     return [f"Speed:   {p.speed} ({PEER_SOURCE})"] if p else []
 
 
-def describe_machine(report: MachineReport) -> list[str]:
-    """Short human lines about the machine (used by plan, doctor and the wizard)."""
+def describe_machine(report: MachineReport, binary: bool = False) -> list[str]:
+    """Short human lines about the machine (used by plan, doctor and the wizard). RAM in GB
+    like the presets it is compared with; `binary`: in GiB, like llama-server's limit."""
     c, m, g, s = report.cpu, report.memory, report.gpu, report.storage
     simd = ", ".join(n for n, ok in (("AVX2", c.avx2), ("AVX-512", c.avx512),
                                      ("NEON", c.neon)) if ok) or "no SIMD"
     lines = [f"CPU     {c.usable} usable cores, {c.arch} ({simd})"]
-    ram = f"RAM     {gib(m.total_bytes)} total, {gib(m.available_bytes)} available"
+
+    def mem(n: int) -> str:
+        return gib(n) if binary else f"{n / GB:.1f} GB"
+
+    ram = f"RAM     {mem(m.total_bytes)} total, {mem(m.available_bytes)} available"
     if m.cgroup_limit_bytes is not None:
-        ram += f", cgroup limit {gib(m.cgroup_limit_bytes)}"
+        ram += f", cgroup limit {mem(m.cgroup_limit_bytes)}"
     lines.append(ram)
     if not g.present:
         lines.append("GPU     no GPU")
@@ -403,7 +408,7 @@ def format_plan(plan: Plan, report: MachineReport, model_path: str | None = None
     out = []
     title = report.description or report.source
     out.append(f"Machine: {title}")
-    out += [f"  {line}" for line in describe_machine(report)]
+    out += [f"  {line}" for line in describe_machine(report, plan.backend == "llama-server")]
     out.append(f"Model:   {plan.model_label}")
     out.append(f"Backend: {plan.backend}: {plan.backend_reason}")
     if plan.backend == "bundled":

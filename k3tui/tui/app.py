@@ -120,6 +120,9 @@ class ChatLog(VerticalScroll):
 
 HINT = ("Type a message below and press Enter to send (Ctrl+J for a new line). F1 lists "
         "every key; Ctrl+O opens earlier conversations.")
+DEMO_NOTE = ("The demo model's replies are meaningless by design: random weights steered to "
+             "readable words. The streaming, the reasoning and both panes are real; "
+             "`k3tui setup` leads to Kimi-K3.")
 
 
 class ChatScreen(Screen):
@@ -242,7 +245,9 @@ class ChatScreen(Screen):
         empty = not any(isinstance(w, (UserMessage, AssistantMessage)) for w in chat.children)
         hints = chat.query("#chat-hint")
         if empty and not hints:
-            await chat.mount(Static(HINT, id="chat-hint"))
+            demo = "random weights" in self.k3app.backend.label
+            await chat.mount(Static(f"{HINT}\n\n{DEMO_NOTE}" if demo else HINT,
+                                    id="chat-hint"))
         elif not empty and hints:
             await hints.remove()
 
@@ -285,6 +290,12 @@ class ChatScreen(Screen):
                         message_id: int) -> None:
         await self.session.consume(self.k3app.stream(messages), AnswerHandler(self, widget),
                                    message_id)
+
+    def answer_done(self) -> None:
+        """The first demo answer says once what its words are (they read like canned text)."""
+        self.turns_finished += 1
+        if self.turns_finished == 1 and "random weights" in self.k3app.backend.label:
+            self.notify(DEMO_NOTE, title="demo model", timeout=15)
 
     def learn_budget(self, budget_gb: Any) -> None:
         """The engine reports the budget it runs under; the header shows it."""
@@ -649,6 +660,12 @@ class ChatApp(App):
             "markdown.code": "bold cyan" if dark else "bold #005f87",
             "markdown.item.bullet": "bold yellow" if dark else "bold #875f00",
         }))
+
+    def action_help_quit(self) -> None:
+        """Ctrl+C: Textual's own toast ("Press ctrl+q to quit the app") said nothing of what
+        quitting stops, nor how to copy, which is what Ctrl+C often means."""
+        self.notify("Ctrl+Q quits k3tui (and stops a backend it started). Esc stops an "
+                    "answer; Ctrl+Y copies it.", title="Ctrl+C does not quit here")
 
     def get_default_screen(self) -> Screen:
         return ChatScreen(ChatSession(self.history, self._conversation_id, self.system_prompt),
