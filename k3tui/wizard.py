@@ -209,10 +209,16 @@ class Wizard:
         return questionary
 
     def select(self, message: str, choices: list[tuple[str, Any]], default: Any = None) -> Any:
+        """questionary echoes the answer as "? message title" on one line, which a long
+        title (a preset with its speed) pushed past an 80-column edge, cut mid-word: the
+        prompt is erased when answered and the echo is said here, wrapped at words."""
         q = self._q()
         cs = [q.Choice(title=t, value=v) for t, v in choices]
         dflt = next((c for c in cs if c.value == default), None)
-        return q.select(message, choices=cs, default=dflt, **self.io).unsafe_ask()
+        value = q.select(message, choices=cs, default=dflt, erase_when_done=True,
+                         **self.io).unsafe_ask()
+        self.say(f"? {message} {next(t for t, v in choices if v == value)}")
+        return value
 
     def text(self, message: str, default: str = "", validate=None) -> str:
         return self._q().text(message, default=default, validate=validate,

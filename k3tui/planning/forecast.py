@@ -200,8 +200,19 @@ def measure(directory: str | Path, *, quick: bool = False,
     progress = progress or sys.stderr
     argv = [sys.executable, "-m", "engine", "bench", "parts", "--dir", str(folder), "--json"]
     scratch = "a small scratch file" if quick else "a 1 GB scratch file"
-    print(f"Measuring this machine's parts under {folder} (under a minute; {scratch} "
-          "there is written, read and removed) …", file=progress, flush=True)
+
+    def say(line: str) -> None:  # a terminal's lines wrapped at words (80-column SSH)
+        if getattr(progress, "isatty", lambda: False)():
+            import shutil
+            import textwrap
+
+            width = shutil.get_terminal_size().columns - 1
+            line = "\n".join(textwrap.wrap(line, width, subsequent_indent="    ",
+                                            break_on_hyphens=False)) or line
+        print(line, file=progress, flush=True)
+
+    say(f"Measuring this machine's parts under {folder} (under a minute; {scratch} there "
+        "is written, read and removed) …")
     with tempfile.TemporaryFile("w+") as out:
         proc = subprocess.Popen(argv + (["--quick"] if quick else []), stdout=out,
                                 stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
@@ -211,7 +222,7 @@ def measure(directory: str | Path, *, quick: bool = False,
             said.append(line.rstrip())
             if line.strip() and not line.startswith("error:") and \
                     not any(s.startswith("Traceback") for s in said):
-                print(f"  {line.strip()}", file=progress, flush=True)
+                say(f"  {line.strip()}")
         rc = proc.wait()
         out.seek(0)
         text = out.read()
@@ -265,13 +276,14 @@ def format_forecast(fc: Forecast) -> list[str]:
         out.append(f"  ({TOY})")
     # Every row within 80 columns (an SSH window): the two prompts' figures share a column
     # and the footnote says which is which.
+    # (77 columns at most: the wizard indents them by two more)
     out.append(f"  {'preset':<11} {'fits':<4} {'s/token':>7}  {'bound':<7} {'peak RSS':>8}  "
-               f"{'first token*':<18} experts read*")
+               f"{'first token*':<17} experts read*")
     for p in fc.presets:
         first = f"{duration(p.first_token_s)} / {duration(p.first_token_500_s)}"
         out.append(f"  {p.name:<11} {'yes' if p.fits else 'no':<4} {p.s_per_token:>7.1f}  "
-                   f"{p.bound:<7} {p.peak_rss_gb:>5.1f} GB  {first:<18} "
-                   f"{p.prefill_gb:,.0f} / {p.prefill_500_gb:,.0f} GB")
+                   f"{p.bound:<7} {p.peak_rss_gb:>5.1f} GB  {first:<17} "
+                   f"{p.prefill_gb:,.0f}/{p.prefill_500_gb:,.0f} GB")
     out.append("  * for a 50-token / a 500-token prompt (experts: what its prefill reads)")
     out.append(f"This is {SAYS}.")
     return out

@@ -329,3 +329,45 @@ def test_the_forecast_table_fits_an_80_column_terminal(tmp_path):
         assert "* for a 50-token / a 500-token prompt" in screen
     finally:
         tmux.close()
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_the_wizard_at_80_columns_cuts_nothing_it_prints(tmp_path):
+    """Walking setup at 80x24: the measurement's table (indented two more by the wizard),
+    its progress lines and the chosen preset's echo ("? Engine memory preset: laptop …
+    | ~1" / "00 s/token here") ran past the edge and were cut mid-word."""
+    from tui_helpers import Tmux
+
+    home = get_paths().root
+    tmux = Tmux(f"k3wiz80{os.getpid()}",
+                {"K3TUI_HOME": str(home), "HOME": str(tmp_path / "home"),
+                 "HF_HOME": str(tmp_path / "hf"), "K3_BENCH_PARTS_QUICK": "1",
+                 "TERM": "xterm"})
+    try:
+        tmux.start(f"{sys.executable} -m k3tui setup; echo EXIT=$?")
+        tmux.wait_for(lambda s: "Which checkpoint?" in s)
+        tmux.keys("Enter")
+        tmux.wait_for(lambda s: "Where should the checkpoint go?" in s)
+        tmux.keys("Enter")
+        screen = tmux.wait_for(lambda s: "Choose another folder?" in s or "Measure what" in s)
+        if "Choose another folder?" in screen:
+            tmux.keys("n", "Enter")
+        tmux.wait_for(lambda s: "Measure what" in s)
+        tmux.keys("y", "Enter")
+        tmux.wait_for(lambda s: "Hugging Face token" in s, timeout=120)
+        tmux.keys("Enter")
+        tmux.wait_for(lambda s: "Engine memory preset" in s and "custom" in s)
+        tmux.keys("Enter")
+        tmux.wait_for(lambda s: "Write this to" in s)
+        text = subprocess.run([*tmux.base, "capture-pane", "-p", "-S", "-200", "-t",
+                               tmux.name], capture_output=True, text=True).stdout
+        tmux.keys("C-c")
+    finally:
+        tmux.close()
+    lines = text.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("Measuring"))
+    cut = [ln for ln in lines[start:] if len(ln) >= 80]   # the terminal broke these
+    assert cut == [], text
+    echo = next(i for i, ln in enumerate(lines) if ln.startswith("? Engine memory preset:"))
+    assert lines[echo].split()[4] == "laptop" and "s/token here" in " ".join(
+        lines[echo:echo + 2]), text
