@@ -30,6 +30,23 @@ def checkpoint_kind(folder: Path) -> str | None:
     return None
 
 
+def _say(line: str) -> None:
+    """Print; in a terminal wrapped at words (a path cut mid-word at 80 columns is unreadable)."""
+    if sys.stdout.isatty():
+        from k3tui.wizard import wrapped
+
+        line = wrapped(line)
+    print(line, flush=True)
+
+
+def _next(steps: list[tuple[str, str]], say: Callable[[str], None]) -> None:
+    """"Next:" and each command with what it does, the descriptions in one column."""
+    say("Next:")
+    width = max(len(cmd) for cmd, _ in steps)
+    for cmd, what in steps:
+        say(f"  {cmd:<{width}}  {what}")
+
+
 def _asker() -> Ask | None:
     """input() where a person is at the terminal, else None (a pipe, a job, a script)."""
     return input if sys.stdin.isatty() and sys.stdout.isatty() else None
@@ -74,7 +91,7 @@ def _record(changes: dict[str, str], why: str, ask: Ask | None, say: Callable[[s
 
 
 def after_download(target: Path, repo: str, *, ask: Ask | None = None,
-                   say: Callable[[str], None] = print) -> int:
+                   say: Callable[[str], None] = _say) -> int:
     """A finished download into `target`: the config names it (or says how), then Next."""
     from k3tui.config import config_exists, load_config
 
@@ -92,13 +109,12 @@ def after_download(target: Path, repo: str, *, ask: Ask | None = None,
         old = f"{cfg.model.dir or 'no folder'} ({cfg.model.kind})" if cfg else ""
         configured = _record(changes, old, ask, say)
     there = "" if configured else f" {shlex.quote(str(target))}"
-    say("Next:")
-    if kind == "safetensors":
-        say(f"  k3tui pack{there}    pack the trunk for streaming (a detached job too)")
-    else:
-        say("  k3tui doctor    check the llama-server and the memory limit")
+    steps = [(f"k3tui pack{there}", "pack the trunk for streaming (a detached job too)")
+             if kind == "safetensors" else
+             ("k3tui doctor", "check the llama-server and the memory limit")]
     if configured:
-        say("  k3tui chat      talk to the model")
+        steps.append(("k3tui chat", "talk to the model"))
+    _next(steps, say)
     return 0
 
 
@@ -112,7 +128,7 @@ def after_download_job(code: int, job_id: str, target: Path, repo: str) -> int:
 
 
 def after_pack(ckpt: Path, out: Path, *, ask: Ask | None = None,
-               say: Callable[[str], None] = print) -> int:
+               say: Callable[[str], None] = _say) -> int:
     """A finished pack of `ckpt` into `out`: the config names both (or says how), then Next."""
     from k3tui.config import config_exists, load_config
 
@@ -128,9 +144,8 @@ def after_pack(ckpt: Path, out: Path, *, ask: Ask | None = None,
         old = f"{cfg.model.dir or 'no checkpoint'} and trunk {cfg.model.trunk_dir or '(none)'}" \
             if cfg else ""
         configured = _record(changes, old, ask if ask is not None else _asker(), say)
-    say("Next:")
-    say("  k3tui chat      talk to the model" if configured else
-        "  k3tui chat      once the config names these folders (the commands above)")
+    _next([("k3tui chat", "talk to the model" if configured else
+            "once the config names these folders (the commands above)")], say)
     return 0
 
 

@@ -244,10 +244,12 @@ class ChatScreen(Screen):
         chat = self.query_one("#chat", ChatLog)
         empty = not any(isinstance(w, (UserMessage, AssistantMessage)) for w in chat.children)
         hints = chat.query("#chat-hint")
+        demo = "random weights" in self.k3app.backend.label
+        text = f"{HINT}\n\n{DEMO_NOTE}" if demo else HINT
         if empty and not hints:
-            demo = "random weights" in self.k3app.backend.label
-            await chat.mount(Static(f"{HINT}\n\n{DEMO_NOTE}" if demo else HINT,
-                                    id="chat-hint"))
+            await chat.mount(Static(text, id="chat-hint"))
+        elif empty:  # the backend changed meanwhile (d on the start-up screen: the demo)
+            hints.first(Static).update(text)
         elif not empty and hints:
             await hints.remove()
 
@@ -695,6 +697,7 @@ class ChatApp(App):
                 self._on_started(running)
             chat = self.chat
             chat.query_one("#header", Static).update(self.backend.header())
+            self.call_later(chat._hint)  # the demo's note, when d chose the demo
             if self.monitor is not None:
                 self.monitor.set_pid(self.backend.pid)
             if screen.typed:  # typed while the start-up screen covered the chat: kept

@@ -64,7 +64,7 @@ def test_with_a_config_naming_another_folder_nobody_is_asked_and_the_commands_ar
     assert load_config() == before
     assert f"k3tui config set model.dir {out}" in p.stdout
     assert "k3tui config set model.trunk_dir ''" in p.stdout
-    assert _next(p.stdout) == [f"k3tui pack {out}    pack the trunk for streaming (a "
+    assert _next(p.stdout) == [f"k3tui pack {out}  pack the trunk for streaming (a "
                                "detached job too)"]
     p = k3("download", REPO_ID, "--dir", str(out))          # all here: the same advice
     assert "already here and verified" in p.stdout and "k3tui config set model.dir" in p.stdout
@@ -76,7 +76,7 @@ def test_a_pack_with_no_config_records_both_folders_and_says_chat_next(tiny_a, t
     p = k3("pack", str(ckpt), str(tmp_path / "trunk"), "--foreground")
     cfg = load_config()
     assert (cfg.model.dir, cfg.model.trunk_dir) == (str(ckpt), str(tmp_path / "trunk"))
-    assert _next(p.stdout) == ["k3tui chat      talk to the model"]
+    assert _next(p.stdout) == ["k3tui chat  talk to the model"]
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
@@ -98,12 +98,12 @@ def test_in_a_terminal_download_then_pack_offer_the_folders_and_chat_uses_them(h
         assert not config_exists() or load_config().model.dir != str(out)  # Enter takes it
         tmux.keys("Enter")
         screen = tmux.wait_for(lambda s: "EXIT=" in s)
-        assert "EXIT=0" in screen and "k3tui pack    pack the trunk" in screen, screen
+        assert "EXIT=0" in screen and "k3tui pack  pack the trunk" in screen, screen
         assert load_config().model.dir == str(out) and load_config().model.trunk_dir == ""
         tmux.kill()
         tmux.start(f"{sys.executable} -m k3tui pack --foreground; echo EXIT=$?")
         screen = tmux.wait_for(lambda s: "EXIT=" in s)
-        assert "EXIT=0" in screen and "k3tui chat      talk to the model" in screen, screen
+        assert "EXIT=0" in screen and "k3tui chat  talk to the model" in screen, screen
         cfg = load_config()
         assert (cfg.model.dir, cfg.model.trunk_dir) == (str(out), str(out) + "-trunk")
     finally:

@@ -3,6 +3,8 @@ machine screen's units, what the demo's words are, and Ctrl+C."""
 
 from __future__ import annotations
 
+import re
+
 from textual.widgets import Log
 from tui_helpers import screen_text, settle, wait_until
 
@@ -42,6 +44,28 @@ async def test_the_machine_screen_speaks_of_memory_in_one_unit(app_factory):
         assert isinstance(app.screen, MachineScreen)
         text = screen_text(app)
     assert "GiB" not in text and "GB total" in text, text
+    # this machine, named as `k3tui plan` names it, and the configured folder's disk
+    assert "Machine: this machine (" in text and "Machine: probe" not in text, text
+
+
+async def test_the_machine_screen_checks_the_configured_folder_and_shows_the_forecast(
+        app_factory, tmp_path):
+    from k3tui.planning import forecast
+
+    cfg = Config()
+    cfg.model.dir = str(tmp_path / "mine")
+    save_config(cfg)
+    forecast.store(forecast.Forecast(
+        "2026-12-03 14:26", str(tmp_path), {}, [], {"sequential": 1.9, "experts": 1.8},
+        [forecast.PresetForecast(n, True, 100.1, "disk", 5.3, 2520.0, 20880.0, 858.0, 1445.0)
+         for n in ("laptop", "desktop", "workstation", "server", "max")]))
+    app = app_factory(ScriptedStream("x"))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("f6")
+        await wait_until(pilot, lambda: "Preset:" in screen_text(app), timeout=30)
+        text = " ".join(screen_text(app).split())
+    assert str(tmp_path / "mine") in text, text
+    assert re.search(r"Forecast: \w+ ~100 s/token", text) and "kimi-k3-in-c" not in text, text
 
 
 async def test_the_demo_says_its_words_mean_nothing_by_design(app_factory):
@@ -69,3 +93,26 @@ async def test_ctrl_c_says_how_to_quit_and_copy(app_factory):
         notes = [(n.title, n.message) for n in app._notifications]
     assert notes and notes[-1][0] == "Ctrl+C does not quit here", notes
     assert "Ctrl+Q quits k3tui" in notes[-1][1] and "Ctrl+Y copies" in notes[-1][1]
+
+
+async def test_choosing_the_demo_after_a_failed_start_says_so_in_the_empty_chat(app_factory):
+    from k3tui.errors import K3Error
+    from k3tui.tui.screens.startup import StartupScreen
+
+    def missing(on_progress):
+        raise K3Error("/tmp/walk/tiny has no tiktoken.model.", "fix it and start again")
+
+    def demo():
+        def start(on_progress):
+            app.backend.label = "demo model — random weights, not Kimi-K3"  # as chat.py does
+            return object()
+        return start
+
+    app = app_factory(starter=missing, demo=demo)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_until(pilot, lambda: isinstance(app.screen, StartupScreen)
+                         and "d to try the demo model" in screen_text(app))
+        await pilot.press("d")
+        await wait_until(pilot, lambda: app.screen is app.chat)
+        await wait_until(pilot, lambda: "meaningless by design" in
+                         " ".join(screen_text(app).split()))
