@@ -5,9 +5,13 @@ Default root: the platform's user data folder (``~/.local/share/k3tui`` on Linux
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from k3tui.errors import K3Error
 
 
 @dataclass(frozen=True)
@@ -48,9 +52,14 @@ class Paths:
     def bench_dir(self) -> Path:
         return self.root / "bench"
 
+    @property
+    def states_dir(self) -> Path:
+        """The bundled engine's kept conversation states (its --state-dir)."""
+        return self.root / "states"
+
     def as_dict(self) -> dict[str, str]:
         names = ["root", "config_file", "credentials_file", "jobs_dir", "logs_dir",
-                 "history_db", "demo_dir", "models_dir", "bench_dir"]
+                 "history_db", "demo_dir", "models_dir", "bench_dir", "states_dir"]
         return {name: str(getattr(self, name)) for name in names}
 
 
@@ -108,6 +117,41 @@ def _tighten(path: Path, mode: int) -> None:
             _tell(path, was, was & ~0o077 | (mode & 0o700))
     except FileNotFoundError:
         pass
+    except OSError as exc:   # a read-only home, or another user's file: nothing k3tui can do
+        if exc.errno not in _NOT_WRITABLE:
+            raise
+
+
+_NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+class HomeNotWritable(K3Error, OSError):
+    """k3tui's own folder cannot be written: one sentence naming it for the user, and still
+    the OSError it was for code that handles one (an export shows strerror and filename)."""
+
+    def __init__(self, exc: OSError, root: Path):
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        K3Error.__init__(self, f"Cannot write in k3tui's folder {root} "
+                         f"({exc.strerror or exc}).",
+                         ("free some space there" if full else "make it writable")
+                         + ", or point K3TUI_HOME at another folder "
+                         "(`export K3TUI_HOME=/path/to/folder`)")
+        self.errno, self.strerror, self.filename = exc.errno, exc.strerror, exc.filename
+
+
+@contextlib.contextmanager
+def _writing(path: Path):
+    """A home k3tui cannot write (a read-only mount, another user's folder, /proc, a full
+    disk) is one sentence naming it, not an OSError from whichever file came first."""
+    try:
+        yield
+    except FileExistsError:
+        raise
+    except OSError as exc:
+        root = get_paths().root
+        if not (path == root or root in path.parents or path in root.parents):
+            raise
+        raise HomeNotWritable(exc, root) from None
 
 
 def private_dir(path: Path | str) -> Path:
@@ -117,7 +161,8 @@ def private_dir(path: Path | str) -> Path:
     missing = [p for p in (path, *path.parents) if not p.exists()]
     for p in reversed(missing):
         try:
-            p.mkdir(mode=0o700)
+            with _writing(p):
+                p.mkdir(mode=0o700)
         except FileExistsError:
             pass  # made meanwhile by another process
     root = get_paths().root
@@ -133,7 +178,8 @@ def private_file(path: Path | str, *, create: bool = True) -> Path:
     """`path` exists (when `create`) as 0600, without ever being readable by others."""
     path = Path(path)
     if create:
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+        with _writing(path):
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
     _tighten(path, 0o600)
     return path
 
@@ -144,7 +190,8 @@ def private_open(path: Path | str, mode: str = "ab", **kwargs):
     path = Path(path)
     private_dir(path.parent)
     private_file(path)
-    return open(path, mode, **kwargs)
+    with _writing(path):
+        return open(path, mode, **kwargs)
 
 
 def secure_home() -> None:

@@ -26,11 +26,28 @@ def disk_size(n: float) -> str:
     return f"{n / TB:.2f} TB" if n >= TB else f"{n / GB:.1f} GB"
 
 
+def _transfer_unit(n: float) -> tuple[float, str, int]:
+    """(divisor, unit, decimals) for `n` bytes moved: GB from 1 GB, then MB, KB, bytes."""
+    for size, unit, digits in ((GB, "GB", 2), (MB, "MB", 1), (KB, "KB", 1)):
+        if n >= size:
+            return size, unit, digits
+    return 1, "B", 0
+
+
 def transfer_size(n: float | None) -> str:
-    """Bytes moved or to move: "1,234.57 GB", "12.3 MB" below 1 GB, "?" when unknown."""
+    """Bytes moved or to move: "1,234.57 GB", "12.3 MB" below 1 GB, "4.2 KB", "512 B";
+    "?" when unknown."""
     if n is None:
         return "?"
-    return f"{n / GB:,.2f} GB" if n >= GB else f"{n / MB:,.1f} MB"
+    size, unit, digits = _transfer_unit(n)
+    return f"{n / size:,.{digits}f} {unit}"
+
+
+def transfer_progress(done: float, total: float) -> str:
+    """Done of total in the total's unit: "3.90 / 16.30 GB", "0.4 / 1.2 KB" (a 1 KB file is
+    not "0.0 / 0.0 GB")."""
+    size, unit, digits = _transfer_unit(max(total, done))
+    return f"{done / size:,.{digits}f} / {total / size:,.{digits}f} {unit}"
 
 
 def rate(bytes_per_s: float) -> str:

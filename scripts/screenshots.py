@@ -35,7 +35,6 @@ async def main(out: Path) -> None:
     from k3tui.tui.screens.jobs import JobsScreen
 
     out.mkdir(parents=True, exist_ok=True)
-    scenes.write_jobs(get_paths().jobs_dir)
 
     def fresh(name: str) -> Path:
         d = home / name
@@ -48,11 +47,12 @@ async def main(out: Path) -> None:
     await shoot(scenes.chat_app(fresh("c"), scenes.CJK_ANSWER, ""), out / "chat-cjk.svg",
                 (100, 30), lambda p: scenes.run_turn(p, "日本語で答えて 🙂"))
 
-    for kind, name in (("download", "downloads.svg"), ("pack", "packing.svg")):
-        async def open_jobs(pilot, kind=kind):
-            await pilot.app.push_screen(JobsScreen(kind, refresh_hz=0))
-            await pilot.pause()
-        await shoot(scenes.chat_app(fresh(kind)), out / name, (100, 30), open_jobs)
+    with scenes.write_jobs(get_paths().jobs_dir):
+        for kind, name in (("download", "downloads.svg"), ("pack", "packing.svg")):
+            async def open_jobs(pilot, kind=kind):
+                await pilot.app.push_screen(JobsScreen(kind, refresh_hz=0))
+                await pilot.pause()
+            await shoot(scenes.chat_app(fresh(kind)), out / name, (100, 30), open_jobs)
 
     startup = scenes.StartupScene()
     app = scenes.chat_app(fresh("startup"))

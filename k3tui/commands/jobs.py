@@ -7,8 +7,8 @@ import sys
 import time
 
 from k3tui import units
+from k3tui.hub.progress import file_counts
 from k3tui.jobs import resume_hint
-from k3tui.units import transfer_size
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,34 +28,51 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "list":
         return _list(as_json=args.json)
     if args.action == "clean":
-        gone = jobs.forget_finished()
+        gone, damaged = jobs.forget_finished()
         print(f"Forgot {len(gone)} finished job(s); files they downloaded or packed stay.")
+        _print_damaged(damaged, sys.stdout)
         return 0
     job_id = jobs.resolve_id(args.id)
     if args.action == "attach":
         return attach(job_id)
     if args.action == "log":
-        state = jobs.read_state(job_id)
-        try:
-            with open(state["log"], encoding="utf-8", errors="replace") as fh:
-                sys.stdout.write(fh.read())
-        except OSError as exc:
-            from k3tui.errors import K3Error
-
-            status = state.get("status")
-            step = f"`k3tui jobs attach {job_id}` shows its progress" if status == "running" \
-                else "`k3tui jobs` still shows how it ended" + \
-                ("" if status == "done" else f"; {resume_hint(state)}")
-            raise K3Error(f"The log of job {job_id} cannot be read ({state['log']}: "
-                          f"{exc.strerror or exc}).", step, 1) from None
-        return 0
-    state = jobs.read_state(job_id)
-    if state["status"] != "running":
-        print(f"Job {job_id} is not running ({state['status']}).")
-        return 0
-    state = jobs.cancel_job(job_id)
-    print(f"Job {job_id}: {state['status']}. Its partial files are kept; {resume_hint(state)}.")
+        return _log(job_id)
+    state, stopped = jobs.cancel_job(job_id)
+    if stopped:
+        print(f"Job {job_id}: {state['status']}. Its partial files are kept; "
+              f"{resume_hint(state)}.")
+    else:   # a job whose process is gone says so in its message, and nothing was signalled
+        print(f"Job {job_id} is not running ({state['status']}): "
+              f"{state['message'].rstrip('.')}.")
     return 0
+
+
+def _log(job_id: str) -> int:
+    from k3tui import jobs
+    from k3tui.errors import K3Error
+
+    state = jobs.read_state(job_id)
+    path = jobs.log_path(job_id)       # named from the id, not from the state file
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            sys.stdout.write(fh.read())
+    except OSError as exc:
+        status = state["status"]
+        step = f"`k3tui jobs attach {job_id}` shows its progress" if status == "running" \
+            else "`k3tui jobs` still shows how it ended" + \
+            ("" if status == "done" else f"; {resume_hint(state)}")
+        raise K3Error(f"The log of job {job_id} cannot be read ({path}: "
+                      f"{exc.strerror or exc}).", step, 1) from None
+    return 0
+
+
+def _print_damaged(damaged, out) -> None:
+    from k3tui.jobs import jobs_folder
+
+    for d in damaged:
+        print(f"{d.id}  damaged, skipped: {d.reason}", file=out)
+    if damaged:
+        print(f"  (look at or remove those state files in {jobs_folder()})", file=out)
 
 
 def _eta(s: float | None) -> str:
@@ -66,16 +83,22 @@ def _eta(s: float | None) -> str:
 
 
 def summary_line(state: dict) -> str:
+    from k3tui.jobs import layer_progress
+
+    if state.get("kind") == "rpc-worker":  # a service, not a transfer: nothing to count
+        return "RPC worker" + (": serves a head until `k3tui worker stop`"
+                               if state.get("status") == "running" else "")
     total, done = state.get("total_bytes") or 0, state.get("done_bytes") or 0
     pct = f"{100 * done / total:.1f}%" if total else "--"
     rate = state.get("rate_bps") or 0.0
-    bits = [f"{pct}  {transfer_size(done)} / {transfer_size(total)}"]
+    bits = [f"{pct}  {units.transfer_progress(done, total)}"]
     if state.get("status") == "running":
         bits.append(f"{units.rate(rate)}  ETA {_eta(state.get('eta_s'))}")
         if state.get("stalled"):
             bits.append("STALLED (retrying)")
-    if state.get("layer") is not None:
-        bits.append(f"layer {state['layer']}")
+    layer = layer_progress(state)
+    if layer:
+        bits.append(layer)
     return "  ".join(bits)
 
 
@@ -85,21 +108,23 @@ def _list(as_json: bool = False) -> int:
 
     from k3tui import jobs
 
-    rows = jobs.list_jobs()
+    rows, damaged = jobs.scan()
     if as_json:
         print(json.dumps(rows, indent=2))
+        _print_damaged(damaged, sys.stderr)
         return 0
-    if not rows:
+    if not rows and not damaged:
         print("No jobs. Start one with `k3tui download` or `k3tui pack`.")
         return 0
     for s in rows:  # three short lines a job: an 80-column SSH window does not wrap them
-        started = time.strftime("%Y-%m-%d %H:%M", time.localtime(s.get("started", 0)))
+        started = time.strftime("%Y-%m-%d %H:%M", time.localtime(s["started"]))
         print(f"{s['id']}  {s['status']:<9}  {started}")
         print(f"  {summary_line(s)}")
-        print(f"  {s.get('target', '')}")
-        if s.get("message"):  # wrapped at word boundaries, at most three lines
+        print(f"  {s['target']}")
+        if s["message"]:  # wrapped at word boundaries, at most three lines
             print(textwrap.fill(s["message"], 80, initial_indent="  ", subsequent_indent="  ",
                                 max_lines=3, placeholder=f" … (`k3tui jobs log {s['id']}`)"))
+    _print_damaged(damaged, sys.stdout)
     return 0
 
 
@@ -125,12 +150,12 @@ def render_state(state: dict, width: int = 80):
         table = Table.grid(padding=(0, 2))
         for f in busy[:8]:
             pct = 100 * f["done"] / f["size"] if f["size"] else 100.0
-            done_of = f"{transfer_size(f['done'])} / {transfer_size(f['size'])}"
+            done_of = units.transfer_progress(f["done"], f["size"])
             table.add_row(f["name"], f"{pct:5.1f}%", done_of, f["status"])
         parts.append(table)
-    if files:
-        n_done = sum(f["status"] == "done" for f in files)
-        parts.append(Text(f"{n_done}/{len(files)} files verified"
+    counts = file_counts(state)
+    if counts:
+        parts.append(Text(f"{counts.get('done', 0)}/{sum(counts.values())} files verified"
                           + (f", {state['retries']} retries" if state.get("retries") else ""),
                           style="dim"))
     for err in (state.get("errors") or [])[-2:]:

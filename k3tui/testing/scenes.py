@@ -6,10 +6,14 @@ so the same pixels come out on every run.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
 import os
+import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,11 +89,15 @@ async def run_turn(pilot: Any, prompt: str = "Show me how to read one expert wit
     await pilot.pause()
 
 
-def write_jobs(jobs_dir: Path) -> None:
-    """A running download and a running pack, as DL's job processes write them."""
+@contextlib.contextmanager
+def write_jobs(jobs_dir: Path) -> Iterator[None]:
+    """A running download and a running pack, as the job processes write them. Each names a
+    real stand-in process (a `sleep` carrying the job's id, as `start_job` starts a job), so
+    `k3tui.jobs` finds it running; the stand-ins end with the block."""
     import psutil
 
-    me = psutil.Process()
+    from k3tui.jobs import ENV_ID
+
     jobs_dir.mkdir(parents=True, exist_ok=True)
     now = time.time()
     files = [{"name": f"model-{i:05d}-of-00096.safetensors", "size": 16_300_000_000,
@@ -97,18 +105,32 @@ def write_jobs(jobs_dir: Path) -> None:
               "status": "done" if i < 31 else ("pending" if i > 34 else "downloading")}
              for i in range(1, 97)]
     files[40]["status"] = "failed"
-    common = {"pid": os.getpid(), "pid_start": me.create_time(), "status": "running",
-              "updated": now}
+    counts = dict(collections.Counter(f["status"] for f in files))
+    files = [f for f in files if f["status"] not in ("done", "pending")]   # as events list them
+    common = {"status": "running", "updated": now}
     download = dict(common, id="dl-7f3a", kind="download", started=now - 3600,
-                    message="moonshotai/Kimi-K3@main → /data/kimi-k3", log="",
+                    message="moonshotai/Kimi-K3@main → /data/kimi-k3",
                     total_bytes=1_560_900_000_000, done_bytes=536_400_000_000,
-                    rate_bps=412_000_000.0, eta_s=2487.0, stalled=False, files=files)
+                    rate_bps=412_000_000.0, eta_s=2487.0, stalled=False, files=files,
+                    file_counts=counts)
     pack = dict(common, id="pk-19c2", kind="pack", started=now - 120,
-                message="packing the trunk into /data/kimi-k3-trunk", log="",
+                message="packing the trunk into /data/kimi-k3-trunk",
                 total_bytes=41_200_000_000, done_bytes=17_900_000_000, rate_bps=905_000_000.0,
-                eta_s=25.7, stalled=False, layer=41)
-    for state in (download, pack):
-        (jobs_dir / f"{state['id']}.json").write_text(json.dumps(state))
+                eta_s=25.7, stalled=False, layer=41, layers=93)
+    procs = []
+    try:
+        for state in (download, pack):
+            argv = ["sleep", "3600"]
+            proc = subprocess.Popen(argv, env=dict(os.environ, **{ENV_ID: state["id"]}))
+            procs.append(proc)
+            state.update(pid=proc.pid, pid_start=psutil.Process(proc.pid).create_time(),
+                         argv=argv)
+            (jobs_dir / f"{state['id']}.json").write_text(json.dumps(state))
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
 
 
 class StartupScene:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from k3tui.units import GB, GiB, MiB, disk_size, gb_amount, gib, memory_size, rate, transfer_size
+from k3tui.units import (GB, GiB, MiB, disk_size, gb_amount, gib, memory_size, rate, transfer_size,
+                         transfer_progress)
 
 K3TUI = Path(__file__).resolve().parents[2] / "k3tui"
 # a byte unit spelled out (1e9, 2**30, 1024 * 1024, 1 << 20 …) or a module-level GB/GiB constant
@@ -28,4 +29,9 @@ def test_each_kind_of_size_reads_the_same_everywhere():
     assert transfer_size(1_234_567_890_123) == "1,234.57 GB"
     assert transfer_size(12_345_678) == "12.3 MB"
     assert transfer_size(None) == "?" and rate(123_456_789) == "123.5 MB/s"
+    assert transfer_size(4_200) == "4.2 KB" and transfer_size(512) == "512 B"
+    # a small file's progress in its own unit, not "0.0/0.0 GB"
+    assert transfer_progress(400, 1_234) == "0.4 / 1.2 KB"
+    assert transfer_progress(3_900_000_000, 16_300_000_000) == "3.90 / 16.30 GB"
+    assert transfer_progress(0, 0) == "0 / 0 B"
     assert gb_amount(0.021) == "21 MB" and gb_amount(4.04) == "4.0 GB" and gb_amount(None) == "–"

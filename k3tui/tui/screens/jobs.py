@@ -1,12 +1,11 @@
 """Downloads and packing: attach to detached jobs by reading their state files.
 
-The jobs run in their own processes (DL's `k3tui.jobs`); this screen only reads the JSON
-state (keys in the interfaces brief) twice a second, so closing it never stops a job.
+The jobs run in their own processes (`k3tui.jobs`); this screen only reads their checked
+states (`jobs.scan`) twice a second, so closing it never stops a job. A damaged state file
+is one line saying so, never an exception in the chat.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from rich.markup import escape
 from rich.table import Table
@@ -18,12 +17,16 @@ from textual.screen import Screen
 from textual.widgets import Footer, ProgressBar, Static
 
 from k3tui import jobs
+from k3tui.hub.progress import file_counts
 from k3tui.textsafe import clean
-from k3tui.units import GB, MB
+from k3tui.units import rate, transfer_progress
 
-def read_jobs(kind: str) -> list[dict[str, Any]]:
-    """All job states of `kind`, newest first (a damaged state file is skipped)."""
-    return [s for s in jobs.list_jobs() if s.get("kind") == kind]
+
+def read_jobs(kind: str) -> tuple[list[jobs.JobState], list[jobs.Damaged]]:
+    """The job states of `kind`, newest first, and the damaged state files (of any kind:
+    a damaged file's kind is unknown)."""
+    states, damaged = jobs.scan()
+    return [s for s in states if s["kind"] == kind], damaged
 
 
 def format_eta(seconds: float | None) -> str:
@@ -37,20 +40,18 @@ def format_eta(seconds: float | None) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
-def overall_line(state: dict[str, Any]) -> Text:
-    done = (state.get("done_bytes") or 0) / GB
-    total = (state.get("total_bytes") or 0) / GB
-    rate = (state.get("rate_bps") or 0) / MB
-    status = clean(str(state.get("status", "?")))
+def overall_line(state: jobs.JobState) -> Text:
+    status = state["status"]
     text = Text(no_wrap=True, overflow="ellipsis")
     text.append(f"{status:<9}", style="bold")
-    text.append(f"{done:,.1f} / {total:,.1f} GB  ")
-    if state.get("stalled"):
-        text.append("stalled", style="bold red")
+    text.append(f" {transfer_progress(state['done_bytes'], state['total_bytes'])}")
+    if state["stalled"]:
+        text.append("  stalled", style="bold red")
     elif status == "running":
-        text.append(f"{rate:,.1f} MB/s  ETA {format_eta(state.get('eta_s'))}")
-    if state.get("layer") is not None:
-        text.append(f"  layer {state['layer']}")
+        text.append(f"  {rate(state['rate_bps'])}  ETA {format_eta(state['eta_s'])}")
+    layer = jobs.layer_progress(state)
+    if layer:
+        text.append(f"  {layer}")
     return text
 
 
@@ -71,6 +72,7 @@ class JobsScreen(Screen):
             yield Static("", id="jobs-overall")
             yield ProgressBar(total=100, show_eta=False, id="jobs-bar")
             yield Static("", id="jobs-detail")
+            yield Static("", id="jobs-damaged")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -79,10 +81,16 @@ class JobsScreen(Screen):
             self.set_interval(1 / self.refresh_hz, self.refresh_jobs)
 
     def refresh_jobs(self) -> None:
-        states = read_jobs(self.kind)
+        states, damaged = read_jobs(self.kind)
         overall = self.query_one("#jobs-overall", Static)
         bar = self.query_one("#jobs-bar", ProgressBar)
         detail = self.query_one("#jobs-detail", Static)
+        note = self.query_one("#jobs-damaged", Static)
+        note.display = bool(damaged)
+        note.update(Text("\n".join(f"damaged state file {d.id} skipped: {d.reason}"
+                                   for d in damaged[:3])
+                         + (f"\n… and {len(damaged) - 3} more (`k3tui jobs` lists them)"
+                            if len(damaged) > 3 else ""), style="yellow"))
         if not states:
             what = "k3tui download" if self.kind == "download" else "k3tui pack"
             overall.update(f"No {self.kind} jobs yet. Start one with `{what}`; it keeps running "
@@ -90,42 +98,37 @@ class JobsScreen(Screen):
             bar.display = False
             detail.update("")
             return
-        job = next((s for s in states if s.get("status") == "running"), states[0])
+        job = next((s for s in states if s["status"] == "running"), states[0])
         overall.update(overall_line(job))
-        total = job.get("total_bytes") or 0
+        total = job["total_bytes"]
         bar.display = bool(total)
         if total:
-            bar.update(total=total, progress=job.get("done_bytes") or 0)
+            bar.update(total=total, progress=job["done_bytes"])
         detail.update(self._detail(job, states))
 
-    def _detail(self, job: dict[str, Any], states: list[dict[str, Any]]) -> Table | Text:
-        files = job.get("files") or []
+    def _detail(self, job: jobs.JobState, states: list[jobs.JobState]) -> Table | Text:
+        files = job["files"]
         if self.kind != "download" or not files:
-            lines = [clean(str(job.get("message") or ""))]
+            lines = [job["message"]]
             others = len(states) - 1
             if others:
                 lines.append(f"{others} earlier {self.kind} job(s)")
             return Text("\n".join(lines))
-        counts = {"done": 0, "queued": 0, "failed": 0}
+        counts = file_counts(job)
         table = Table(box=None, expand=True, show_header=True, pad_edge=False)
         table.add_column("file", ratio=1, no_wrap=True, overflow="ellipsis")
-        table.add_column("GB", justify="right", width=14)
+        table.add_column("done / size", justify="right", width=18)
         table.add_column("%", justify="right", width=4)
         for f in files:
             status = f.get("status", "")
-            if status in counts:
-                counts[status] += 1
-            elif status == "pending":
-                counts["queued"] += 1
             if status in ("downloading", "verifying", "retrying"):
-                size = f.get("size") or 0
-                done = f.get("done") or 0
+                size, done = f["size"], f["done"]
                 pct = 100 * done / size if size else 0
-                name = str(f.get("name", "?")) + ("" if status == "downloading"
-                                                  else f" ({status})")
+                name = f["name"] + ("" if status == "downloading" else f" ({status})")
                 # A file name from the Hub is neither markup nor terminal codes.
-                table.add_row(Text(clean(name)), f"{done / GB:.1f}/{size / GB:.1f}",
-                              f"{pct:.0f}")
-        table.caption = escape(clean(f"{counts['done']} done · {counts['queued']} queued · "
-                                     f"{counts['failed']} failed · {job.get('message') or ''}"))
+                table.add_row(Text(clean(name)), transfer_progress(done, size), f"{pct:.0f}")
+        table.caption = escape(clean(f"{counts.get('done', 0)} done · "
+                                     f"{counts.get('pending', 0)} queued · "
+                                     f"{counts.get('failed', 0)} failed · "
+                                     f"{job.get('message') or ''}"))
         return table

@@ -1,7 +1,7 @@
 """A remote OpenAI-compatible endpoint for tests: real HTTP(S) on 127.0.0.1, in its own process.
 
 SGLang and vLLM need GPUs, so this stands in for them with the same wire format as
-llama-server's (../shared/notes/llama-server.md §5): `/health`, `/v1/models`, chat
+llama-server's (docs/reference/llama-server.md): `/health`, `/v1/models`, chat
 completions streamed as SSE (`reasoning_content`/`content` deltas, `[DONE]`), Bearer
 keys answered with 401 JSON errors. It can serve TLS with a given certificate and stream
 slowly (`--interval`) so a test can kill it in the middle of an answer. Every request is

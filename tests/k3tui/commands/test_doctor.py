@@ -8,9 +8,9 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
-from pathlib import Path
 
 GiB = 1024**3
 
@@ -232,3 +232,35 @@ def test_doctor_marks_are_coloured_in_a_256_colour_terminal(tmp_path, no_color):
     assert ("\x1b[32m" in ok) != no_color, repr(ok)   # green ok, or none with NO_COLOR
     fail = [ln for ln in shown.splitlines() if "FAIL" in ln and "disk_space" in ln]
     assert all(("\x1b[1;31m" in ln or "\x1b[1m\x1b[31m" in ln) != no_color for ln in fail)
+
+
+def _pool_config(workers: list[str]) -> None:
+    from k3tui.config import Config, save_config
+
+    cfg = Config()
+    cfg.model.kind, cfg.backend.kind, cfg.llama_server.rpc = "gguf", "llama-server", workers
+    save_config(cfg)
+
+
+@pytest.mark.slow
+def test_doctor_checks_every_worker_in_one_line_each():
+    """An unreachable worker and one that takes the connection but never answers: each has
+    its line with why, and the doctor answers in one handshake timeout, not one each."""
+    import socket
+
+    from llama_helpers import refused_port
+
+    with refused_port() as port, socket.create_server(("127.0.0.1", 0)) as silent:
+        refused, busy = f"127.0.0.1:{port}", f"127.0.0.1:{silent.getsockname()[1]}"
+        _pool_config([refused, busy])
+        res = doctor("--json")
+    checks = json.loads(res.stdout)["checks"]
+    workers = [c for c in checks if c["name"] == "worker"]
+    assert [(c["status"], c["detail"].split(":")[0] + ":" + c["detail"].split(":")[1])
+            for c in workers] == [("fail", refused), ("warn", busy)]
+    assert "refused the connection" in workers[0]["detail"]
+    assert f"--port {port}" in workers[0]["next"]
+    assert "did not answer the handshake within 3 s" in workers[1]["detail"]
+    pool = next(c for c in checks if c["name"] == "pool")
+    assert pool["status"] == "warn" and "0 of 2 workers answered" in pool["detail"]
+    assert res.returncode == 1

@@ -1,5 +1,5 @@
 """Issue 18, serve/plan/doctor/setup and the CLI as a new user meets them: each test runs
-the real `k3tui` in a subprocess (the README's commands as written where it shows them)."""
+the real `k3tui` in a subprocess (the user guide's commands as written where it shows them)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,13 @@ from k3tui.planning.plan import PRESETS, TRUNK_PACK_BYTES
 from k3tui.units import GB
 
 REPO = Path(__file__).resolve().parents[3]
-README = (REPO / "README.md").read_text(encoding="utf-8")
+GUIDE = REPO / "docs" / "guide"
+SETUP, BACKENDS, PACK, PRESETS_PAGE = (
+    (GUIDE / f"{name}.md").read_text(encoding="utf-8")
+    for name in ("setup", "backends", "pack", "presets"))
+# The README and every page: where a user copies commands from.
+DOCS = "\n".join(p.read_text(encoding="utf-8")
+                 for p in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))])
 PROFILES = REPO / "k3tui" / "probe" / "profiles"
 
 
@@ -50,7 +56,7 @@ def test_bash_completion_is_generated_from_the_parser(tmp_path):
 def _job(job_id: str, message: str) -> None:
     from k3tui import jobs
 
-    jobs._write_state({"id": job_id, "kind": "download", "pid": 0, "status": "failed",
+    jobs._write_state({"id": job_id, "kind": "download", "pid": None, "status": "failed",
                        "started": 1_780_000_000, "updated": 1_780_000_100, "message": message,
                        "log": str(jobs.jobs_dir() / f"{job_id}.log"), "total_bytes": 10,
                        "done_bytes": 5, "target": "/srv/models/Kimi-K3"})
@@ -99,18 +105,18 @@ def test_doctor_tests_a_remote_endpoint_that_does_not_answer(tmp_path):
     assert "all good" not in p.stdout
 
 
-def test_setup_yes_disk_refusal_and_readme_show_the_override(tmp_path):
+def test_setup_yes_disk_refusal_and_the_guide_show_the_override(tmp_path):
     p = k3("setup", "--yes", "--model-dir", str(tmp_path))
     if "not enough disk" not in p.stderr:
         pytest.skip("this disk holds the 1.67 TB the checkpoint needs")
     assert p.returncode == 1 and "add --force to save the config anyway" in p.stderr
-    setup = README[README.index("k3tui setup --yes"):][:900]
+    setup = SETUP[SETUP.index("k3tui setup --yes"):][:900]
     assert "--force" in setup and "not enough disk" in setup
 
 
-def test_readme_serve_dry_run_for_another_machine_needs_no_file():
-    line = next(ln for ln in README.splitlines() if ln.startswith("k3tui serve --dry-run "
-                                                                  "--machine"))
+def test_guide_serve_dry_run_for_another_machine_needs_no_file():
+    line = next(ln for ln in BACKENDS.splitlines() if ln.startswith("k3tui serve --dry-run "
+                                                                    "--machine"))
     argv = line.split("#")[0].split()[1:]
     p = k3(*argv)
     assert p.returncode == 0, p.stderr
@@ -120,8 +126,8 @@ def test_readme_serve_dry_run_for_another_machine_needs_no_file():
 
 
 def test_model_flags_say_what_they_take_and_the_old_spelling_still_works():
-    # the README uses the new names for plan, setup and serve
-    for ln in README.splitlines():
+    # the README and the docs use the new names for plan, setup and serve
+    for ln in DOCS.splitlines():
         if re.match(r"k3tui (plan|setup|serve)\b", ln.strip()):
             assert not re.search(r"--model(?![-\w])", ln), ln
     old = k3("plan", "--machine", "dgx-spark", "--model", "gguf")
@@ -131,14 +137,14 @@ def test_model_flags_say_what_they_take_and_the_old_spelling_still_works():
     assert new.stdout == old.stdout and new.stderr == ""
 
 
-def test_one_trunk_size_and_one_speed_table_in_plan_and_readme():
+def test_one_trunk_size_and_one_speed_table_in_plan_and_the_guide():
     trunk = f"{TRUNK_PACK_BYTES / GB:.1f} GB"
     assert trunk == "108.8 GB"  # the 93 trunk runs the spec says `pack` writes (§2.2)
     out = k3("plan", "--machine", "server-228g", "--checkpoint-kind", "safetensors").stdout
     assert f"{trunk} for the packed trunk" in out
-    assert f"writes the {trunk} of non-expert weights" in README
+    assert f"writes the {trunk} of non-expert weights" in PACK
     for name, preset in PRESETS.items():
-        row = next(ln for ln in README.splitlines() if ln.startswith(f"| {name} |"))
+        row = next(ln for ln in PRESETS_PAGE.splitlines() if ln.startswith(f"| {name} |"))
         assert row.split("|")[5].strip() == preset.s_per_token, row
     assert f"{PRESETS['server'].s_per_token} s/token" in out
 
@@ -174,6 +180,13 @@ def test_dry_run_shows_the_model_name_the_launch_adds(tiny_a):
     assert p.returncode == 0, p.stderr
     assert f"engine serve {tiny_a} --host 127.0.0.1 --port <free port> --model-name " \
            "kimi-k3 " in p.stdout
+
+
+def test_dry_run_keeps_conversation_states_in_the_home(tiny_a):
+    """The bundled engine keeps its states under $K3TUI_HOME/states: a restart resumes."""
+    p = k3("serve", "--dry-run", "--backend", "bundled", "--model-path", str(tiny_a))
+    home = Path(os.environ["K3TUI_HOME"]).resolve()
+    assert f"--state-dir {home / 'states'}" in p.stdout, p.stdout
 
 
 def test_load_mode_reason_matches_what_the_binary_lists():

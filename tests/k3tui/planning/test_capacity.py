@@ -103,7 +103,7 @@ def test_rmt_from_bench_engine_json(tmp_path):
 
 
 def test_rmt_from_bench_llama_server_timings(tmp_path):
-    # The final chunk of a real llama-server stream (../shared/notes/llama-server.md §4).
+    # The final chunk of a real llama-server stream (docs/reference/llama-server.md).
     chunk = {"choices": [], "usage": {"completion_tokens": 16},
              "timings": {"predicted_n": 16, "predicted_ms": 3.724,
                          "predicted_per_token_ms": 0.24826, "predicted_per_second": 4027.9}}

@@ -68,21 +68,23 @@ async def test_tui_screens_conversations_open_rename_delete_export(app_factory, 
 
 
 async def test_tui_screens_downloads_and_packing_read_job_states(app_factory):
-    scenes.write_jobs(get_paths().jobs_dir)
     app = app_factory(ScriptedStream("x"))
-    async with app.run_test(size=(100, 30)) as pilot:
-        await pilot.press("f3")
-        await pilot.pause()
-        assert isinstance(app.screen, JobsScreen)
-        text = screen_text(app)
-        assert "536.4 / 1,560.9 GB" in text and "412.0 MB/s" in text and "ETA 41m27s" in text
-        assert "30 done · 61 queued · 1 failed" in text
-        assert "model-00032-of-00096.safetensors" in text  # an active file row
-        assert "model-00020-of-00096" not in text           # done files get no row
-        await pilot.press("escape", "f4")
-        await pilot.pause()
-        text = screen_text(app)
-        assert "17.9 / 41.2 GB" in text and "layer 41" in text and "905.0 MB/s" in text
+    with scenes.write_jobs(get_paths().jobs_dir):
+        async with app.run_test(size=(100, 30)) as pilot:
+            await pilot.press("f3")
+            await pilot.pause()
+            assert isinstance(app.screen, JobsScreen)
+            text = screen_text(app)
+            assert "running   536.40 / 1,560.90 GB  412.0 MB/s  ETA 41m27s" in text
+            assert "30 done · 61 queued · 1 failed" in text
+            assert "model-00032-of-00096.safetensors" in text  # an active file row
+            assert "7.80 / 16.30 GB" in text
+            assert "model-00020-of-00096" not in text           # done files get no row
+            await pilot.press("escape", "f4")
+            await pilot.pause()
+            text = screen_text(app)
+            assert "17.90 / 41.20 GB" in text and "layer 42 of 93" in text
+            assert "905.0 MB/s" in text
 
 
 async def test_tui_screens_stalled_and_empty_jobs(app_factory):
@@ -92,6 +94,64 @@ async def test_tui_screens_stalled_and_empty_jobs(app_factory):
         await pilot.pause()
         assert "No download jobs yet" in screen_text(app)
     assert format_eta(400 * 3600) == "99h+" and format_eta(125) == "2m05s"
+
+
+def _put_job(job_id: str, **fields) -> None:
+    import json
+
+    from k3tui import jobs
+
+    state = jobs.new_state(job_id, "download", ["k3tui"], "/data/tiny")
+    state.update({"status": "done", "message": "Done.", **fields})
+    (jobs.jobs_dir() / f"{job_id}.json").write_text(json.dumps(state))
+
+
+async def test_tui_screens_a_damaged_job_file_is_a_line_not_an_exit(app_factory):
+    """One malformed field in a state file made the chat exit when F3 was pressed."""
+    _put_job("download-1201-000000-good", started=2000.0)
+    _put_job("download-1201-000000-pid", status="running", pid="12345")
+    _put_job("download-1201-000000-null", status="running", started=None)
+    (get_paths().jobs_dir / "download-1201-000000-junk.json").write_text("{")
+    app = app_factory(ScriptedStream("x"))
+    async with app.run_test(size=(100, 30)) as pilot:
+        for key in ("f3", "escape", "f4"):
+            await pilot.press(key)
+            await pilot.pause()
+            if key == "escape":
+                continue
+            assert isinstance(app.screen, JobsScreen)
+            text = screen_text(app)
+            for line in ("download-1201-000000-junk skipped: it is not JSON",
+                         "download-1201-000000-null skipped: 'started' is not a time",
+                         "download-1201-000000-pid skipped: 'pid' is not a process id"):
+                assert f"damaged state file {line}" in text, text
+        assert "No pack jobs yet" in text
+        await pilot.press("escape", "f3")
+        await pilot.pause()
+        assert "done      0 / 0 B" in screen_text(app)  # the good one is shown
+
+
+async def test_tui_screens_small_cancelled_and_finished_jobs_read_as_words(app_factory):
+    """"cancelled0.1 / 0.2 GB", a 1 KB file as "0.0/0.0" GB, a finished 12-layer pack as
+    "layer 11"."""
+    _put_job("download-1201-000000-canc", status="cancelled", total_bytes=200_000_000,
+             done_bytes=120_000_000,
+             files=[{"name": "config.json", "size": 1_234, "done": 400,
+                     "status": "downloading"}])
+    _put_job("pack-1201-000000-done", kind="pack", total_bytes=41_200_000_000,
+             done_bytes=41_200_000_000, layer=11, layers=12)
+    app = app_factory(ScriptedStream("x"))
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.press("f3")
+        await pilot.pause()
+        text = screen_text(app)
+        assert "cancelled 120.0 / 200.0 MB" in text, text
+        assert "0.4 / 1.2 KB" in text, text
+        await pilot.press("escape", "f4")
+        await pilot.pause()
+        text = screen_text(app)
+        assert "done      41.20 / 41.20 GB  12 of 12 layers" in text, text
+        assert "layer 11" not in text
 
 
 async def test_tui_screens_backend_log_and_machine(app_factory, tmp_path):

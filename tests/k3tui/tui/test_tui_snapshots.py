@@ -53,14 +53,14 @@ def test_tui_snapshot_light_theme_ascii(snap_compare, tmp_path):
 @pytest.mark.parametrize("kind", ["download", "pack"])
 @pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_tui_snapshot_jobs(snap_compare, tmp_path, size, kind):
-    scenes.write_jobs(get_paths().jobs_dir)
     app = scenes.chat_app(tmp_path)
 
     async def open_screen(pilot):
         await pilot.app.push_screen(JobsScreen(kind, refresh_hz=0))
         await pilot.pause()
 
-    assert snap_compare(app, terminal_size=size, run_before=open_screen)
+    with scenes.write_jobs(get_paths().jobs_dir):
+        assert snap_compare(app, terminal_size=size, run_before=open_screen)
 
 
 def test_tui_snapshot_startup_error(snap_compare, tmp_path):
