@@ -58,4 +58,4 @@ class AnswerHandler:
     async def done(self, status: str, note: str) -> None:
         await self.widget.finish(status, note)
         self.screen.refresh_panes(force=True)
-        self.screen.turns_finished += 1
+        self.screen.answer_done()
