@@ -41,8 +41,11 @@ def memory_flags(engine_cfg: Any) -> list[str]:
 
 
 def state_flags() -> list[str]:
-    """Where the engine keeps conversation states on disk, so a restart resumes them."""
-    return ["--state-dir", str(get_paths().states_dir)]
+    """Where the engine keeps conversation states on disk, so a restart resumes them, and
+    how much it may keep there (the budget the plan shows)."""
+    from k3tui.planning.states import STATE_GB
+
+    return ["--state-dir", str(get_paths().states_dir), "--state-gb", f"{STATE_GB:g}"]
 
 
 def start_engine(checkpoint: Path | str, *, args: Sequence[str] = (), host: str = "127.0.0.1",

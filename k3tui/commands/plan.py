@@ -67,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
 
             stored = load_stored()[0]
             out["forecast"] = stored.to_dict() if stored else None
+        if plan.backend == "bundled":
+            out["states"] = _states_facts()
         print(json.dumps(out, indent=2))
     else:
         import shutil
@@ -81,10 +83,29 @@ def run(args: argparse.Namespace) -> int:
 
             lines = plan_lines(plan.preset)
         text = format_plan(plan, report, forecast=lines)
+        if plan.backend == "bundled":
+            from k3tui.paths import get_paths
+            from k3tui.planning.plan import DEFAULT_CTX
+            from k3tui.planning.states import plan_lines as state_lines
+
+            text += "\n" + "\n".join(state_lines(get_paths().states_dir, DEFAULT_CTX))
         if plan.backend == "llama-server":
             text += "\n" + "\n".join(_pool_lines(cfg, report, probe=not args.machine))
         print(fit_to_width(text, width))
     return 0
+
+
+def _states_facts() -> dict:
+    """The state folder's budget and the real model's per-state figures, for --json."""
+    from k3tui.paths import get_paths
+    from k3tui.planning import states
+    from k3tui.planning.plan import DEFAULT_CTX
+
+    return {"dir": str(get_paths().states_dir), "budget_gb": states.STATE_GB,
+            "state_fixed_bytes": states.STATE_FIXED_BYTES,
+            "state_bytes_per_token": states.STATE_BYTES_PER_TOKEN, "ctx": DEFAULT_CTX,
+            "state_bytes_at_ctx": states.state_bytes(DEFAULT_CTX),
+            "save_s": list(states.STATE_SAVE_S), "restore_s": states.STATE_RESTORE_S}
 
 
 def _pool_lines(cfg, report, *, probe: bool) -> list[str]:
