@@ -57,17 +57,12 @@ from engine.core.directio import (
 from engine.kernels import FUSED
 from engine.errors import CheckpointError, ReadError
 from engine.weights.experts import EvictionPolicy, ExpertCache
-from engine.weights.planner import (
-    DEFAULT_CONTEXT,
-    GB,
-    Geometry,
-    Plan,
-    MemorySettings,
-)
+from engine.weights.planner import Geometry, MemorySettings, Plan
 from engine.weights.resident import ResidentSource
 from engine.weights.source import ExpertSet, ExpertWeights, expert_from_arrays
 from engine.weights.tables import RowTable, StreamedMatrix
 from engine.weights.sysmem import current_rss, peak_rss
+from k3vocab import DEFAULT_CONTEXT, GB
 
 MODEL_TENSORS = ("embed_tokens.weight", "lm_head.weight", "norm.weight",
                  "output_attn_res_norm.weight", "output_attn_res_proj.weight")

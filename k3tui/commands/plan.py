@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from k3vocab import CHECKPOINT_KINDS, DEFAULT_CONTEXT
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from k3tui.probe.report import list_profiles
@@ -17,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: probe this machine)")
     from k3tui.commands import old_spelling
 
-    kinds = ("safetensors", "gguf", "remote")
+    kinds = CHECKPOINT_KINDS
     parser.add_argument("--checkpoint-kind", "--kind", dest="kind", choices=kinds,
                         help="checkpoint kind (default: the config's, else the recommended one)")
     old_spelling(parser, "--model", "--checkpoint-kind", dest="kind", choices=kinds)
@@ -87,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
 def _pool_lines(cfg, report, *, probe: bool) -> list[str]:
     """The pool section: the configured workers, asked at once (a few seconds at most,
     however many are down), or how many workers this model would need."""
-    from k3tui.planning.plan import DEFAULT_CTX, GGUF_BYTES
+    from k3tui.planning.plan import GGUF_BYTES
     from k3tui.planning.pool import Member, plan_lines
 
     endpoints = list(cfg.llama_server.rpc) if cfg is not None and probe else []
@@ -103,6 +105,6 @@ def _pool_lines(cfg, report, *, probe: bool) -> list[str]:
         free = report.memory.available_bytes if gpu.unified_memory else \
             gpu.discrete_memory_bytes
         head = Member("this machine's GPU", free)
-    ctx = cfg.llama_server.ctx_size if cfg is not None else DEFAULT_CTX
+    ctx = cfg.llama_server.ctx_size if cfg is not None else DEFAULT_CONTEXT
     return plan_lines(workers, model_bytes=GGUF_BYTES, ctx=ctx,
                       node_bytes=report.memory.effective_total_bytes, head=head)

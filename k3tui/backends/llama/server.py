@@ -26,6 +26,7 @@ from k3tui.paths import get_paths, private_open
 from k3tui.probe.limits import (check_systemd_scope, own_cgroup_v2_dir, pid_reads_back,
                                 reads_back, systemd_prefix)
 from k3tui.units import gib
+from k3vocab import DEFAULT_CONTEXT
 
 
 
@@ -250,7 +251,6 @@ def _check_pool(endpoints: Sequence[str], binary: str, shards: list[Path],
     description. The head's own protocol comes from the RPC server of its build."""
     from k3tui.backends.llama import rpc
     from k3tui.backends.llama.gguf import read_gguf_header
-    from k3tui.planning.plan import DEFAULT_CTX
 
     try:
         protocol = rpc.server_protocol(rpc.find_rpc_server(binary))
@@ -269,7 +269,7 @@ def _check_pool(endpoints: Sequence[str], binary: str, shards: list[Path],
         n_layers = read_gguf_header(shards[0]).block_count
     checked = rpc.check_pool(endpoints, head_protocol=protocol,
                              model_bytes=sum(p.stat().st_size for p in shards),
-                             ctx=ctx_size or DEFAULT_CTX, n_layers=n_layers,
+                             ctx=ctx_size or DEFAULT_CONTEXT, n_layers=n_layers,
                              head_free_bytes=head_free, force=force)
     notes += checked.notes
     return checked.lines

@@ -11,7 +11,7 @@ from textual.widgets import Static
 
 from k3tui.monitor import Sample
 from k3tui.tui.stats import LatencySnapshot, format_ms, format_rate
-from k3tui.units import gb_amount
+from k3tui.units import GB, MB, gb_amount
 from k3tui.tui.widgets.sparkline import Sparkline
 
 
@@ -77,7 +77,7 @@ def pool_line(pool: tuple[tuple[str, bool, int | None], ...]) -> str:
     """A pool head's memory line, where a local backend shows its RSS: how many workers
     the head is connected to and what the load put on each, in the config's order."""
     largest = max((b for _, up, b in pool if up and b is not None), default=0)
-    size, unit = (1e9, "GB") if largest >= 1e9 else (1e6, "MB")
+    size, unit = (GB, "GB") if largest >= GB else (MB, "MB")
     digits = 1 if largest < 10 * size else 0  # one unit for all: the figures line up
     each = "·".join(f"{b / size:.{digits}f}" if up and b is not None else
                     ("up" if up else "down") for _, up, b in pool)
