@@ -43,6 +43,7 @@ from k3tui.backends.events import (
     TokenStats,
     Waiting,
 )
+from k3tui.backends.transport import describe_transport_error, ssl_error
 from k3tui.textsafe import clean
 from k3tui.units import KiB, MiB
 
@@ -505,8 +506,6 @@ async def stream_chat(base_url: str, messages: list[dict[str, Any]], *,
                         return
                     await asyncio.sleep(LOADING_POLL_S)
         except httpx.ConnectError as exc:
-            from k3tui.backends.endpoint import describe_transport_error, ssl_error
-
             if ssl_error(exc) is not None:  # not a dead server: say why
                 yield BackendError(*describe_transport_error(exc, server_root(base_url)))
                 return

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from k3tui.probe.limits import ISOLATION_NEXT
 from k3tui.probe.report import MachineReport
 from k3tui.units import GB, GiB, disk_size, gib
 from k3vocab import DEFAULT_CONTEXT
@@ -56,8 +57,6 @@ PRESET_HEADROOM = 1.05  # the peer's forecast missed peak RSS by up to 1.84 GB
 MIN_USABLE_BYTES = 3 * GB  # the peer's `--preset auto` refuses below this
 DRIVER_RESERVE_BYTES = 25 * GiB  # unified memory: left to the GPU driver and the system
 LLAMA_MIN_BYTES = 4 * GiB  # below this even the mmap'd trunk thrashes
-ISOLATION_NEXT = ("on systemd: `loginctl enable-linger $USER` and a cgroup v2 boot with user "
-                  "memory delegation")
 DEFAULT_REASONING_BUDGET = 2048
 # blockers about where the checkpoint is downloaded: they do not stop serving a model that is here
 DOWNLOAD_BLOCKERS = ("not_a_dir", "disk_space", "pseudo_fs")

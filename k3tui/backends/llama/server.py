@@ -23,8 +23,8 @@ from k3tui.backends.llama.gguf import check_shards
 from k3tui.backends.running import LoadProgress, ProgressCallback, RunningBackend
 from k3tui.errors import K3Error
 from k3tui.paths import get_paths, private_open
-from k3tui.probe.limits import (check_systemd_scope, own_cgroup_v2_dir, pid_reads_back,
-                                reads_back, systemd_prefix)
+from k3tui.probe.limits import (ISOLATION_NEXT, check_systemd_scope, own_cgroup_v2_dir,
+                                pid_reads_back, reads_back, systemd_prefix)
 from k3tui.units import gib
 from k3vocab import DEFAULT_CONTEXT
 
@@ -281,7 +281,6 @@ def unconfined_guard(limit: MemoryLimit, unified: bool, *, force: bool,
     cache and the GPU share one memory); with `force`, the warning instead."""
     if not (unified and limit.method == "none" and limit.limit_bytes):
         return None
-    from k3tui.planning.plan import ISOLATION_NEXT
 
     if not force:
         raise K3Error(f"{what} cannot be confined to {gib(limit.limit_bytes)} "
