@@ -278,6 +278,8 @@ def _budgets(g: Geometry, facts: MemoryFacts, context: int, budget_gb: float | N
     min_cache = g.min_expert_slots * slot_e
     min_total = max(g.layer_bytes) + min_cache
     source = "budget"
+    trunk: int | None
+    cache: int | None
     if preset == AUTO_PRESET:
         trunk, cache = _auto(g, facts, context)
         source = "preset auto"
@@ -307,9 +309,9 @@ def _budgets(g: Geometry, facts: MemoryFacts, context: int, budget_gb: float | N
         if trunk is None and cache is None:
             # Trunk first; the leftover after pinning flows to the expert arena below.
             trunk, cache = budget - min_cache, min_cache
-        elif trunk is None:
+        elif trunk is None and cache is not None:
             trunk = budget - cache
-        elif cache is None:
+        elif cache is None and trunk is not None:
             cache = budget - trunk
         source = f"budget {budget_gb:g} GB" if source == "budget" else source
     if trunk is None or cache is None:

@@ -544,7 +544,7 @@ async def sse_lines(resp: httpx.Response, silence: Silence | None = None) -> Asy
     chunks = resp.aiter_bytes()
     while True:
         try:
-            chunk = await (silence.wait(anext(chunks)) if silence else anext(chunks))
+            chunk = await (silence.wait(chunks.__anext__()) if silence else chunks.__anext__())
         except StopAsyncIteration:
             break
         buf += chunk
