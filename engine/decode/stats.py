@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from engine.weights.planner import GB
 from engine.weights.source import WeightSource
 from engine.weights.sysmem import current_rss, peak_rss
+from k3vocab import GB
 
 # What the server's `k3` object carries, in order (None where unknown).
 K3_FIELDS = ("s_per_token", "gb_read", "mb_per_s", "true_hit_rate", "rss_gb", "budget_gb",

@@ -76,10 +76,10 @@ from engine.serve.worker import (
     load_engine,
     run_job,
 )
-from engine.text.chat_template import EFFORTS, ChatTemplate, Rendered, TemplateError
+from engine.text.chat_template import ChatTemplate, Rendered, TemplateError
+from k3vocab import DEFAULT_CONTEXT, EFFORTS
 
 MAX_WAITING = 8
-DEFAULT_CTX = 8192
 PING_SECONDS = 15.0    # a silent stream gets an SSE comment this often (a long prefill)
 # Announces PING_SECONDS on every stream, so a client can tell a stopped server (no byte
 # for a few pings) from a slow one; a server that sends no such header promises nothing.
@@ -592,9 +592,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ctx-size",
         type=int,
-        default=DEFAULT_CTX,
+        default=DEFAULT_CONTEXT,
         metavar="N",
-        help=f"context tokens per conversation (default {DEFAULT_CTX})",
+        help=f"context tokens per conversation (default {DEFAULT_CONTEXT})",
     )
     parser.add_argument(
         "--reasoning-budget",

@@ -55,7 +55,8 @@ def run_checks(target: str | None, measure: bool,
                say: Callable[[str], None] | None = None) -> tuple[list[Check], dict]:
     from k3tui.config import Config, config_exists, load_config
     from k3tui.paths import get_paths
-    from k3tui.planning.plan import DOWNLOAD_BLOCKERS, ISOLATION_NEXT, describe_machine, make_plan
+    from k3tui.planning.plan import DOWNLOAD_BLOCKERS, describe_machine, make_plan
+    from k3tui.probe.limits import ISOLATION_NEXT
     from k3tui.units import gib
     from k3tui.probe import probe_machine
 
