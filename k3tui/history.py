@@ -45,6 +45,29 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX messages_by_conversation ON messages(conversation_id, id);
     """,
+    # 2: every answer is a turn (k3tui/answers/store.py), queued per backend and run by a
+    # detached runner; a reply keeps the ids it was generated as (JSON list, [] if unknown).
+    """
+    ALTER TABLE messages ADD COLUMN token_ids TEXT NOT NULL DEFAULT '[]';
+    CREATE TABLE turns (
+        id INTEGER PRIMARY KEY,
+        conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+        message_id INTEGER NOT NULL REFERENCES messages(id) ON DELETE CASCADE,
+        backend TEXT NOT NULL,
+        settings TEXT NOT NULL DEFAULT '{}',
+        state TEXT NOT NULL CHECK (state IN ('queued', 'running', 'done', 'stopped', 'failed')),
+        runner TEXT NOT NULL DEFAULT '',
+        stop_requested INTEGER NOT NULL DEFAULT 0,
+        stop_reason TEXT NOT NULL DEFAULT '',
+        tokens INTEGER NOT NULL DEFAULT 0,
+        created REAL NOT NULL,
+        started REAL,
+        first_token REAL,
+        updated REAL NOT NULL,
+        ended REAL
+    );
+    CREATE INDEX turns_by_backend ON turns(backend, state, id);
+    """,
 ]
 
 STATUSES = ("done", "streaming", "stopped", "quit", "interrupted", "error")
@@ -138,8 +161,11 @@ class History:
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA foreign_keys=ON")
             self._migrate()
-            # An answer still "streaming" belongs to a TUI or backend that died mid-answer.
-            self._db.execute("UPDATE messages SET status='interrupted' WHERE status='streaming'")
+            # An answer still "streaming" belongs to a TUI or backend that died mid-answer,
+            # unless it is a turn's: its runner (k3tui/answers) continues it.
+            self._db.execute("UPDATE messages SET status='interrupted' WHERE status='streaming' "
+                             "AND id NOT IN (SELECT message_id FROM turns "
+                             "WHERE state IN ('queued', 'running'))")
         except sqlite3.DatabaseError as exc:
             from k3tui.errors import K3Error
 
@@ -161,6 +187,11 @@ class History:
             if old.exists():
                 os.rename(old, f"{moved}{suffix}")
         return moved
+
+    @property
+    def db(self) -> sqlite3.Connection:
+        """The connection, for the stores that share this file (k3tui/answers/store.py)."""
+        return self._db
 
     @property
     def schema_version(self) -> int:
