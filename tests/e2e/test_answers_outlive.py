@@ -1,0 +1,188 @@
+"""An answer outlives the terminal and the backend: real `k3tui ask` processes, a real
+`python -m engine serve` on loopback (a synthesised checkpoint, no demo steering), the
+real runner job and the real history file; processes killed with SIGKILL.
+
+The answer is sampled (temperature 1, a fixed seed) so that it is long enough to cut: the
+engine's draw for each position depends only on the seed and the position, so a continued
+answer equals the uninterrupted one id for id."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from engine.checkpoint.synth import synthesize
+from k3tui.answers.store import TurnStore
+from k3tui.history import History
+
+PROMPT = "Hello there"
+ASK = ["--temperature", "1", "--seed", "0", "--max-tokens", "600"]
+DEADLINE_S = 180.0   # a safety net for a hung run, never a measure
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return synthesize(tmp_path_factory.mktemp("answers_small"), "small", seed=0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Engine:
+    """`python -m engine serve` on a fixed port, so that it can be brought back there."""
+
+    def __init__(self, ckpt, port: int):
+        self.ckpt, self.port, self.proc = ckpt, port, None
+        self.url = f"http://127.0.0.1:{port}"
+
+    def start(self) -> Engine:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "engine", "serve", str(self.ckpt), "--port", str(self.port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + DEADLINE_S
+        while True:
+            assert self.proc.poll() is None, "the engine server exited while it loaded"
+            assert time.monotonic() < deadline, "the engine server never became ready"
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def engine(ckpt):
+    e = Engine(ckpt, free_port())
+    yield e.start()
+    e.kill()
+
+
+@pytest.fixture(autouse=True)
+def _no_runner_left():
+    yield
+    from k3tui import jobs
+
+    for state in jobs.list_jobs():
+        if state["status"] == "running":
+            jobs.cancel_job(state["id"], wait_s=5)
+
+
+def k3(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "k3tui", *args], capture_output=True,
+                          text=True, timeout=DEADLINE_S, **kw)
+
+
+def ask(url: str, *extra: str) -> int:
+    out = k3("ask", "--url", url, "--json", *ASK, *extra, PROMPT)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)["id"]
+
+
+def store() -> TurnStore:
+    return TurnStore(History())
+
+
+def wait_for(turn_id: int, until, what: str):
+    s, deadline = store(), time.monotonic() + DEADLINE_S
+    while not until(turn := s.get(turn_id)):
+        assert time.monotonic() < deadline, f"turn {turn_id} never {what}: {turn}"
+        time.sleep(0.05)
+    s.history.close()
+    return turn
+
+
+def ended(turn_id: int):
+    return wait_for(turn_id, lambda t: t.state not in ("queued", "running"), "ended")
+
+
+def reference(url: str) -> list[int]:
+    t = ended(ask(url, "--new"))
+    assert t.state == "done" and t.tokens > 100, t   # long enough to cut
+    return t.token_ids
+
+
+def test_a_turn_survives_the_killed_shell_that_queued_it(engine):
+    want = reference(engine.url)
+    # `ask --wait` in its own session, killed with its whole group: a dropped SSH session
+    shell = subprocess.Popen([sys.executable, "-m", "k3tui", "ask", "--url", engine.url, "--new",
+                              "--wait", *ASK, PROMPT], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    s = store()
+    deadline = time.monotonic() + DEADLINE_S
+    while not (turns := [t for t in s.list() if t.tokens > 0 and t.state == "running"]):
+        assert time.monotonic() < deadline, s.list()
+        time.sleep(0.02)
+    os.killpg(shell.pid, signal.SIGKILL)
+    shell.wait()
+    turn = ended(turns[0].id)
+    assert turns[0].tokens < len(want)           # it was cut while the shell was alive
+    assert turn.state == "done"
+    assert turn.token_ids == want
+    listed = json.loads(k3("answers", "--json").stdout)
+    row = next(r for r in listed if r["id"] == turn.id)
+    assert (row["state"], row["tokens"]) == ("done", len(want))
+    shown = json.loads(k3("answers", "show", str(turn.id), "--json").stdout)
+    assert shown["content"] == turn.content and shown["reasoning"] == turn.reasoning
+
+
+def test_the_backend_killed_mid_answer_and_brought_back_completes_the_same_answer(engine):
+    want = reference(engine.url)
+    turn_id = ask(engine.url, "--new", "--wait-backend", "120")
+    cut = wait_for(turn_id, lambda t: t.tokens > 0, "streamed")
+    os.kill(engine.proc.pid, signal.SIGSTOP)     # freeze it, so it cannot finish first
+    assert store().get(turn_id).state == "running"
+    engine.kill()
+    engine.start()
+    turn = ended(turn_id)
+    assert cut.tokens < len(want)
+    assert turn.state == "done", turn.stop_reason
+    assert turn.token_ids == want
+    assert turn.tokens == len(want)
+
+
+def test_a_backend_that_never_comes_back_fails_the_turn_with_why(engine):
+    turn_id = ask(engine.url, "--new", "--wait-backend", "2")
+    wait_for(turn_id, lambda t: t.tokens > 0, "streamed")
+    engine.kill()
+    turn = ended(turn_id)
+    assert turn.state == "failed"
+    assert "did not come back within 2 s" in turn.stop_reason
+    assert turn.tokens > 0 and turn.content + turn.reasoning    # what came is kept
+
+
+def test_a_queue_of_prompts_runs_in_order_one_at_a_time(engine):
+    ids = [ask(engine.url, "--max-tokens", "20") for _ in range(4)]
+    turns = [ended(i) for i in ids]
+    assert [t.state for t in turns] == ["done"] * 4
+    for before, after in zip(turns, turns[1:], strict=False):
+        assert before.ended <= after.started
+    # one conversation: each later prompt was asked with the replies before it, by ids
+    sent = store().request_messages(turns[-1])
+    assert [m["role"] for m in sent] == ["user", "assistant"] * 3 + ["user"]
+    assert all(m["k3_token_ids"] for m in sent if m["role"] == "assistant")
+
+
+def test_stop_from_the_shell_ends_a_running_answer(engine):
+    turn_id = ask(engine.url, "--new")
+    wait_for(turn_id, lambda t: t.tokens > 0, "streamed")
+    out = k3("answers", "stop", str(turn_id))
+    assert out.returncode == 0, out.stderr
+    turn = ended(turn_id)
+    assert turn.state == "stopped" and turn.tokens < 600
