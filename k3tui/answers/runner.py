@@ -88,6 +88,10 @@ def _partial(p: _Progress) -> dict[str, Any]:
 def _api_key(settings: dict[str, Any]) -> str | None:
     """The key by the name the turn recorded (never the key itself: the store is not a
     secrets file); the configured endpoint's may also be the one `k3tui setup` stored."""
+    if settings.get("api_key_credential") == "server_api_key":   # a shared service's
+        from k3tui.config import load_credentials
+
+        return load_credentials().get("server_api_key") or None
     env = settings.get("api_key_env")
     env = env if isinstance(env, str) else ""
     if settings.get("configured_key"):

@@ -85,11 +85,14 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(turn_json(turn, full=True)))
             return 0
+        from k3tui.textsafe import clean   # the store is a file: what it says goes on a terminal
+
         print(f"turn {turn.id} · conversation {turn.conversation_id} · {turn.state} · "
-              f"{turn.tokens} tokens" + (f" · {turn.stop_reason}" if turn.stop_reason else ""))
+              f"{turn.tokens} tokens" + (f" · {clean(turn.stop_reason)}" if turn.stop_reason
+                                         else ""))
         if turn.reasoning:
-            print(f"\n[reasoning]\n{turn.reasoning}")
-        print(f"\n{turn.content}")
+            print(f"\n[reasoning]\n{clean(turn.reasoning)}")
+        print(f"\n{clean(turn.content)}")
         return 0
     if args.action == "stop":
         turn = store.request_stop(_turn_id(args))

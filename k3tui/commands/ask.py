@@ -75,17 +75,35 @@ def backend_and_settings(args: argparse.Namespace) -> tuple[str, dict[str, Any]]
         settings.update(api_key_env=cfg.remote.api_key_env or None, configured_key=True,
                         model=args.model or cfg.remote.model or None,
                         verify_tls=cfg.remote.verify_tls)
+    elif cfg is not None and cfg.backend.kind in ("bundled", "llama-server"):
+        url = _shared_backend(cfg)
+        settings["model"] = args.model or None
+        if (cfg.backend.host or "127.0.0.1") not in ("127.0.0.1", "localhost", "::1"):
+            settings["api_key_credential"] = "server_api_key"   # launch.API_KEY_CREDENTIAL
     else:
-        raise K3Error("`k3tui ask` needs a running server to queue answers for; a backend "
-                      "that k3tui starts is not shared with the shell yet.",
-                      "start one with `k3tui serve` in another terminal and pass its URL: "
-                      "`k3tui ask --url http://127.0.0.1:PORT …`", 2)
+        raise K3Error("There is no backend to ask: no configuration, and no --url.",
+                      "run `k3tui setup`, or pass a server: `k3tui ask --url "
+                      "http://127.0.0.1:PORT …`", 2)
     if args.max_tokens is not None:
         settings["max_tokens"] = args.max_tokens
     if args.temperature is not None:
         settings["temperature"] = args.temperature
     settings["seed"] = args.seed if args.seed is not None else secrets.randbelow(2**31)
     return api_base(url), settings
+
+
+def _shared_backend(cfg: Any) -> str:
+    """The URL of the configured backend's shared service, started (detached) if none runs."""
+    from k3tui.backends import service
+
+    def progress(p) -> None:
+        print(f"  {p.line()}", file=sys.stderr, flush=True)
+
+    found, already = service.attach_or_start(cfg, on_progress=progress)
+    if not already:
+        print(f"Started the backend as a shared service (job {found.job_id}); "
+              "`k3tui serve stop` stops it.", file=sys.stderr, flush=True)
+    return found.url
 
 
 def _conversation(history: Any, args: argparse.Namespace, prompt: str) -> int:
@@ -124,13 +142,21 @@ def run(args: argparse.Namespace) -> int:
 def follow(store: Any, turn_id: int, *, as_json: bool = False) -> int:
     """Print the answer as it comes until the turn ends; Ctrl-C detaches."""
     from k3tui.commands.answers import turn_json
+    from k3tui.textsafe import clean   # the store is a file: what it says goes on a terminal
 
-    shown = 0
+    shown = thought = 0
     try:
         while True:
             turn = store.get(turn_id)
+            if not as_json and len(turn.reasoning) > thought:   # the thinking, apart
+                sys.stderr.write(("[reasoning] " if not thought else "")
+                                 + clean(turn.reasoning[thought:]))
+                sys.stderr.flush()
+                thought = len(turn.reasoning)
             if not as_json and len(turn.content) > shown:
-                sys.stdout.write(turn.content[shown:])
+                if thought and not shown:
+                    sys.stderr.write("\n")
+                sys.stdout.write(clean(turn.content[shown:]))
                 sys.stdout.flush()
                 shown = len(turn.content)
             if turn.state not in ("queued", "running"):
