@@ -186,3 +186,52 @@ def test_stop_from_the_shell_ends_a_running_answer(engine):
     assert out.returncode == 0, out.stderr
     turn = ended(turn_id)
     assert turn.state == "stopped" and turn.tokens < 600
+
+
+def configure(ckpt) -> None:
+    for key, value in (("backend.kind", "bundled"), ("model.dir", str(ckpt)),
+                       ("engine.preset", "custom"), ("engine.trunk_gb", "0.5"),
+                       ("engine.cache_gb", "0.25")):
+        assert k3("config", "set", key, value).returncode == 0
+
+
+def engines_of(ckpt) -> list:
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "engine" in cmd and "serve" in cmd and str(ckpt) in cmd:
+            out.append(p)
+    return out
+
+
+def test_the_configured_backend_is_one_shared_service_until_serve_stop(ckpt):
+    configure(ckpt)
+    assert engines_of(ckpt) == []
+    started = k3("serve", "--detach")
+    assert started.returncode == 0, started.stderr
+    (job,) = [j for j in json.loads(k3("jobs", "--json").stdout) if j["kind"] == "backend"]
+    assert job["status"] == "running" and job["url"].startswith("http://127.0.0.1:")
+    again = k3("serve")                                 # attaches: no second engine
+    assert again.returncode == 0 and "already runs as a shared service" in again.stdout
+    out = k3("ask", "--json", "--wait", "--temperature", "0", "--max-tokens", "8", "hi")
+    assert out.returncode == 0, out.stderr
+    turn = json.loads(out.stdout)
+    assert turn["state"] == "done" and turn["backend"] == job["url"] + "/v1"
+    (engine,) = engines_of(ckpt)
+    assert k3("serve", "stop").returncode == 0
+    engine.wait(30)                                     # stopped with its service
+    states = {j["id"]: j["status"] for j in json.loads(k3("jobs", "--json").stdout)}
+    assert states[job["id"]] == "cancelled"
+
+
+def test_ask_starts_the_shared_service_when_none_runs(ckpt):
+    configure(ckpt)
+    out = k3("ask", "--json", "--wait", "--temperature", "0", "--max-tokens", "8", "hi")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["state"] == "done"
+    running = [j for j in json.loads(k3("jobs", "--json").stdout)
+               if j["kind"] == "backend" and j["status"] == "running"]
+    assert len(running) == 1 and len(engines_of(ckpt)) == 1   # it outlives the ask
+    assert k3("serve", "stop").returncode == 0
