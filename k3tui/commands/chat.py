@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Callable
 from typing import Any
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from k3tui.errors import K3Error
@@ -174,10 +175,34 @@ def _config_session(cfg: Any) -> Session:
     s.info.model = os.path.basename(str(cfg.model.dir).rstrip("/")) or cfg.model.repo
     if cfg.backend.kind == "bundled":
         s.info.preset = cfg.engine.preset
-    from k3tui.backends import launch as launch_mod
-
-    s.starter = lambda on_progress: launch_mod.launch(cfg, on_progress=on_progress)
+    s.starter = lambda on_progress: _shared_backend(cfg, s, on_progress)
     return s
+
+
+def _shared_backend(cfg: Any, s: Session, on_progress: Callable[[Any], None]) -> Any:
+    """The configured backend's detached service (started if none runs for this
+    configuration): quitting the chat, or losing its terminal, leaves it running for the
+    other chats, `k3tui ask` and the answers in progress."""
+    import psutil
+
+    from k3tui.backends import service
+    from k3tui.backends.launch import API_KEY_CREDENTIAL, MODEL_NAME
+    from k3tui.backends.running import RunningBackend
+
+    found, _ = service.attach_or_start(cfg, on_progress=on_progress)
+    key = None
+    if (cfg.backend.host or "127.0.0.1") not in ("127.0.0.1", "localhost", "::1"):
+        from k3tui.config import load_credentials
+
+        key = load_credentials().get(API_KEY_CREDENTIAL)
+    pid = found.pid
+    try:   # the memory pane follows the server, not the job that holds it
+        pid = next((c.pid for c in psutil.Process(found.pid).children()), found.pid)
+    except (psutil.Error, ValueError, TypeError):
+        pass
+    s.info.shared = True
+    return RunningBackend(kind=cfg.backend.kind, base_url=found.url, api_key=key,
+                          model=MODEL_NAME, pid=pid, log_path=Path(found.log))
 
 
 def _offer_demo() -> bool:

@@ -57,6 +57,7 @@ class BackendInfo:
     log_path: str = ""
     label: str = ""                 # e.g. the demo's "random weights" warning
     pool: list[str] = field(default_factory=list)  # a pool head's workers, host:port each
+    shared: bool = False            # a detached service other chats use too: quitting keeps it
 
     def header(self) -> Text:
         """The label (the demo's warning) first, so 80 columns never cut it off."""
@@ -67,6 +68,8 @@ class BackendInfo:
         if self.budget_gb:   # llama-server's is the process's limit, the engine's a budget
             word = "limit" if self.kind == "llama-server" else "budget"
             parts.append((f"{word} {gb_amount(self.budget_gb)}", ""))
+        if self.shared:
+            parts.append(("shared: `k3tui serve stop` stops it", "dim"))
         text = Text(" ", no_wrap=True, overflow="ellipsis")
         for i, (part, style) in enumerate(parts):
             if i:

@@ -235,3 +235,14 @@ def test_ask_starts_the_shared_service_when_none_runs(ckpt):
                if j["kind"] == "backend" and j["status"] == "running"]
     assert len(running) == 1 and len(engines_of(ckpt)) == 1   # it outlives the ask
     assert k3("serve", "stop").returncode == 0
+
+
+def test_a_chat_attaches_to_the_shared_service_and_leaves_it_running(ckpt):
+    configure(ckpt)
+    assert k3("serve", "--detach").returncode == 0
+    (engine,) = engines_of(ckpt)
+    for _ in range(2):
+        chat = k3("chat", "--smoke", "--prompt", "hi")
+        assert "tokens streamed" in chat.stdout, chat.stdout + chat.stderr
+    assert engines_of(ckpt) == [engine] and engine.is_running()   # the same one, kept
+    assert k3("serve", "stop").returncode == 0
