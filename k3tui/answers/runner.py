@@ -176,7 +176,10 @@ class TurnAnswerer:
         while True:
             await asyncio.sleep(self.poll_s)
             if time.monotonic() - last >= FLUSH_S - self.poll_s:
-                self.save()
+                try:
+                    self.save()
+                except K3Error as exc:      # locked by another process, disk full: the
+                    print(exc, flush=True)  # answer stays in memory; saved at the next poll
                 last = time.monotonic()
             if self.cancel.is_set():
                 return "its runner was cancelled"

@@ -157,6 +157,26 @@ def test_the_backend_killed_mid_answer_and_brought_back_completes_the_same_answe
     assert turn.tokens == len(want)
 
 
+def test_a_turn_whose_runner_was_sigkilled_is_continued_by_the_next_one(engine):
+    from k3tui import jobs
+
+    want = reference(engine.url)
+    turn_id = ask(engine.url, "--new")
+    cut = wait_for(turn_id, lambda t: t.tokens > 0, "streamed")
+    (runner,) = [j for j in jobs.list_jobs() if j["kind"] == "answers" and
+                 j["status"] == "running"]
+    os.kill(runner["pid"], signal.SIGKILL)
+    wait_for(turn_id, lambda t: jobs.read_state(runner["id"])["status"] == "failed",
+             "lost its runner")
+    assert store().get(turn_id).state == "running"      # left for the next runner
+    listed = k3("answers", "--json")                    # sees no runner alive: starts one
+    assert listed.returncode == 0, listed.stderr
+    turn = ended(turn_id)
+    assert cut.tokens < len(want)
+    assert turn.state == "done" and turn.token_ids == want
+    assert turn.runner != runner["id"]
+
+
 def test_a_backend_that_never_comes_back_fails_the_turn_with_why(engine):
     turn_id = ask(engine.url, "--new", "--wait-backend", "2")
     wait_for(turn_id, lambda t: t.tokens > 0, "streamed")
