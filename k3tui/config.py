@@ -74,6 +74,7 @@ class ChatSection:
     max_tokens: int = 4096
     temperature: float = 0.6
     system_prompt: str = ""
+    seed: int = 0       # the sampling seed of every answer; 0: a new random one each
 
 
 @dataclass

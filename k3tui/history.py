@@ -59,6 +59,7 @@ MIGRATIONS: list[str] = [
         runner TEXT NOT NULL DEFAULT '',
         stop_requested INTEGER NOT NULL DEFAULT 0,
         stop_reason TEXT NOT NULL DEFAULT '',
+        next_step TEXT NOT NULL DEFAULT '',
         tokens INTEGER NOT NULL DEFAULT 0,
         created REAL NOT NULL,
         started REAL,

@@ -209,8 +209,9 @@ class TurnAnswerer:
             if isinstance(ev, Finished):
                 reason = ev.finish_reason or "stop"
                 return self._end("done", reason + (f": {ev.note}" if ev.note else ""))
-            if not ev.retry:
-                return self._end("failed", ev.message)
+            if not ev.retry or (not self.p.tokens and give_up is None):
+                # refused as asked, or never reached: said at once, not waited for
+                return self._end("failed", ev.message, ev.next_step)
             if self.p.tokens > tokens_before:   # it came back and answered: a new wait
                 give_up, attempt = None, 0
             now = time.monotonic()
@@ -242,9 +243,9 @@ class TurnAnswerer:
                 return False
             delay = min(delay * 2, BACKOFF_S[-1])
 
-    def _end(self, state: str, reason: str) -> str:
+    def _end(self, state: str, reason: str, next_step: str = "") -> str:
         self.save()
-        self.store.finish(self.turn.id, state, reason)
+        self.store.finish(self.turn.id, state, reason, next_step=next_step)
         return state
 
 

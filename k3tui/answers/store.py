@@ -48,6 +48,7 @@ class Turn:
     stop_requested: bool = False
     stop_reason: str = ""
     runner: str = ""
+    next_step: str = ""     # a failed turn: what to do about it
 
     @property
     def s_per_token(self) -> float | None:
@@ -96,7 +97,8 @@ def _turn(r: sqlite3.Row) -> Turn:
     return Turn(r["id"], r["conversation_id"], r["message_id"], r["backend"], r["state"],
                 _settings(r["settings"]), r["created"], r["updated"], r["started"],
                 r["first_token"], r["ended"], r["tokens"], r["reasoning"], r["content"],
-                _ids(r["token_ids"]), bool(r["stop_requested"]), r["stop_reason"], r["runner"])
+                _ids(r["token_ids"]), bool(r["stop_requested"]), r["stop_reason"], r["runner"],
+                r["next_step"])
 
 
 class TurnStore:
@@ -118,15 +120,17 @@ class TurnStore:
                           "free disk space or close what holds it, then try again") from None
 
     # -- the shell and the chat ---------------------------------------------------------
-    def enqueue(self, conversation_id: int, prompt: str, backend: str,
+    def enqueue(self, conversation_id: int, prompt: str | None, backend: str,
                 settings: dict[str, Any]) -> Turn:
         """The prompt and its (empty) answer, committed together, queued behind the
-        backend's other turns."""
+        backend's other turns. `prompt` None: an answer to the conversation as it is (the
+        chat saved the prompt already, or regenerates)."""
         now = self.clock()
         self._write("BEGIN IMMEDIATE")
         try:
-            self._write("INSERT INTO messages(conversation_id, role, content, created) "
-                        "VALUES (?, 'user', ?, ?)", (conversation_id, prompt, now))
+            if prompt is not None:
+                self._write("INSERT INTO messages(conversation_id, role, content, created) "
+                            "VALUES (?, 'user', ?, ?)", (conversation_id, prompt, now))
             msg = self._write("INSERT INTO messages(conversation_id, role, status, created) "
                               "VALUES (?, 'assistant', 'streaming', ?)", (conversation_id, now))
             cur = self._write(
@@ -153,6 +157,10 @@ class TurnStore:
             "(SELECT id FROM turns WHERE state NOT IN ('queued', 'running') "
             "ORDER BY id DESC LIMIT ?) ORDER BY t.id", (limit,)).fetchall()
         return [_turn(r) for r in rows]
+
+    def turn_of_message(self, message_id: int) -> Turn | None:
+        row = self.db.execute(_SELECT + " WHERE t.message_id=?", (message_id,)).fetchone()
+        return None if row is None else _turn(row)
 
     def backends_waiting(self) -> list[str]:
         """The backends with turns queued or running (each needs a runner)."""
@@ -221,14 +229,14 @@ class TurnStore:
         return row is None or bool(row[0])   # a deleted conversation stops its turn
 
     def finish(self, turn_id: int, state: str, reason: str, *,
-               only_from: str = "running") -> None:
+               only_from: str = "running", next_step: str = "") -> None:
         assert state in STATES and state not in ACTIVE
         now = self.clock()
         self._write("BEGIN IMMEDIATE")
         try:
-            cur = self._write("UPDATE turns SET state=?, stop_reason=?, ended=?, updated=? "
-                              "WHERE id=? AND state=?", (state, reason, now, now, turn_id,
-                                                         only_from))
+            cur = self._write("UPDATE turns SET state=?, stop_reason=?, next_step=?, ended=?, "
+                              "updated=? WHERE id=? AND state=?",
+                              (state, reason, next_step, now, now, turn_id, only_from))
             if cur.rowcount:
                 self._write("UPDATE messages SET status=?, meta=? WHERE id=(SELECT message_id "
                             "FROM turns WHERE id=?)",

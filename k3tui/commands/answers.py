@@ -26,7 +26,8 @@ def turn_json(turn: Any, *, full: bool = False) -> dict[str, Any]:
     out = {"id": turn.id, "conversation": turn.conversation_id, "state": turn.state,
            "tokens": turn.tokens, "s_per_token": turn.s_per_token,
            "elapsed_s": turn.elapsed_s(time.time()), "eta_s": turn.eta_s,
-           "backend": turn.backend, "stop_reason": turn.stop_reason}
+           "backend": turn.backend, "stop_reason": turn.stop_reason,
+           "next_step": turn.next_step}
     if full:
         out.update(reasoning=turn.reasoning, content=turn.content,
                    token_ids=turn.token_ids)

@@ -35,8 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model name to request")
     parser.add_argument("--max-tokens", type=int, help="default: chat.max_tokens")
     parser.add_argument("--temperature", type=float, help="default: chat.temperature")
-    parser.add_argument("--seed", type=int, help="sampling seed (default: a random one, kept "
-                        "with the turn so a continued answer is the same answer)")
+    parser.add_argument("--seed", type=int, help="sampling seed (default: chat.seed, else a "
+                        "random one; kept with the turn, so a continued answer is the same "
+                        "answer)")
     parser.add_argument("--wait-backend", type=float, metavar="S", help=argparse.SUPPRESS)
 
 
@@ -88,7 +89,8 @@ def backend_and_settings(args: argparse.Namespace) -> tuple[str, dict[str, Any]]
         settings["max_tokens"] = args.max_tokens
     if args.temperature is not None:
         settings["temperature"] = args.temperature
-    settings["seed"] = args.seed if args.seed is not None else secrets.randbelow(2**31)
+    seed = args.seed if args.seed is not None else chat.seed or secrets.randbelow(2**31)
+    settings["seed"] = seed
     return api_base(url), settings
 
 

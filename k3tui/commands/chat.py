@@ -63,6 +63,25 @@ class Session:
         self.url = ""
         self.api_key: str | None = None
         self.verify: Any = True                   # TLS policy for a remote URL
+        # how a runner finds this backend's key (never the key: the store is not for
+        # secrets); None: answers are streamed here, not queued (the demo ends with the chat)
+        self.key_settings: dict[str, Any] | None = None
+        self.seed = 0                             # [chat] seed; 0: random per answer
+
+    def queue_target(self) -> tuple[str, dict[str, Any]] | None:
+        """The turn queue's backend and the settings of one answer (a new seed each: kept
+        with the turn, so a continued answer is the same answer)."""
+        import secrets
+
+        from k3tui.backends.openai_stream import api_base
+
+        url = self.running.base_url if self.running is not None else self.url
+        if self.key_settings is None or not url:
+            return None
+        settings = {**self.chat_kwargs, **self.key_settings, "system_prompt": self.system_prompt,
+                    "model": self.info.model or None,
+                    "seed": self.seed or secrets.randbelow(2**31)}
+        return api_base(url), settings
 
     def stream(self, messages: list[dict[str, Any]]):
         if self.running is not None:
@@ -94,6 +113,7 @@ class Session:
         self.info.__dict__.update(d.info.__dict__)
         d.info = self.info  # the demo's starter records its budget on the info shown
         self.starter, self.chat_kwargs, self.system_prompt = d.starter, d.chat_kwargs, ""
+        self.key_settings = None   # its engine ends with the chat: nothing to queue for
         return d.starter
 
     def alive(self) -> bool:
@@ -116,7 +136,9 @@ def _url_session(url: str, api_key_env: str | None, model: str | None) -> Sessio
         if not api_key:
             raise K3Error(f"The environment variable {api_key_env} is empty or not set.",
                           f"export {api_key_env}=<your key>, then run this again", 2)
-    return _point_at(_chat_settings(Session(), load_config().chat), url, api_key, model)
+    s = _point_at(_chat_settings(Session(), load_config().chat), url, api_key, model)
+    s.key_settings = {"api_key_env": api_key_env}
+    return s
 
 
 def _chat_settings(s: Session, chat: Any) -> Session:
@@ -125,6 +147,7 @@ def _chat_settings(s: Session, chat: Any) -> Session:
 
     s.chat_kwargs = chat_settings(chat)
     s.system_prompt = chat.system_prompt
+    s.seed = chat.seed
     return s
 
 
@@ -159,8 +182,11 @@ def _remote_session(cfg: Any, base: Session) -> Session:
     from k3tui.backends.endpoint import resolve_api_key, tls_verify
 
     api_key, _ = resolve_api_key(cfg.remote.api_key_env)
-    return _point_at(base, cfg.remote.url, api_key, cfg.remote.model or None,
-                     tls_verify(cfg.remote.verify_tls))
+    s = _point_at(base, cfg.remote.url, api_key, cfg.remote.model or None,
+                  tls_verify(cfg.remote.verify_tls))
+    s.key_settings = {"api_key_env": cfg.remote.api_key_env or None, "configured_key": True,
+                      "verify_tls": cfg.remote.verify_tls}
+    return s
 
 
 def _config_session(cfg: Any) -> Session:
@@ -201,6 +227,7 @@ def _shared_backend(cfg: Any, s: Session, on_progress: Callable[[Any], None]) ->
     except (psutil.Error, ValueError, TypeError):
         pass
     s.info.shared = True
+    s.key_settings = {"api_key_credential": API_KEY_CREDENTIAL} if key else {}
     return RunningBackend(kind=cfg.backend.kind, base_url=found.url, api_key=key,
                           model=MODEL_NAME, pid=pid, log_path=Path(found.log))
 
@@ -248,7 +275,7 @@ def make_app(session: Session, args: argparse.Namespace, **overrides: Any):
         theme="textual-light" if args.light else None, starter=session.starter,
         on_started=session.attach, backend_alive=session.alive,
         demo=session.use_demo if session.starter is not None and not session.info.label
-        else None)
+        else None, queue=session.queue_target)
     kwargs.update(overrides)
     return ChatApp(**kwargs)
 

@@ -30,7 +30,7 @@ from k3tui.history import History
 from k3tui.monitor import Monitor, Sample
 from k3tui.textsafe import clean
 from k3tui.tui.handler import AnswerHandler
-from k3tui.tui.session import ChatSession
+from k3tui.tui.session import ChatSession, QueueFn
 from k3tui.tui.stats import LatencyStats
 from k3tui.units import gb_amount
 from k3tui.tui.widgets.messages import AssistantMessage, UserMessage, code_blocks
@@ -218,15 +218,22 @@ class ChatScreen(Screen):
         if conversation_id is None:
             return
         widgets = []
-        for m in history.messages(conversation_id):
+        messages = history.messages(conversation_id)
+        running = None   # an answer in progress (its runner answers it): followed live
+        for m in messages:
             if m.role == "user":
                 widgets.append(UserMessage(m.content, classes="user"))
             elif m.role == "assistant":
+                if m is messages[-1] and m.status == "streaming" and self.session.follow(m.id):
+                    running = m.id
+                    continue
                 widgets.append(AssistantMessage(content=m.content, reasoning=m.reasoning,
                                                 status=m.status, classes="assistant"))
         await chat.mount_all(widgets)
         await self._hint()
         chat.follow()
+        if running is not None and not self.generating:
+            await self._start_answer(following=running)
 
     async def _hint(self) -> None:
         """An empty chat says what to do (a first run, Ctrl+N); the first message replaces it."""
@@ -260,9 +267,10 @@ class ChatScreen(Screen):
         await self._hint()
         await self._start_answer()
 
-    async def _start_answer(self) -> None:
-        messages = self.session.request_messages()
-        self.current_id = self.session.start_answer()
+    async def _start_answer(self, following: int | None = None) -> None:
+        """A new answer, or (`following`: its message) one in progress in the store."""
+        messages = self.session.request_messages() if following is None else []
+        self.current_id = self.session.start_answer() if following is None else following
         self.clear_pick()
         self.current = AssistantMessage(classes="assistant")
         chat = self.query_one("#chat", ChatLog)
@@ -275,8 +283,8 @@ class ChatScreen(Screen):
 
     async def _generate(self, messages: list[dict[str, Any]], widget: AssistantMessage,
                         message_id: int) -> None:
-        await self.session.consume(self.k3app.stream(messages), AnswerHandler(self, widget),
-                                   message_id)
+        await self.session.consume(self.session.stream_for(messages, self.k3app.stream),
+                                   AnswerHandler(self, widget), message_id)
 
     def learn_budget(self, budget_gb: Any) -> None:
         """The engine reports the budget it runs under; the header shows it."""
@@ -593,8 +601,10 @@ class ChatApp(App):
                  on_started: Callable[[Any], None] | None = None,
                  backend_alive: Callable[[], bool] | None = None,
                  demo: Callable[[], Callable[[Callable[[Any], None]], Any]] | None = None,
+                 queue: QueueFn | None = None,
                  ) -> None:
         super().__init__()
+        self.queue = queue  # answers go through the turn queue (k3tui/answers)
         self.stream = stream
         self.history = history
         self.backend = backend or BackendInfo()
@@ -624,8 +634,8 @@ class ChatApp(App):
         }))
 
     def get_default_screen(self) -> Screen:
-        return ChatScreen(ChatSession(self.history, self._conversation_id, self.system_prompt),
-                          new=self._new_conversation)
+        return ChatScreen(ChatSession(self.history, self._conversation_id, self.system_prompt,
+                                      queue=self.queue), new=self._new_conversation)
 
     @property
     def chat(self) -> ChatScreen:

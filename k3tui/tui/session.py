@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from k3tui.backends.events import (
@@ -21,6 +22,10 @@ from k3tui.backends.events import (
     Waiting,
 )
 from k3tui.history import History
+
+# What `queue` gives for each answer when answers go through the turn queue: the backend's
+# URL (the queue's key) and the turn's settings (k3tui/answers/store.py); None: stream here.
+QueueFn = Callable[[], "tuple[str, dict[str, Any]] | None"]
 
 SAVE_EVERY_S = 1.0  # how often a streaming answer is written to the history
 
@@ -43,11 +48,23 @@ class AnswerView(Protocol):
 
 
 class ChatSession:
+    """With `queue`, an answer is a turn (k3tui/answers): queued in the store, answered by
+    the backend's detached runner, and followed here from the store, so it goes on when
+    this chat ends. Without it (the demo, whose engine ends with the chat), the chat holds
+    the stream itself."""
+
     def __init__(self, history: History, conversation_id: int | None = None,
-                 system_prompt: str = "") -> None:
+                 system_prompt: str = "", queue: QueueFn | None = None) -> None:
         self.history = history
         self.conversation_id = conversation_id
         self.system_prompt = system_prompt
+        self.queue = queue
+        self.turn_id: int | None = None   # the turn being followed, when queued
+
+    def _store(self) -> Any:
+        from k3tui.answers.store import TurnStore
+
+        return TurnStore(self.history)
 
     def request_messages(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -74,8 +91,35 @@ class ChatSession:
 
     def start_answer(self) -> int:
         assert self.conversation_id is not None
-        return self.history.add_message(self.conversation_id, "assistant", "",
-                                        status="streaming")
+        target = self.queue() if self.queue is not None else None
+        if target is None:
+            self.turn_id = None
+            return self.history.add_message(self.conversation_id, "assistant", "",
+                                            status="streaming")
+        from k3tui.answers.runner import ensure_runner
+
+        backend, settings = target
+        turn = self._store().enqueue(self.conversation_id, None, backend, settings)
+        ensure_runner(backend)
+        self.turn_id = turn.id
+        return turn.message_id
+
+    def follow(self, message_id: int) -> bool:
+        """Follow the turn that fills `message_id` if it is queued or running (a chat
+        opened on an answer in progress); False if there is none."""
+        turn = self._store().turn_of_message(message_id)
+        if turn is None or turn.state not in ("queued", "running"):
+            return False
+        self.turn_id = turn.id
+        return True
+
+    def stream_for(self, messages: list[dict[str, Any]], direct: Callable[..., Any]) -> Any:
+        """The answer's events: read back from the store for a queued turn, else `direct`."""
+        if self.turn_id is not None:
+            from k3tui.answers.follow import follow_turn
+
+            return follow_turn(self._store(), self.turn_id)
+        return direct(messages)
 
     async def consume(self, stream: Any, view: AnswerView,
                       message_id: int) -> None:
@@ -109,6 +153,8 @@ class ChatSession:
                                                 reasoning=view.reasoning)
         except asyncio.CancelledError:
             status = view.cancelled_status()  # Esc stopped it, or k3tui quit
+            if self.turn_id is not None and status == "stopped":
+                self._store().request_stop(self.turn_id)  # Esc stops it; a quit does not
             raise
         except Exception as exc:  # a client bug or a dropped connection: never a traceback
             status, note = "error", f"{type(exc).__name__}: {exc}"
@@ -118,7 +164,9 @@ class ChatSession:
                 await stream.aclose()  # closes the HTTP stream, which stops the server
             except Exception:
                 pass
-            self.history.update_message(message_id, content=view.content,
-                                        reasoning=view.reasoning, status=status,
-                                        meta=view.turn_meta())
+            if self.turn_id is None:
+                self.history.update_message(message_id, content=view.content,
+                                            reasoning=view.reasoning, status=status,
+                                            meta=view.turn_meta())
+            # a queued turn's message is its runner's to write
             await view.done(status, note)

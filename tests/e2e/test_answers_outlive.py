@@ -9,6 +9,7 @@ answer equals the uninterrupted one id for id."""
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import signal
 import socket
@@ -266,3 +267,51 @@ def test_a_chat_attaches_to_the_shared_service_and_leaves_it_running(ckpt):
         assert "tokens streamed" in chat.stdout, chat.stdout + chat.stderr
     assert engines_of(ckpt) == [engine] and engine.is_running()   # the same one, kept
     assert k3("serve", "stop").returncode == 0
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_a_turn_sent_from_the_chat_survives_its_killed_tmux_session(engine):
+    """What a dropped SSH session does: the chat and everything in its session get SIGHUP.
+    The answer goes on in its runner, ends as the uninterrupted run does, and a chat
+    opened afterwards shows it."""
+    from tui_helpers import REPO_ROOT, Tmux
+
+    for key, value in (("chat.temperature", "1"), ("chat.max_tokens", "600"),
+                       ("chat.seed", "1")):
+        assert k3("config", "set", key, value).returncode == 0
+    env = {"K3TUI_HOME": os.environ["K3TUI_HOME"], "TERM": "xterm-256color",
+           "PYTHONPATH": str(REPO_ROOT)}
+    tmux = Tmux(f"k3tui-answers-{os.getpid()}", env)
+    command = f"{sys.executable} -m k3tui chat --url {engine.url}/v1"
+    try:
+        tmux.start(command)
+        tmux.wait_for(lambda s: "Stop" in s)
+        tmux.keys(PROMPT, literal=True)
+        tmux.keys("Enter")
+        s = store()
+        deadline = time.monotonic() + DEADLINE_S
+        while not (turns := [t for t in s.list() if t.tokens > 0]):
+            assert time.monotonic() < deadline, "the chat's answer never streamed"
+            time.sleep(0.02)
+        tmux.kill()
+        (cut,) = turns
+        assert cut.state == "running"
+        turn = ended(cut.id)
+        seed = turn.settings["seed"]
+        want = reference_with_seed(engine.url, seed)
+        assert cut.tokens < len(want)
+        assert turn.state == "done" and turn.token_ids == want
+        tmux.start(command)                               # reopened: the answer is there
+        # the answer's last words, or (all reasoning: shown folded) its reasoning's fold
+        shown = " ".join(turn.content.split())[-12:] if turn.content.strip() else \
+            "reasoning ("
+        tmux.wait_for(lambda scr: PROMPT in scr and shown in " ".join(scr.split()), timeout=60)
+    finally:
+        tmux.close()
+
+
+def reference_with_seed(url: str, seed: int) -> list[int]:
+    out = k3("ask", "--url", url, "--json", "--new", "--wait", "--temperature", "1",
+             "--max-tokens", "600", "--seed", str(seed), PROMPT)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)["token_ids"]
