@@ -37,6 +37,7 @@ from k3tui.backends.events import (
 )
 from k3tui.errors import K3Error
 
+ON_DONE_TIMEOUT_S = 60.0
 FLUSH_S = 1.0           # at most this much of an answer is lost with the machine
 WAIT_BACKEND_S = 600.0  # how long a backend that went away is waited for, per answer
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
@@ -249,6 +250,33 @@ class TurnAnswerer:
         return state
 
 
+def run_on_done(turn: Turn) -> None:
+    """`chat.on_done`, the user's own command (from their private config), run through the
+    shell with the turn in its environment: never with text of the answer in the command
+    line, so nothing a model wrote is ever run. Its output goes to the runner's log."""
+    import subprocess
+
+    from k3tui.config import load_config
+
+    try:
+        command = load_config().chat.on_done.strip()
+    except K3Error as exc:
+        print(f"chat.on_done not run: {exc}", flush=True)
+        return
+    if not command:
+        return
+    env = dict(os.environ, K3TUI_TURN_ID=str(turn.id),
+               K3TUI_CONVERSATION=str(turn.conversation_id), K3TUI_TURN_STATE=turn.state,
+               K3TUI_TURN_TOKENS=str(turn.tokens))
+    try:
+        done = subprocess.run(["/bin/sh", "-c", command], env=env, stdin=subprocess.DEVNULL,
+                              timeout=ON_DONE_TIMEOUT_S, check=False)
+        if done.returncode:
+            print(f"chat.on_done exited with {done.returncode}", flush=True)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        print(f"chat.on_done failed: {exc}", flush=True)
+
+
 def serve_queue(backend: str, *, wait_s: float = WAIT_BACKEND_S) -> int:
     """The runner job's body: answer the backend's turns until its queue is empty."""
     from k3tui.history import History
@@ -278,6 +306,7 @@ def serve_queue(backend: str, *, wait_s: float = WAIT_BACKEND_S) -> int:
             reporter.update(message=f"answering turn {turn.id}")
         state = asyncio.run(TurnAnswerer(store, turn, cancel=cancel, wait_s=wait_s).run())
         print(f"turn {turn.id}: {state}", flush=True)
+        run_on_done(store.get(turn.id))
         answered += 1
     if reporter is not None:
         reporter.finish("cancelled" if cancel.is_set() else "done",

@@ -78,6 +78,14 @@ class BackendInfo:
         return text
 
 
+def finished_notice(text: str) -> str:
+    """BEL, then OSC 9 and OSC 777 notifications carrying `text`, which is cleaned of every
+    control character (an ESC or BEL in it would end the sequence and run the rest) and of
+    `;` (OSC 777's separator)."""
+    what = clean(text).replace("\n", " ").replace("\t", " ").replace(";", ",")
+    return f"\a\x1b]9;{what}\x07\x1b]777;notify;k3tui;{what}\x07"
+
+
 class ChatLog(VerticalScroll):
     """The conversation. It follows a growing answer only while the view is at the
     bottom (within 2 rows): someone reading further up is never yanked down."""
@@ -285,6 +293,15 @@ class ChatScreen(Screen):
                         message_id: int) -> None:
         await self.session.consume(self.session.stream_for(messages, self.k3app.stream),
                                    AnswerHandler(self, widget), message_id)
+
+    def tell_finished(self, status: str) -> None:
+        """An answer ended while this chat is open: the bell, and a desktop notification
+        (OSC 9 and OSC 777; terminals without them ignore both). The text is ours, cleaned
+        of control characters all the same, so it cannot end the sequence early."""
+        app = self.app
+        if not app.is_headless and app._driver is not None:
+            app._driver.write(finished_notice(
+                f"the answer is {'done' if status == 'done' else 'failed'}"))
 
     def learn_budget(self, budget_gb: Any) -> None:
         """The engine reports the budget it runs under; the header shows it."""

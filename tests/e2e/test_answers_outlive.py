@@ -315,3 +315,16 @@ def reference_with_seed(url: str, seed: int) -> list[int]:
              "--max-tokens", "600", "--seed", str(seed), PROMPT)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)["token_ids"]
+
+
+def test_on_done_runs_with_the_turn_in_its_environment_not_its_text(engine, tmp_path):
+    out = tmp_path / "done.txt"
+    command = f'echo "$K3TUI_TURN_ID $K3TUI_CONVERSATION $K3TUI_TURN_STATE" >> {out}'
+    assert k3("config", "set", "chat.on_done", command).returncode == 0
+    turn_id = ask(engine.url, "--new", "--max-tokens", "8")
+    turn = ended(turn_id)
+    deadline = time.monotonic() + DEADLINE_S
+    while not out.exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert out.read_text().split() == [str(turn.id), str(turn.conversation_id), "done"]
