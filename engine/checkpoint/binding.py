@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import ReadError
-from engine.weights.io import ALIGN, DirectFile, align_down, align_up, aligned_buffer
+from engine.core.directio import ALIGN, DirectFile, align_down, align_up, aligned_buffer
 
 DIGEST_CHUNK = 16 << 20  # bytes read (O_DIRECT) while the previous chunk is hashed
 HEX = frozenset("0123456789abcdef")

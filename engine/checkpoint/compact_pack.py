@@ -20,13 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from engine.checkpoint import trunk as T
+from engine.checkpoint import packing
 from engine.checkpoint.binding import changed_shards, new_digest
 from engine.checkpoint.compact import C12, MIN_SAVING, c12_nbytes, eligible, encode, to_bytes
 from engine.errors import EngineError
-from engine.weights.io import align_up
+from engine.core.directio import align_up
 
-FORMAT = T.COMPACT_FORMAT
+FORMAT = packing.COMPACT_FORMAT
 PACKER = "k3tui engine.checkpoint.compact_pack c12 v1"
 
 
@@ -46,7 +46,7 @@ def _encode_tensor(t, raw: np.ndarray) -> tuple[bytes, dict[str, Any]]:
     return raw.tobytes(), dict(entry, nbytes=t.nbytes)
 
 
-def _pack_layer(run: T.LayerRun, file_off: int) -> tuple[bytes, dict[str, Any]]:
+def _pack_layer(run: packing.LayerRun, file_off: int) -> tuple[bytes, dict[str, Any]]:
     with open(run.shard, "rb") as f:  # each layer's source once: its digest, then its c12
         data = os.pread(f.fileno(), run.own, run.start)
         os.posix_fadvise(f.fileno(), run.start, run.own, os.POSIX_FADV_DONTNEED)
@@ -76,19 +76,19 @@ def _pack_layer(run: T.LayerRun, file_off: int) -> tuple[bytes, dict[str, Any]]:
 
 
 def pack_compact(checkpoint_dir: str | Path, out_dir: str | Path,
-                 progress: T.Progress | None = None) -> dict[str, Any]:
-    s = T.Session.open(checkpoint_dir, out_dir, FORMAT)
+                 progress: packing.Progress | None = None) -> dict[str, Any]:
+    s = packing.Session.open(checkpoint_dir, out_dir, FORMAT)
     runs, out, n = s.runs, s.out, len(s.runs)
     total = sum(r.own for r in runs)
     t0 = time.perf_counter()
-    layers, _ = s.verify(T.spans(s), prefix=True, progress=progress, total=total)
+    layers, _ = s.verify(packing.spans(s), prefix=True, progress=progress, total=total)
     if s.complete and len(layers) == n:
         if s.stale_meta or changed_shards(s.recorded, s.sources):  # same bytes: bind anew
-            T.write_json(out / T.TRUNK_JSON, _meta(s, layers))
+            packing.write_json(out / packing.TRUNK_JSON, _meta(s, layers))
         if progress:
             progress(total, total, n - 1)
         return _summary(layers, total, 0, time.perf_counter() - t0, 0, True, out)
-    fd = os.open(out / T.TRUNK_BIN, os.O_WRONLY | os.O_CREAT, 0o644)
+    fd = os.open(out / packing.TRUNK_BIN, os.O_WRONLY | os.O_CREAT, 0o644)
     t0, moved, copied = time.perf_counter(), 0, 0
     try:
         s.begin(fd, layers)
@@ -101,7 +101,7 @@ def pack_compact(checkpoint_dir: str | Path, out_dir: str | Path,
             try:
                 os.fdatasync(fd)
             except OSError as exc:
-                raise T.fail_write(off, exc) from None
+                raise packing.fail_write(off, exc) from None
             os.posix_fadvise(fd, off, len(blob), os.POSIX_FADV_DONTNEED)
             layers.append(entry)
             s.record(fd, layers)
@@ -118,8 +118,8 @@ def pack_compact(checkpoint_dir: str | Path, out_dir: str | Path,
     return _summary(layers, total, moved, secs, copied, False, out)
 
 
-def _meta(s: T.Session, layers: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"n_layers": len(s.runs), "align": T.ALIGN, "format": FORMAT, "packer": PACKER,
+def _meta(s: packing.Session, layers: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"n_layers": len(s.runs), "align": packing.ALIGN, "format": FORMAT, "packer": PACKER,
             "fingerprint": s.fp, "sources": s.sources, "layers": layers}
 
 
@@ -129,7 +129,7 @@ def _write(fd: int, blob: bytes, offset: int) -> None:
         try:
             done += os.pwrite(fd, view[done:], offset + done)
         except OSError as exc:
-            raise T.fail_write(offset + done, exc) from None
+            raise packing.fail_write(offset + done, exc) from None
 
 
 def _summary(layers: list, total: int, moved: int, secs: float, copied: int, already: bool,

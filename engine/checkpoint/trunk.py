@@ -14,17 +14,14 @@ in order as it lands. Finished layers are recorded with their digests in
 `trunk.progress.json` after an fdatasync, so an interrupted pack resumes where it
 stopped, re-reading what it finished first; `trunk.json` appears only when every layer is
 in place. `pack` on a finished trunk checks every layer again and re-packs what no longer
-matches its digest or its shard.
+matches its digest or its shard. What this pack shares with the compact one
+(compact_pack.py) — the runs, the session, trunk.json — is in packing.py.
 """
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import json
 import os
 import queue
-import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -38,8 +35,6 @@ import numpy as np
 
 from engine.checkpoint.binding import (
     changed_shards,
-    digest_of_range,
-    file_identity,
     is_digest,
     new_digest,
     shard_stats,
@@ -47,136 +42,30 @@ from engine.checkpoint.binding import (
 from engine.checkpoint.safetensors import DTYPES, SafetensorsIndex, TensorInfo, overlap
 from engine.checkpoint.schema import TensorNames
 from engine.checkpoint.compact import C12, CompactSpec, c12_nbytes, eligible
+from engine.checkpoint.compact_pack import pack_compact
+from engine.checkpoint.packing import (
+    COMPACT_FORMAT,
+    PROGRESS,
+    TRUNK_BIN,
+    TRUNK_JSON,
+    LayerRun,
+    Progress,
+    Session,
+    fail_write,
+    fingerprint,
+    layer_runs,
+    load_trunk_json,
+    open_checkpoint,
+    spans,
+    same_layout,
+    trunk_json,
+    write_json,
+)
 from engine.errors import CheckpointError, EngineError, ReadError
-from engine.jsonfile import load_json
-from engine.model.config import ModelConfig
-from engine.weights.io import ALIGN, FileTable, TensorSpec, align_down, align_up, aligned_buffer
+from engine.core.directio import ALIGN, FileTable, TensorSpec, align_down, align_up, aligned_buffer
 
-TRUNK_BIN = "trunk.bin"
-TRUNK_JSON = "trunk.json"
-PROGRESS = "trunk.progress.json"
-COMPACT_FORMAT = "k3-c12"  # compact_pack.FORMAT
 CHUNK = 16 << 20
 WORKERS = 4  # chunks copied concurrently: the disk's queue depth for reads and writes
-Progress = Callable[[int, int, int], None]  # (done_bytes, total_bytes, layer)
-
-
-@dataclass(frozen=True)
-class LayerRun:
-    layer: int
-    shard: Path
-    start: int  # absolute offset of the run in the shard
-    own: int  # bytes of the run (= sum of its tensors)
-    file_off: int  # offset in trunk.bin (aligned)
-    tensors: tuple[TensorInfo, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return align_up(self.own)
-
-
-def layer_runs(index: SafetensorsIndex, names: TensorNames, n_layers: int) -> list[LayerRun]:
-    """Each layer's trunk as one contiguous run; refuse a layer where that is not so."""
-    per: dict[int, list[TensorInfo]] = {i: [] for i in range(n_layers)}
-    lp = names.prefix + "layers."
-    for name, t in index.tensors.items():
-        if name.startswith(lp) and not names.is_expert(name):
-            num = name[len(lp):].split(".", 1)[0]
-            if num.isdigit() and int(num) < n_layers:
-                per[int(num)].append(t)
-    runs = []
-    off = 0
-    for i in range(n_layers):
-        ts = sorted(per[i], key=lambda t: t.offset)
-        if not ts:
-            raise CheckpointError(f"layer {i} has no trunk tensors in {index.root}.")
-        shards = sorted({t.file.name for t in ts})
-        if len(shards) > 1:
-            raise CheckpointError(
-                f"layer {i}'s trunk tensors span several shards ({', '.join(shards)}); it cannot "
-                "be packed as one run."
-            )
-        lo, hi = ts[0].offset, max(t.end for t in ts)
-        own = sum(t.nbytes for t in ts)
-        if hi - lo != own:
-            raise CheckpointError(
-                f"layer {i}'s trunk tensors in {shards[0]} are not one contiguous run (bytes "
-                f"[{lo}, {hi}) hold {own} bytes of trunk and {hi - lo - own} of other data); "
-                "packing it would drag expert bytes into every token's reads."
-            )
-        runs.append(LayerRun(i, ts[0].file, lo, own, off, tuple(ts)))
-        off += align_up(own)
-    return runs
-
-
-def fingerprint(checkpoint_dir: Path, index: SafetensorsIndex, runs: list[LayerRun]) -> str:
-    """Identity of a checkpoint: config, shard sizes, trunk layout and sampled trunk bytes."""
-    h = hashlib.sha256()
-    cfg = Path(checkpoint_dir) / "config.json"
-    if cfg.is_file():
-        h.update(cfg.read_bytes())
-    for f in index.files():
-        h.update(f"{f.name}:{f.stat().st_size}\n".encode())
-    for r in runs:
-        for t in r.tensors:
-            h.update(f"{t.name}:{t.dtype}:{list(t.shape)}:{t.offset}\n".encode())
-        with open(r.shard, "rb") as f:  # first and last 4 KiB of the run: same layout,
-            for pos in (r.start, max(r.start, r.start + r.own - ALIGN)):  # other weights
-                h.update(os.pread(f.fileno(), min(ALIGN, r.own), pos))
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    return "sha256:" + h.hexdigest()
-
-
-def _open_checkpoint(checkpoint_dir: Path) -> tuple[SafetensorsIndex, TensorNames, int]:
-    index = SafetensorsIndex.open(checkpoint_dir)
-    names = TensorNames.detect(index)
-    n = ModelConfig.from_dir(checkpoint_dir).num_hidden_layers
-    return index, names, n
-
-
-def trunk_json(runs: list[LayerRun], fp: str, digests: dict[int, str],
-               sources: dict[str, dict[str, int]]) -> dict[str, Any]:
-    """The BF16 trunk's trunk.json; `digests[layer]` is both digests (the bytes are the run's)."""
-    return {
-        "n_layers": len(runs),
-        "align": ALIGN,
-        "fingerprint": fp,
-        "sources": sources,
-        "layers": [
-            {
-                "layer": r.layer,
-                "shard": r.shard.name,
-                "run_start": r.start,
-                "nbytes": r.nbytes,
-                "file_off": r.file_off,
-                "sha256": digests[r.layer],
-                "source_sha256": digests[r.layer],
-                "tensors": {
-                    t.name: {"off": t.offset - r.start, "nbytes": t.nbytes, "dtype": t.dtype,
-                             "shape": list(t.shape)}
-                    for t in r.tensors
-                },
-            }
-            for r in runs
-        ],
-    }
-
-
-def write_json(path: Path, data: dict) -> None:
-    """Atomically: the old file or the new one, never a part; nothing left on failure."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write(json.dumps(data, indent=1))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise EngineError(
-            f"writing {path} failed ({exc.strerror}); free disk space or choose another "
-            "folder, then rerun to resume."
-        ) from None
 
 
 def _open_out(path: Path) -> tuple[int, bool]:
@@ -185,13 +74,6 @@ def _open_out(path: Path) -> tuple[int, bool]:
         return os.open(path, flags | os.O_DIRECT, 0o644), True
     except OSError:
         return os.open(path, flags, 0o644), False
-
-
-def fail_write(offset: int, exc: OSError) -> EngineError:
-    return EngineError(
-        f"writing {TRUNK_BIN} failed at byte {offset} ({exc.strerror}); free disk space or "
-        "choose another folder, then rerun to resume."
-    )
 
 
 class _Copier:
@@ -287,8 +169,6 @@ def pack(checkpoint_dir: str | Path, out_dir: str | Path,
     one."""
     try:
         if compact:
-            from engine.checkpoint.compact_pack import pack_compact
-
             return pack_compact(checkpoint_dir, out_dir, progress)
         return _pack_bf16(checkpoint_dir, out_dir, progress)
     except OSError as exc:  # what the steps above did not word themselves: one sentence
@@ -296,169 +176,6 @@ def pack(checkpoint_dir: str | Path, out_dir: str | Path,
             f"packing into {out_dir} failed on {exc.filename or TRUNK_BIN} ({exc.strerror}); "
             "free disk space or fix the folder's permissions, then rerun to resume."
         ) from None
-
-
-Span = tuple[LayerRun, dict[str, Any], int, int]  # run, entry, file_off, bytes sha256 covers
-
-
-@dataclass
-class Session:
-    """One pack of `runs` into `out`: the checkpoint's identity taken before any of its
-    bytes are read, and what the folder already holds, checked."""
-
-    out: Path
-    runs: list[LayerRun]
-    fp: str
-    fmt: str | None  # None: the peer's BF16 trunk; COMPACT_FORMAT
-    sources: dict[str, dict[str, int]]
-    prior: list[dict[str, Any]]  # layer entries from trunk.json or the progress file
-    recorded: Any  # the shard stats they were recorded with
-    complete: bool  # prior came from a finished trunk.json
-    stale_meta: bool = False  # ... whose fingerprint is not this checkpoint's (config.json)
-
-    @classmethod
-    def open(cls, checkpoint_dir: str | Path, out_dir: str | Path, fmt: str | None) -> Session:
-        root, out = Path(checkpoint_dir), Path(out_dir)
-        index, names, n = _open_checkpoint(root)
-        runs = layer_runs(index, names, n)
-        fp = fingerprint(root, index, runs)
-        sources = shard_stats(r.shard for r in runs)
-        out.mkdir(parents=True, exist_ok=True)
-        s = cls(out, runs, fp, fmt, sources, [], None, False)
-        s._read_prior()
-        return s
-
-    @property
-    def progress_file(self) -> Path:
-        return self.out / PROGRESS
-
-    def _read_prior(self) -> None:
-        done_json = self.out / TRUNK_JSON
-        if done_json.is_file():
-            have = _load_json(done_json)
-            layers = have.get("layers")
-            # This checkpoint's layout: its trunk, even if a shard or config.json changed
-            # since (the digests below find which layers); anything else is not ours to
-            # overwrite.
-            if have.get("format") != self.fmt or not _same_layout(layers, self.runs):
-                raise EngineError(
-                    f"{self.out} already holds another trunk (packed from a different "
-                    "checkpoint, or in the other format); choose another folder or delete "
-                    "that one."
-                )
-            if all(is_digest(e.get("sha256")) for e in layers):
-                self.prior, self.recorded, self.complete = layers, have.get("sources"), True
-                self.stale_meta = have.get("fingerprint") != self.fp
-            return  # packed without digests (the peer, an older k3tui): re-packed whole
-        if self.progress_file.is_file():
-            state = _load_json(self.progress_file)
-            # Only the trunk.bin it was written for: deleted and made again is another file.
-            if state.get("fingerprint") == self.fp and state.get("format") == self._fmt_name \
-                    and state.get("bin") == file_identity(self.out / TRUNK_BIN) \
-                    and isinstance(state.get("layers"), list):
-                self.prior, self.recorded = state["layers"], state.get("sources")
-
-    @property
-    def _fmt_name(self) -> str:
-        return self.fmt or "bf16"
-
-    def verify(self, spans: list[Span], prefix: bool, progress: Progress | None,
-               total: int) -> tuple[list[dict], list[tuple[int, str]]]:
-        """The prior layers whose bytes still match: each one's bytes in trunk.bin against
-        its `sha256`, and its shard's run against `source_sha256` where the shard changed
-        since it was recorded. `spans`: (run, entry, file_off, used bytes) per layer.
-        Returns (entries kept, [(layer, why)] for the others); `prefix`: nothing after the
-        first that fails is kept (the compact trunk: each layer's offset follows the last)."""
-        changed = changed_shards(self.recorded, self.sources)
-        kept: list[dict] = []
-        bad: list[tuple[int, str]] = []
-        done = 0
-        for run, entry, file_off, used in spans:
-            why = None
-            if digest_of_range(self.out / TRUNK_BIN, file_off, used) != entry["sha256"]:
-                why = f"its bytes in {TRUNK_BIN} do not match its digest"
-            elif run.shard.name in changed and digest_of_range(
-                    run.shard, run.start, run.own) != entry["source_sha256"]:
-                why = f"{run.shard.name} changed since it was packed"
-            if why:
-                bad.append((run.layer, why))
-                if prefix:
-                    break
-                continue
-            kept.append(entry)
-            done += run.nbytes if self.fmt is None else run.own
-            if progress:
-                progress(done, total, run.layer)
-        return kept, bad
-
-    def begin(self, fd: int, layers: list[dict]) -> None:
-        """Bind the progress file to the trunk.bin open as `fd` before any byte of it
-        changes; a finished trunk.json is retired only once that is recorded."""
-        self.record(fd, layers)
-        (self.out / TRUNK_JSON).unlink(missing_ok=True)
-
-    def record(self, fd: int, layers: list[dict]) -> None:
-        st = os.fstat(fd)
-        write_json(self.progress_file, {
-            "fingerprint": self.fp, "format": self._fmt_name,
-            "bin": {"dev": st.st_dev, "ino": st.st_ino}, "sources": self.sources,
-            "layers": layers})
-
-    def finish(self, meta: dict[str, Any]) -> None:
-        write_json(self.out / TRUNK_JSON, meta)
-        self.progress_file.unlink(missing_ok=True)
-
-
-def _same_layout(layers: Any, runs: list[LayerRun]) -> bool:
-    """trunk.json's layers are these runs: same shards, starts and tensor names."""
-    return isinstance(layers, list) and len(layers) == len(runs) and all(
-        isinstance(e, dict) and e.get("layer") == r.layer and e.get("shard") == r.shard.name
-        and e.get("run_start") == r.start and isinstance(e.get("tensors"), dict)
-        and set(e["tensors"]) == {t.name for t in r.tensors}
-        for e, r in zip(layers, runs))
-
-
-def spans(s: Session) -> list[Span]:
-    """The well-formed prior entries. BF16: any layers (offsets are fixed), both digests
-    equal (the bytes are the run's). Compact: layers 0, 1, ... each at the end of the one
-    before, since every later offset follows from them."""
-    by_layer = {r.layer: r for r in s.runs}
-    out: list[Span] = []
-    seen: set[int] = set()
-    off = 0
-    for e in s.prior:
-        layer = e.get("layer") if isinstance(e, dict) else None
-        run = by_layer.get(layer) if type(layer) is int else None
-        ok = run is not None and run.layer not in seen and is_digest(e.get("sha256")) \
-            and is_digest(e.get("source_sha256"))
-        if s.fmt is None and ok and e["source_sha256"] == e["sha256"]:
-            out.append((run, e, run.file_off, run.own))
-        elif s.fmt is not None and ok and run.layer == len(out) \
-                and type(e.get("file_off")) is int and e["file_off"] == off:
-            used = _extent(e.get("tensors"))
-            if used is None or type(e.get("nbytes")) is not int or e["nbytes"] != align_up(used):
-                break
-            out.append((run, e, off, used))
-            off += e["nbytes"]
-        elif s.fmt is not None:
-            break
-        else:
-            continue
-        seen.add(run.layer)
-    return out
-
-
-def _extent(tensors: Any) -> int | None:
-    """Where a layer's last tensor ends (what its digest covers), None if malformed."""
-    if not isinstance(tensors, dict) or not tensors:
-        return None
-    ends = []
-    for t in tensors.values():
-        off, nb = (t.get("off"), t.get("nbytes")) if isinstance(t, dict) else (None, None)
-        if type(off) is not int or type(nb) is not int or off < 0 or nb < 0:
-            return None
-        ends.append(off + nb)
-    return max(ends)
 
 
 def _pack_bf16(checkpoint_dir: str | Path, out_dir: str | Path,
@@ -529,7 +246,7 @@ def verify(checkpoint_dir: str | Path, out_dir: str | Path,
     if not (out / TRUNK_JSON).is_file():
         raise EngineError(f"{out} holds no finished trunk ({TRUNK_JSON} is missing); pack one "
                           f"with `python -m engine pack {checkpoint_dir} {out}`.")
-    fmt = _load_json(out / TRUNK_JSON).get("format")
+    fmt = load_trunk_json(out / TRUNK_JSON).get("format")
     s = Session.open(checkpoint_dir, out, COMPACT_FORMAT if fmt == COMPACT_FORMAT else None)
     if not s.complete:
         raise EngineError(
@@ -544,12 +261,6 @@ def verify(checkpoint_dir: str | Path, out_dir: str | Path,
     return {"layers": len(s.runs), "bytes": sum(used for *_, used in checked),
             "seconds": time.perf_counter() - t0, "bad": sorted(bad)}
 
-
-MAX_TRUNK_JSON = 64 << 20  # the release's trunk.json is ~1 MB
-
-
-def _load_json(path: Path) -> dict[str, Any]:
-    return load_json(path, MAX_TRUNK_JSON, "delete it and re-pack.")
 
 
 class _Checker:
@@ -636,7 +347,7 @@ def trunk_specs(trunk_dir: Path, index: SafetensorsIndex, names: TensorNames, n_
             f"{trunk_dir} has no {TRUNK_JSON}; pack one with `python -m engine pack "
             f"{checkpoint_dir} {trunk_dir}`."
         )
-    meta = _load_json(meta_path)
+    meta = load_trunk_json(meta_path)
 
     chk = _Checker(meta_path, repack)
     need, bad = chk.need, chk.bad
@@ -695,7 +406,7 @@ def _check_current(meta: dict, runs: list[LayerRun], checkpoint_dir: Path, trunk
     fp = meta.get("fingerprint")
     if first is None and (fp is None or fp == fingerprint(checkpoint_dir, index, runs)):
         return
-    if not _same_layout(meta.get("layers"), runs):
+    if not same_layout(meta.get("layers"), runs):
         raise CheckpointError(
             f"the trunk in {trunk_dir} was packed from a different checkpoint than "
             f"{checkpoint_dir}; {repack}."
@@ -710,7 +421,7 @@ def _check_current(meta: dict, runs: list[LayerRun], checkpoint_dir: Path, trunk
 def check(checkpoint_dir: str | Path, trunk_dir: str | Path) -> PackedTrunk:
     """trunk_specs for a checkpoint folder: what `k3tui doctor` runs (it reads two pages
     per layer of the shards, no trunk bytes)."""
-    index, names, n = _open_checkpoint(Path(checkpoint_dir))
+    index, names, n = open_checkpoint(Path(checkpoint_dir))
     return trunk_specs(Path(trunk_dir), index, names, n, Path(checkpoint_dir))
 
 
@@ -773,7 +484,7 @@ def plain_copy(checkpoint_dir: str | Path, dest: str | Path) -> dict[str, Any]:
     """The baseline: `cp` + `sync` of the same bytes. Like cp, each trunk run is copied in
     the kernel (`copy_file_range`), then the copy is made durable (fsync), from a cold
     page cache."""
-    index, names, n = _open_checkpoint(Path(checkpoint_dir))
+    index, names, n = open_checkpoint(Path(checkpoint_dir))
     runs = layer_runs(index, names, n)
     drop_cache(index.files())
     t0 = time.perf_counter()
@@ -807,68 +518,3 @@ def drop_cache(files: list[Path]) -> None:
 
 
 # ---- python -m engine pack ----------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", help="checkpoint folder (safetensors shards + config)")
-    parser.add_argument("out", help="folder for trunk.bin + trunk.json (resumes if present; "
-                        "a finished trunk is checked and what changed re-packed)")
-    parser.add_argument("--json", action="store_true", help="print a JSON summary at the end")
-    parser.add_argument("--compact", action="store_true",
-                        help="write the lossless compact trunk (~12 bits/weight, this engine "
-                        "only) instead of the peer-compatible BF16 one")
-    parser.add_argument("--verify", action="store_true",
-                        help="only check every layer of the finished trunk against its digest "
-                        "and the checkpoint; change nothing (exit 1 on a mismatch)")
-
-
-def main(args: argparse.Namespace) -> int:
-    t0 = time.perf_counter()
-    last = [0.0]
-    verb = "checking" if args.verify else "packing"
-
-    def show(done: int, total: int, layer: int) -> None:
-        now = time.perf_counter()
-        if now - last[0] < 0.5 and done < total:
-            return
-        last[0] = now
-        rate = done / 1e6 / max(now - t0, 1e-9)
-        print(f"\r{verb} layer {layer}: {done / 1e9:.2f} / {total / 1e9:.2f} GB "
-              f"({100 * done / max(total, 1):.0f}%), {rate:.0f} MB/s", end="",
-              file=sys.stderr, flush=True)
-
-    try:
-        if args.verify:
-            summary = verify(args.checkpoint, args.out, progress=show)
-        else:
-            summary = pack(args.checkpoint, args.out, progress=show,
-                           compact=getattr(args, "compact", False))
-    except EngineError as exc:
-        print(f"\nerror: {exc}", file=sys.stderr)
-        return 1
-    print(file=sys.stderr)
-    if args.json:
-        print(json.dumps(summary))
-    elif args.verify:
-        print(verdict(summary, Path(args.checkpoint), Path(args.out)))
-    elif summary["already_packed"]:
-        print(f"{args.out} already holds this checkpoint's trunk (every layer checked); "
-              "nothing to do.")
-    else:
-        kind = (f"compact trunk ({100 * summary['ratio']:.1f}% of its BF16 size)"
-                if "ratio" in summary else "trunk")
-        print(f"packed {summary['total_bytes'] / 1e9:.3f} GB of {kind} into {args.out} "
-              f"({summary['mb_per_s']:.0f} MB/s).")
-    return 1 if args.verify and summary["bad"] else 0
-
-
-def verdict(summary: dict[str, Any], checkpoint_dir: Path, trunk_dir: Path) -> str:
-    """verify()'s result in one sentence."""
-    bad = summary["bad"]
-    if not bad:
-        return (f"every layer of the trunk in {trunk_dir} matches its digest and the checkpoint "
-                f"({summary['bytes'] / 1e9:.3f} GB read in {summary['seconds']:.1f} s).")
-    layer, why = bad[0]
-    more = f" (and {len(bad) - 1} more layers)" if len(bad) > 1 else ""
-    return (f"layer {layer} of the trunk in {trunk_dir} does not match: {why}{more}; "
-            f"{repack_in_place(checkpoint_dir, trunk_dir)}.")

@@ -66,7 +66,16 @@ from engine.serve.protocol import (
     parse_json,
 )
 from engine.serve.snapshots import owner_of
-from engine.serve.worker import Job, Loaded, LoadProgress, Metrics, k3_record, load_engine, run_job
+from engine.serve.worker import (
+    Job,
+    Loaded,
+    LoadProgress,
+    LoadSettings,
+    Metrics,
+    k3_record,
+    load_engine,
+    run_job,
+)
 from engine.text.chat_template import EFFORTS, ChatTemplate, Rendered, TemplateError
 
 MAX_WAITING = 8
@@ -83,6 +92,7 @@ READ_TIMEOUT = 10.0    # seconds a client may take for its request head, or stal
 # dripping a byte now and then never stalls, but must not hold a connection for ever.
 MIN_BODY_RATE = 16 * 2**10  # bytes/s: a 4 MiB body may take READ_TIMEOUT + 256 s
 OWNER = "k3.owner"  # the scope key of the request's owner (snapshots.owner_of)
+STATE_GB = 16.0        # on disk: ~20 real-model conversations of a few thousand tokens
 SNAPSHOT_GB = 2.0      # real model: ~3 kept states of ~0.63 GB (KDA state) + their latent cache
 
 
@@ -622,8 +632,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="GB of conversation states kept between turns, so a follow-up prefills only "
         f"what is new (0 = off; default {SNAPSHOT_GB:g}; the memory plan counts it)",
     )
+    parser.add_argument(
+        "--state-dir",
+        default=None,
+        metavar="DIR",
+        help="folder where conversation states are also kept on disk, so a restarted server "
+        "resumes them (0700, files 0600; default: none, states end with the process)",
+    )
+    parser.add_argument(
+        "--state-gb",
+        type=float,
+        default=STATE_GB,
+        metavar="X",
+        help=f"GB the state folder may hold, least recently used out (default {STATE_GB:g})",
+    )
     parser.add_argument("--debug-load-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--debug-token-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    # tests: mid-answer checkpoints every N tokens, and a generation that stops after N tokens
+    # (as if the server were killed there)
+    parser.add_argument("--debug-checkpoint-every", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--debug-hang-after", type=int, default=0, help=argparse.SUPPRESS)
     # tests: pings often enough that a client's stall window is short
     parser.add_argument("--debug-ping-seconds", type=float, default=PING_SECONDS,
                         help=argparse.SUPPRESS)
@@ -762,7 +790,8 @@ def main(args: argparse.Namespace) -> int:
             if args.debug_load_delay:
                 service.progress.phase = "debug-delay"
                 time.sleep(args.debug_load_delay)
-            loaded = load_engine(checkpoint, tok_dir, args, service.progress, args.ctx_size)
+            settings = LoadSettings.from_args(args)
+            loaded = load_engine(checkpoint, tok_dir, settings, service.progress, args.ctx_size)
             service.set_loaded(loaded)
             print(
                 f"model ready in {service.metrics.values['load_seconds']:.1f} s",

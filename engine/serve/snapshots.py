@@ -18,6 +18,10 @@ States belong to their owner, the API key of the request that made them (by
 key's states, so another key's prompt is as cold as on a fresh server (cache_n 0, the
 same answer) and a guess at it learns nothing. The budget is shared: one key's states can
 push another's out, which says that the other key is busy, not what it sent.
+
+With a state folder (engine/serve/durable.py) every kept state is also written to disk
+before the answer that made it goes on, and a request resumes from disk when the folder
+holds a longer prefix than memory: a restarted server resumes where the last one stopped.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import threading
 from collections import OrderedDict
 
 from engine.model.state import ModelState
+from engine.serve.durable import StateDir
 
 OWNER_DOMAIN = b"k3-engine kept-state owner\0"
 
@@ -40,8 +45,9 @@ def owner_of(api_key: str | None) -> str:
 
 
 class SnapshotStore:
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, disk: StateDir | None = None):
         self.budget = max(0, int(budget_bytes))
+        self.disk = disk
         # (owner, ids) -> state, least recently used first, all owners in one order
         self._kept: OrderedDict[tuple[str, tuple[int, ...]], ModelState] = OrderedDict()
         self._lock = threading.Lock()
@@ -54,12 +60,24 @@ class SnapshotStore:
         return len(self._kept)
 
     def put(self, state: ModelState, *, owner: str = "") -> bool:
-        """Keep `state` for `owner` (the store owns it from now on); evict the least
-        recently used ones to make room. False when it alone is larger than the budget."""
-        size = state.nbytes()
-        if not state.ids or size > self.budget:
+        """Keep `state` for `owner` (the store owns it from now on), in memory when it fits
+        the budget (the least recently used go to make room) and in the state folder.
+        False when it was kept nowhere."""
+        if not state.ids:
             return False
         key = (owner, tuple(state.ids))
+        kept = self._remember(key, state)
+        if self.disk is not None:
+            if self.disk.has(*key):
+                self.disk.touch(*key)
+                kept = True
+            else:
+                kept = self.disk.save(state, owner) or kept
+        return kept
+
+    def _remember(self, key: tuple[str, tuple[int, ...]], state: ModelState) -> bool:
+        if state.nbytes() > self.budget:
+            return False
         with self._lock:
             self._kept.pop(key, None)
             self._kept[key] = state
@@ -67,10 +85,20 @@ class SnapshotStore:
                 self._kept.popitem(last=False)
         return True
 
+    def drop(self, ids: list[int], *, owner: str = "") -> None:
+        """Forget `owner`'s state for exactly `ids` (a superseded mid-answer checkpoint)."""
+        key = (owner, tuple(ids))
+        with self._lock:
+            self._kept.pop(key, None)
+        if self.disk is not None:
+            self.disk.drop(*key)
+
     def take(self, prompt_ids: list[int], *, owner: str = "") -> ModelState | None:
         """A copy of `owner`'s kept state covering the longest prefix of `prompt_ids` (all
         of them only if it kept the logits to sample from), marked recently used; the kept
-        one is never handed out, so whatever the caller does to the copy leaves it intact."""
+        one is never handed out, so whatever the caller does to the copy leaves it intact.
+        From the state folder when it holds a longer one than memory (checked as read; a
+        refused file falls back to what memory has)."""
         best: tuple[str, tuple[int, ...]] | None = None
         with self._lock:
             for key, state in self._kept.items():
@@ -80,7 +108,12 @@ class SnapshotStore:
                 if (who == owner and fits and (best is None or n > len(best[1]))
                         and list(ids) == prompt_ids[:n]):
                     best = key
-            if best is None:
-                return None
-            self._kept.move_to_end(best)
-            return self._kept[best].snapshot()
+            if best is not None:
+                self._kept.move_to_end(best)
+                found = self._kept[best].snapshot()
+        if self.disk is not None:
+            ids = self.disk.best(prompt_ids, owner, len(best[1]) if best else 0)
+            state = self.disk.load(owner, ids) if ids is not None else None
+            if state is not None:  # kept in memory too when it fits, handed out as a copy
+                return state.snapshot() if self._remember((owner, ids), state) else state
+        return found if best is not None else None

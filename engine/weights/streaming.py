@@ -20,13 +20,12 @@
   (pinned layers once, streamed layers each pass, experts on a miss), waits as wall time
   the model spent blocked on reads.
 
-`open_source(checkpoint_dir, args)` is what run/serve/bench call: the resident source when
+`open_source(checkpoint_dir, memory)` is what run/serve/bench call: the resident source when
 no memory flag was given, else a plan (printed to stderr as a forecast) and this source.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 import threading
 import time
@@ -39,11 +38,13 @@ from typing import Any
 
 import numpy as np
 
+from engine.checkpoint.binding import new_digest
+from engine.checkpoint.compact import CompactSpec
 from engine.checkpoint.safetensors import SafetensorsIndex, TensorInfo
-from engine.errors import CheckpointError, ReadError
-from engine.model.config import ModelConfig
-from engine.weights.experts import EvictionPolicy, ExpertCache
-from engine.weights.io import (
+from engine.checkpoint.schema import open_checked
+from engine.checkpoint.trunk import layer_mismatch, trunk_specs
+from engine.core.config import ModelConfig
+from engine.core.directio import (
     ALIGN,
     Batch,
     FileTable,
@@ -53,16 +54,19 @@ from engine.weights.io import (
     align_up,
     aligned_buffer,
 )
+from engine.kernels import FUSED
+from engine.errors import CheckpointError, ReadError
+from engine.weights.experts import EvictionPolicy, ExpertCache
 from engine.weights.planner import (
     DEFAULT_CONTEXT,
     GB,
     Geometry,
     Plan,
-    plan_from_args,
-    wants_streaming,
+    MemorySettings,
 )
 from engine.weights.resident import ResidentSource
 from engine.weights.source import ExpertSet, ExpertWeights, expert_from_arrays
+from engine.weights.tables import RowTable, StreamedMatrix
 from engine.weights.sysmem import current_rss, peak_rss
 
 MODEL_TENSORS = ("embed_tokens.weight", "lm_head.weight", "norm.weight",
@@ -85,8 +89,6 @@ class CheckpointMap:
 
     def __init__(self, checkpoint_dir: str | Path, trunk_dir: str | Path | None = None,
                  index: SafetensorsIndex | None = None):
-        from engine.checkpoint.schema import open_checked
-
         self.root = Path(checkpoint_dir)
         self.config, self.index, self.names = open_checked(self.root, index)
         n = self.config.num_hidden_layers
@@ -108,10 +110,6 @@ class CheckpointMap:
         # layer -> the sha256 of its bytes in trunk.bin, checked on its first read
         self.trunk_digests: dict[int, str] = {}
         if self.trunk_dir is not None:
-            from engine.checkpoint.trunk import (  # the packed trunk replaces the shard runs
-                trunk_specs,
-            )
-
             packed = trunk_specs(self.trunk_dir, self.index, self.names, n, self.root)
             per_layer, self.trunk_digests = packed.layers, packed.digests
         self.trunk_kind = _trunk_kind(per_layer, trunk_dir, bool(self.trunk_digests))
@@ -173,15 +171,13 @@ class CheckpointMap:
             checkpoint_bytes=sum(Path(f).stat().st_size for f in files),
             kv_bytes_per_token=n_mla * (c.kv_lora_rank + c.qk_rope_head_dim) * 4,
             state_bytes=kda_state + conv,
-            scratch_bytes=_scratch_bytes(biggest, c),
+            scratch_bytes=scratch_bytes(biggest, c),
         )
 
 
 def _trunk_kind(per_layer: dict[int, list[TensorSpec]], trunk_dir: str | Path | None,
                 digests: bool) -> str:
     """What the trunk streams from, for the forecast line."""
-    from engine.checkpoint.compact import CompactSpec
-
     if trunk_dir is None:
         return "the checkpoint's shards (BF16)"
     checked = ("each layer checked against its digest on its first read" if digests else
@@ -195,11 +191,9 @@ def _trunk_kind(per_layer: dict[int, list[TensorSpec]], trunk_dir: str | Path | 
             f"{checked})")
 
 
-def _scratch_bytes(biggest: int, c: ModelConfig) -> int:
+def scratch_bytes(biggest: int, c: ModelConfig) -> int:
     """Compute temporaries: activations, plus a widened copy (u32 + f32) of the largest
     matrix when the numpy reference kernels run instead of the fused ones."""
-    from engine.kernels import FUSED
-
     acts = 16 * 4 * max(c.vocab_size, c.intermediate_size, c.hidden_size * 4) + (32 << 20)
     return acts if FUSED else acts + 8 * biggest
 
@@ -382,9 +376,6 @@ class StreamingSource:
         return self.pool.submit(lay.reads(self.files, buf), priority, then=check)
 
     def _check_layer(self, index: int, buf: np.ndarray, want: str) -> None:
-        from engine.checkpoint.binding import new_digest
-        from engine.checkpoint.trunk import layer_mismatch
-
         t0 = time.perf_counter()
         (run,) = self.map.layers[index].runs  # trunk_specs: a digest's layer is one run
         digest = new_digest()
@@ -624,8 +615,6 @@ class StreamingSource:
     def model_tensor(self, name: str) -> np.ndarray:
         arr = self._model.get(name)
         if arr is None and self.plan.stream_tables and name in MODEL_TENSORS[:2]:
-            from engine.weights.tables import RowTable, StreamedMatrix
-
             kind = RowTable if name == "embed_tokens.weight" else StreamedMatrix
             arr = self._model[name] = kind(self.map.model_spec(name), self.pool, self.files,
                                            (EXPERT_PRIORITY, -1))
@@ -821,17 +810,14 @@ class _ExpertGroups(Mapping[int, ExpertWeights]):
             self.group = None
 
 
-def open_source(checkpoint_dir: str | Path, args: argparse.Namespace | None = None,
-                *, context: int | None = None, quiet: bool = False):
-    """The resident source when no memory flag was given, else a planned StreamingSource."""
-    if args is None or not wants_streaming(args):
-        from engine.checkpoint.schema import open_checked
-
+def open_source(checkpoint_dir: str | Path, memory: MemorySettings | None = None,
+                *, context: int = DEFAULT_CONTEXT, quiet: bool = False):
+    """The resident source when no memory flag was given, else a planned StreamingSource
+    (its plan printed to stderr as a forecast unless `quiet`)."""
+    if memory is None or not memory.streams:
         return ResidentSource(checkpoint_dir, index=open_checked(checkpoint_dir)[1])
-    cmap = CheckpointMap(checkpoint_dir, getattr(args, "trunk", None))
-    ctx = context or getattr(args, "context_tokens", None) or DEFAULT_CONTEXT
-    plan = plan_from_args(cmap.geometry(), args, context=ctx)
+    cmap = CheckpointMap(checkpoint_dir, memory.trunk)
+    plan = memory.plan(cmap.geometry(), context=context)
     if not quiet:
         print(f"trunk: {cmap.trunk_kind}\n{plan.describe()}", file=sys.stderr, flush=True)
     return StreamingSource(cmap, plan)
-

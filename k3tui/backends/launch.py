@@ -171,7 +171,7 @@ def _prepare_bundled(cfg: Any, checkpoint: Path, host: str, port: int) -> Launch
                       "run `k3tui download`, or point the config at the folder it filled "
                       "(`k3tui config set model.dir FOLDER`); `k3tui chat --demo` works "
                       "meanwhile")
-    args = bundled.memory_flags(cfg.engine)
+    args = bundled.memory_flags(cfg.engine) + bundled.state_flags()
     if cfg.model.trunk_dir:
         args += ["--trunk", cfg.model.trunk_dir]
     key = _api_key(host)
@@ -207,4 +207,6 @@ def launch_engine(checkpoint: str | Path, *, budget_gb: float | None = None,
     if steer_demo:
         args.append("--steer-demo")
     args += list(extra_args)
+    if "--state-dir" not in args:
+        args += bundled.state_flags()
     return bundled.start_engine(checkpoint, args=args, on_progress=on_progress)

@@ -107,12 +107,11 @@ class Session:
     def use_demo(self) -> Callable[[Callable[[Any], None]], Any]:
         """Become the demo session in place (the app holds this session's info and stream);
         returns its starter."""
-        from k3tui import demo
-
-        d = demo.demo_session(Session)
+        d = _demo_session()
         self.info.__dict__.update(d.info.__dict__)
         d.info = self.info  # the demo's starter records its budget on the info shown
-        self.starter, self.chat_kwargs, self.system_prompt = d.starter, d.chat_kwargs, ""
+        self.starter, self.chat_kwargs, self.system_prompt = (d.starter, d.chat_kwargs,
+                                                              d.system_prompt)
         self.key_settings = None   # its engine ends with the chat: nothing to queue for
         return d.starter
 
@@ -139,6 +138,14 @@ def _url_session(url: str, api_key_env: str | None, model: str | None) -> Sessio
     s = _point_at(_chat_settings(Session(), load_config().chat), url, api_key, model)
     s.key_settings = {"api_key_env": api_key_env}
     return s
+
+
+def _demo_session() -> Session:
+    """The demo model with the [chat] settings every chat sends (defaults without a config)."""
+    from k3tui import demo
+    from k3tui.config import load_config
+
+    return demo.demo_session(_chat_settings(Session(), load_config().chat))
 
 
 def _chat_settings(s: Session, chat: Any) -> Session:
@@ -245,18 +252,14 @@ def _offer_demo() -> bool:
 
 def build_session(args: argparse.Namespace) -> Session:
     if args.demo:
-        from k3tui import demo
-
-        return demo.demo_session(Session)
+        return _demo_session()
     if args.url:
         return _url_session(args.url, args.api_key_env, args.model)
     from k3tui.config import config_exists, load_config
 
     if not config_exists():
         if not args.smoke and _offer_demo():
-            from k3tui import demo
-
-            return demo.demo_session(Session)
+            return _demo_session()
         raise K3Error("There is no configuration yet.",
                       "run `k3tui setup`, or try `k3tui chat --demo`", 2)
     return _config_session(load_config())

@@ -7,6 +7,7 @@ import sys
 import time
 
 from k3tui import units
+from k3tui.hub.progress import file_counts
 from k3tui.jobs import resume_hint
 
 
@@ -159,9 +160,9 @@ def render_state(state: dict, width: int = 80):
             done_of = units.transfer_progress(f["done"], f["size"])
             table.add_row(f["name"], f"{pct:5.1f}%", done_of, f["status"])
         parts.append(table)
-    if files:
-        n_done = sum(f["status"] == "done" for f in files)
-        parts.append(Text(f"{n_done}/{len(files)} files verified"
+    counts = file_counts(state)
+    if counts:
+        parts.append(Text(f"{counts.get('done', 0)}/{sum(counts.values())} files verified"
                           + (f", {state['retries']} retries" if state.get("retries") else ""),
                           style="dim"))
     for err in (state.get("errors") or [])[-2:]:

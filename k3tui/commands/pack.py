@@ -160,7 +160,7 @@ def _layer_count(ckpt: Path) -> int | None:
     config, so None here."""
     try:
         from engine.errors import EngineError
-        from engine.model.config import ModelConfig
+        from engine.core.config import ModelConfig
 
         return ModelConfig.from_dir(ckpt).num_hidden_layers
     except (ImportError, EngineError, OSError, ValueError):

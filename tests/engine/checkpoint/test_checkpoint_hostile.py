@@ -20,7 +20,7 @@ from engine.checkpoint.schema import TensorNames
 from engine.checkpoint.synth import synthesize
 from engine.checkpoint.trunk import pack, trunk_specs
 from engine.errors import CheckpointError, ConfigError
-from engine.model.config import ModelConfig
+from engine.core.config import ModelConfig
 from engine.text.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[3]

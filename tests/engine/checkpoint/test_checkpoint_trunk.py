@@ -15,7 +15,7 @@ from engine.checkpoint.safetensors import SafetensorsIndex
 from engine.checkpoint.schema import TensorNames
 from engine.checkpoint.trunk import check, pack, trunk_specs
 from engine.errors import CheckpointError, EngineError
-from engine.weights.io import ALIGN
+from engine.core.directio import ALIGN
 
 REPO = str(Path(__file__).resolve().parents[3])
 

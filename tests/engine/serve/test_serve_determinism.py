@@ -13,7 +13,7 @@ import pytest
 
 from engine.decode.steer import end_of_answer, only, think_to_response
 from engine.serve.app import Service, add_arguments
-from engine.serve.worker import LoadProgress, load_engine
+from engine.serve.worker import LoadProgress, LoadSettings, load_engine
 from engine.text.chat_template import ChatTemplate
 from engine.text.tokenizer import Tokenizer
 from tests.engine.serve.conftest import InProcServer
@@ -26,7 +26,7 @@ def loaded_engine(ckpt, *flags):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args([str(ckpt), *flags])
-    return load_engine(ckpt, ckpt, args, LoadProgress(), args.ctx_size)
+    return load_engine(ckpt, ckpt, LoadSettings.from_args(args), LoadProgress(), args.ctx_size)
 
 
 def scripted(loaded, script: list[int]):
@@ -173,8 +173,9 @@ def parsed(tok, ids) -> tuple[str, str]:
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.9, "seed": 5}])
 def test_srv_partial_answer_continues_as_the_uninterrupted_run(servers, sampling):
     """The first k ids of an answer sent back as a partial assistant turn: the rest equals
-    the uninterrupted run, ids and text, for k inside the reasoning, right after the
-    think/response switch (the reasoning budget forces it), and inside the answer."""
+    the uninterrupted run, ids and text, for k inside the reasoning, inside the tags of
+    the think/response switch the reasoning budget forces, right after them, and inside
+    the answer."""
     warm, cold = servers[0], servers[1]
     budget, n = 5, 20
     body = {"messages": FIRST, "max_tokens": n, "reasoning_budget_tokens": budget,
@@ -184,7 +185,7 @@ def test_srv_partial_answer_continues_as_the_uninterrupted_run(servers, sampling
     switch = budget + len(think_to_response(tok))
     assert len(whole) == n and whole[budget:switch] == think_to_response(tok)
     full = parsed(tok, whole)
-    for k in (2, switch, switch + 3):
+    for k in (2, budget + 1, switch, switch + 3):  # budget + 1: inside the forced tags
         reasoning, content = parsed(tok, whole[:k])
         turn = {"role": "assistant", "reasoning_content": reasoning, "content": content,
                 "partial": True, "k3_token_ids": whole[:k]}

@@ -13,7 +13,15 @@ import pytest
 
 from engine.serve.app import add_arguments
 from engine.serve.protocol import End, parse_chat_request
-from engine.serve.worker import Job, LoadProgress, Metrics, _Text, load_engine, run_job
+from engine.serve.worker import (
+    Job,
+    LoadProgress,
+    LoadSettings,
+    Metrics,
+    _Text,
+    load_engine,
+    run_job,
+)
 from engine.text.chat_template import ChatTemplate
 from tests.engine.serve.test_serve_process import CHAT, ServeProcess, small_ckpt  # noqa: F401
 
@@ -89,7 +97,8 @@ def test_srv_reply_the_model_ended_is_kept_before_the_client_hears_the_end(small
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args([str(small_ckpt), "--steer-demo"])
-    loaded = load_engine(small_ckpt, small_ckpt, args, LoadProgress(), args.ctx_size)
+    settings = LoadSettings.from_args(args)
+    loaded = load_engine(small_ckpt, small_ckpt, settings, LoadProgress(), args.ctx_size)
     template = ChatTemplate(loaded.tok)
 
     def turn(messages):

@@ -19,8 +19,8 @@ from engine.checkpoint.trunk import pack
 from engine.decode.generate import GenParams, generate
 from engine.errors import ReadError
 from engine.model.transformer import load_model
-from engine.weights.io import Layout
-from engine.weights.planner import GB, add_memory_arguments, make_plan
+from engine.core.directio import Layout
+from engine.weights.planner import GB, MemorySettings, add_memory_arguments, make_plan
 from engine.weights.resident import ResidentSource
 from engine.weights import streaming
 from engine.weights.streaming import MODEL_TENSORS, CheckpointMap, StreamingSource, open_source
@@ -236,8 +236,9 @@ def test_stream_trunk_layer_not_matching_its_digest_never_reaches_the_model(tiny
 def test_stream_open_source_and_cli(small, capsys, tmp_path, copy_checkpoint):
     p = argparse.ArgumentParser()
     add_memory_arguments(p)
-    assert isinstance(open_source(small, p.parse_args([])), ResidentSource)
-    src = open_source(small, p.parse_args(["--budget-gb", f"{floor_gb(small) * 1.5:.6f}"]))
+    assert isinstance(open_source(small, MemorySettings.from_args(p.parse_args([]))),
+                      ResidentSource)
+    src = open_source(small, MemorySettings(budget_gb=floor_gb(small) * 1.5))
     assert isinstance(src, StreamingSource)
     assert "memory plan" in capsys.readouterr().err
     src.close()

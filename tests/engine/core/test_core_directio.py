@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engine.errors import ReadError
-from engine.weights.io import (
+from engine.core.directio import (
     ALIGN,
     DirectFile,
     FileTable,
