@@ -50,11 +50,29 @@ def build_parser(command: str | None = None, full: bool = False) -> argparse.Arg
     return parser
 
 
+def _refuse_unknown(parser: argparse.ArgumentParser, command: str | None,
+                    extra: list[str]) -> None:
+    """An unknown flag is the subcommand's error, with its usage (argparse gave the top
+    level's) and the nearest flag it has: `k3tui chat --dmeo` → did you mean --demo?"""
+    import difflib
+
+    target = parser
+    if command is not None:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        target = sub.choices[command]
+    flags = [f for a in target._actions for f in a.option_strings if f.startswith("--")]
+    near = [difflib.get_close_matches(x.split("=")[0], flags, n=1) for x in extra]
+    hint = "".join(f" (did you mean {m[0]}?)" for m in near if m)[:200]
+    target.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command if command in COMMANDS else None)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        _refuse_unknown(parser, args.command, extra)
     if args.command is None:
         parser.print_help()
         return 0

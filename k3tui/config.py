@@ -16,6 +16,7 @@ from typing import Any
 
 from k3tui.errors import K3Error
 from k3tui.paths import get_paths, private_open
+from k3tui.units import MiB
 
 MODEL_KINDS = ("safetensors", "gguf", "remote")
 BACKEND_KINDS = ("bundled", "llama-server", "remote")
@@ -296,7 +297,7 @@ def config_from_dict(data: dict[str, Any], *, path: Path | None = None,
     return cfg
 
 
-MAX_FILE_BYTES = 1 << 20   # a config is a few KB; its longest value a system prompt
+MAX_FILE_BYTES = MiB   # a config is a few KB; its longest value a system prompt
 MAX_KEY = 256              # characters of a key (or a bare value) outside quotes
 MAX_NESTING = 32           # arrays and inline tables inside each other
 

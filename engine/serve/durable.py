@@ -33,6 +33,10 @@ from typing import Any
 
 import numpy as np
 
+from engine.checkpoint import trunk
+from engine.checkpoint.safetensors import SafetensorsIndex
+from engine.checkpoint.schema import TensorNames
+from engine.core.config import ModelConfig
 from engine.model.kda import KDAState
 from engine.model.mla import MLAState
 from engine.model.state import ModelState
@@ -51,11 +55,6 @@ def checkpoint_fingerprint(checkpoint_dir: Path) -> str | None:
     """The identity states are tagged with: the trunk packer's fingerprint of the checkpoint
     (engine/checkpoint/trunk.py: config, shard sizes, trunk layout, sampled trunk bytes).
     None when it cannot be taken (a layout the packer refuses): states then stay in RAM."""
-    from engine.checkpoint import trunk
-    from engine.checkpoint.safetensors import SafetensorsIndex
-    from engine.checkpoint.schema import TensorNames
-    from engine.model.config import ModelConfig
-
     try:
         index = SafetensorsIndex.open(checkpoint_dir)
         n = ModelConfig.from_dir(checkpoint_dir).num_hidden_layers

@@ -55,8 +55,13 @@ def forecast(argv: list[str]) -> int:
     if args.json:
         print(json.dumps({**result.to_dict(), "stored": str(path), "note": fc.SAYS}))
     else:
-        print("\n".join(fc.format_forecast(result)))
-        print(f"Stored in {path} (`k3tui plan` and `k3tui setup` show it).")
+        import shutil
+
+        from k3tui.planning.plan import fit_to_width
+
+        width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None
+        print(fit_to_width("\n".join(fc.format_forecast(result) + [
+            f"Stored in {path} (`k3tui plan` and `k3tui setup` show it)."]), width))
     return 0
 
 

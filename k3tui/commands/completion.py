@@ -14,6 +14,22 @@ HOW = {
 }
 
 
+def machine_completion() -> dict:
+    """shtab's `.complete` for `--machine`: a built-in profile's name, or a report file
+    (`k3tui doctor --json`). Names are written into the script when it is generated."""
+    from k3tui.probe.report import list_profiles
+
+    names = " ".join(list_profiles())
+    return {
+        "bash": "_k3tui_machines",
+        "zsh": f"_alternative 'profiles:machine profile:({names})' 'files:report file:_files'",
+        "fish": f"{names} (__fish_complete_path (commandline -ct))",
+        "preamble": {"bash": ("_k3tui_machines() {\n"
+                              f"  compgen -W '{names}' -- \"$1\"\n"
+                              "  compgen -f -- \"$1\"\n}\n")},
+    }
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("shell", choices=SHELLS,
                         help="; ".join(f"{shell}: {how}" for shell, how in HOW.items()))

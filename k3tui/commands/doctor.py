@@ -55,7 +55,7 @@ def run_checks(target: str | None, measure: bool,
                say: Callable[[str], None] | None = None) -> tuple[list[Check], dict]:
     from k3tui.config import Config, config_exists, load_config
     from k3tui.paths import get_paths
-    from k3tui.planning.plan import ISOLATION_NEXT, describe_machine, make_plan
+    from k3tui.planning.plan import DOWNLOAD_BLOCKERS, ISOLATION_NEXT, describe_machine, make_plan
     from k3tui.units import gib
     from k3tui.probe import probe_machine
 
@@ -82,12 +82,12 @@ def run_checks(target: str | None, measure: bool,
                      reasoning_budget=cfg.llama_server.reasoning_budget, have_bytes=have,
                      rpc=cfg.llama_server.rpc)
 
-    lines = {line.split()[0].lower(): line.split(None, 1)[1] for line in describe_machine(report)}
+    lines = {line.split()[0].lower(): line.split(None, 1)[1]
+             for line in describe_machine(report, binary=cfg.model.kind == "gguf")}
     checks.append(Check("cpu", "ok", lines["cpu"]))
     m = report.memory
     mem = lines["ram"]
-    mem += f"; cgroup {m.cgroup_version}"
-    mem += "" if m.cgroup_limit_bytes is None else f" limit {gib(m.cgroup_limit_bytes)}"
+    mem += f"; cgroup {m.cgroup_version}"  # its limit, if any, is in the RAM line
     mem += ("; PSI unavailable" if m.psi_some_avg10 is None
             else f"; pressure {m.psi_some_avg10:.1f}%")
     checks.append(Check("memory", "ok", mem))
@@ -111,14 +111,21 @@ def run_checks(target: str | None, measure: bool,
     elif cfg.backend.kind == "llama-server":
         checks.append(Check("isolation", "warn", f"no enforceable memory limit: {iso.detail}",
                             ISOLATION_NEXT))
-    else:
-        checks.append(Check("isolation", "ok", "no enforceable memory limit here; only "
-                            f"llama-server needs one ({iso.detail})"))
+    else:  # not needed: the OS's own words (`--json` keeps them) would read as a fault
+        checks.append(Check("isolation", "ok", "no memory limit can be enforced here (no "
+                            "systemd user scope, no writable cgroup v2); only llama-server "
+                            "needs one, the bundled engine keeps to its budget"))
 
+    # Before `k3tui setup` nobody chose a folder: the default one being small is not a blocker.
+    chosen = bool(target) or bool(cfg.model.dir)
     for f in plan.findings:
         if f.code == "no_isolation":
             continue  # the isolation line above says it
-        checks.append(Check(f.code, FINDING_STATUS[f.level], f.message, f.next))
+        status, step = FINDING_STATUS[f.level], f.next
+        if status == "fail" and not chosen and f.code in DOWNLOAD_BLOCKERS:
+            status, step = "warn", ("no folder is chosen yet: `k3tui setup` asks where the "
+                                    "checkpoint goes (`k3tui doctor --dir PATH` checks one)")
+        checks.append(Check(f.code, status, f.message, step))
 
     checks += _model_checks(cfg, model_dir, have, explicit_dir=bool(target),
                             configured=config_exists())
@@ -187,17 +194,26 @@ def _model_checks(cfg, model_dir: Path, have: int, explicit_dir: bool = False,
     if kind == "safetensors" and cfg.backend.kind == "bundled":
         out += _trunk_check(cfg, model_dir, have >= need * 0.999)
     if cfg.backend.kind == "llama-server":
-        from k3tui.backends.llama.binary import find_binary
-
-        try:
-            binary = find_binary(cfg.llama_server.binary)
-            out.append(Check("llama-server", "ok", f"binary {binary}"))
-        except K3Error as exc:
-            out.append(Check("llama-server", "fail", exc.message,
-                             exc.next_step or "k3tui setup"))
+        out.append(_llama_check(cfg.llama_server.binary))
         if cfg.llama_server.rpc:
             out += _pool_checks(cfg, have if have >= need * 0.999 else need)
     return out
+
+
+def _llama_check(configured: str) -> Check:
+    """The llama-server k3tui would start, and whether it knows the kimi-k3 architecture
+    (read from the names compiled into it: a version string says nothing for a fork)."""
+    from k3tui.backends.llama.binary import (K3_BUILD_ADVICE, find_binary, inspect_binary,
+                                             kimi_k3_verdict)
+
+    try:
+        binary = find_binary(configured)
+        version = inspect_binary(binary).version
+    except K3Error as exc:
+        return Check("llama-server", "fail", exc.message, exc.next_step or "k3tui setup")
+    verdict, line = kimi_k3_verdict(binary, version)
+    status = {"ok": "ok", "no": "fail", "unknown": "warn"}[verdict]
+    return Check("llama-server", status, line, "" if verdict == "ok" else K3_BUILD_ADVICE)
 
 
 def _pool_checks(cfg, model_bytes: int) -> list[Check]:
@@ -306,5 +322,27 @@ def run(args: argparse.Namespace) -> int:
         from k3tui.planning.plan import fit_to_width
 
         width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None
-        print(fit_to_width(format_checks(checks, data["machine"]["description"]), width))
+        text = fit_to_width(format_checks(checks, data["machine"]["description"]), width)
+        print(colour_marks(text) if _wants_colour() else text)
     return 1 if failed else 0
+
+
+COLOURS = {"ok": "32", "warn": "33", "FAIL": "1;31"}  # green, yellow, bold red
+
+
+def _wants_colour() -> bool:
+    """A terminal that shows colour, unless NO_COLOR (no-color.org) says otherwise."""
+    return sys.stdout.isatty() and not os.environ.get("NO_COLOR") and \
+        os.environ.get("TERM", "dumb") != "dumb"
+
+
+def colour_marks(text: str) -> str:
+    """Each check's ok / warn / FAIL mark in its colour (after wrapping: codes have no
+    width)."""
+    out = []
+    for line in text.splitlines():
+        mark = line[2:6].strip()
+        if line.startswith("  ") and mark in COLOURS and line[6:8] == "  ":
+            line = f"  \x1b[{COLOURS[mark]}m{line[2:6]}\x1b[0m{line[6:]}"
+        out.append(line)
+    return "\n".join(out)

@@ -125,8 +125,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"Watch it with `k3tui jobs attach {job_id}`.")
             return 0
         from k3tui.commands.jobs import attach
+        from k3tui.commands.nextstep import after_download_job
 
-        return attach(job_id)
+        return after_download_job(attach(job_id), job_id, target, repo)
 
     from k3tui.hub import fetch_snapshot, plan_download
     from k3tui.hub.metadata import check_access
@@ -142,14 +143,19 @@ def run(args: argparse.Namespace) -> int:
         if plan.update:             # the same files under a new commit: it holds that one now
             _claim(snap, target, resume_command(repo, revision, target, include, args))
         print(f"All {len(snap.files)} files are already here and verified.")
-        return 0
+        from k3tui.commands.nextstep import after_download
+
+        return after_download(target, repo)
     check_access(snap)
     # before the job, which asks for the commit by its hash: the folder records the revision
     # the user named, and another repo is refused here rather than in the job
     _claim(snap, target, resume_command(repo, revision, target, include, args))
     if args.foreground:
-        return _run_here(snap, target, args, check,
+        code = _run_here(snap, target, args, check,
                          resume_command(repo, revision, target, include, args, foreground=True))
+        from k3tui.commands.nextstep import after_download
+
+        return code or after_download(target, repo)
     argv = jobs.k3tui_argv("download", repo, "--revision", snap.commit, "--dir", str(target),
                            "--workers", str(args.workers), "--foreground",
                            "--resume-as", resume_command(repo, revision, target, include, args))
@@ -170,8 +176,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"Watch it with `k3tui jobs attach {job_id}`.")
         return 0
     from k3tui.commands.jobs import attach
+    from k3tui.commands.nextstep import after_download_job
 
-    return attach(job_id)
+    return after_download_job(attach(job_id), job_id, target, repo)
 
 
 def _claim(snap, target: Path, command: str) -> None:

@@ -75,7 +75,9 @@ def run(args: argparse.Namespace) -> int:
         finally:
             os.close(lock)
         print()
-        return _conclude(summary, out, remember, print)
+        from k3tui.commands.nextstep import after_pack
+
+        return _conclude(summary, out, remember, print) or after_pack(ckpt, out)
     argv = jobs.k3tui_argv("pack", str(ckpt), *([] if remember else [str(out)]), "--foreground",
                            *(["--compact"] if args.compact else []))
     job_id = jobs.start_job("pack", argv, str(out))
@@ -85,8 +87,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"Watch it with `k3tui jobs attach {job_id}`.")
         return 0
     from k3tui.commands.jobs import attach
+    from k3tui.commands.nextstep import after_pack_job
 
-    return attach(job_id)
+    return after_pack_job(attach(job_id), job_id, ckpt, out)
 
 
 def _engine_trunk():

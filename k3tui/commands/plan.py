@@ -10,11 +10,14 @@ import json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from k3tui.commands.completion import machine_completion
     from k3tui.probe.report import list_profiles
 
-    parser.add_argument("--machine", metavar="FILE|NAME",
-                        help=f"a machine report JSON, or a profile: {', '.join(list_profiles())} "
-                             "(default: probe this machine)")
+    machine = parser.add_argument(
+        "--machine", metavar="FILE|NAME",
+        help=f"a machine report JSON, or a profile: {', '.join(list_profiles())} "
+             "(default: probe this machine)")
+    machine.complete = machine_completion()  # type: ignore[attr-defined]  # for shtab
     from k3tui.commands import old_spelling
 
     kinds = ("safetensors", "gguf", "remote")

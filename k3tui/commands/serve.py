@@ -40,10 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "little or cannot be applied (risks freezing the machine)")
     parser.add_argument("--dry-run", action="store_true",
                         help="show the command and the memory limit, start nothing")
-    parser.add_argument("--machine", metavar="NAME|FILE",
-                        help="with --dry-run: show what would run on a machine profile "
-                             "(dgx-spark, laptop-8g, workstation-128g, server-228g) or a "
-                             "`k3tui doctor --json` file")
+    from k3tui.commands.completion import machine_completion
+
+    machine = parser.add_argument(
+        "--machine", metavar="NAME|FILE",
+        help="with --dry-run: show what would run on a machine profile (dgx-spark, laptop-8g, "
+             "workstation-128g, server-228g) or a `k3tui doctor --json` file")
+    machine.complete = machine_completion()  # type: ignore[attr-defined]  # for shtab
 
 
 def _config():

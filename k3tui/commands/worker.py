@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from k3tui.errors import K3Error
+from k3tui.units import GiB
 
 KIND = "rpc-worker"
 READY_PREFIX = "serving "  # the job's message once its worker answers the handshake
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     endpoint = f"{settings['host']}:{settings['port']}"
     argv = jobs.k3tui_argv("worker", "--foreground", "--host", settings["host"],
                            "--port", str(settings["port"]),
-                           "--memory-limit-gb", repr(settings["limit_bytes"] / 2**30),
+                           "--memory-limit-gb", repr(settings["limit_bytes"] / GiB),
                            "--cache-dir", settings["cache_dir"],
                            "--threads", str(settings["threads"]),
                            *(["--force"] if args.force else []))

@@ -200,8 +200,19 @@ def measure(directory: str | Path, *, quick: bool = False,
     progress = progress or sys.stderr
     argv = [sys.executable, "-m", "engine", "bench", "parts", "--dir", str(folder), "--json"]
     scratch = "a small scratch file" if quick else "a 1 GB scratch file"
-    print(f"Measuring this machine's parts under {folder} (under a minute; {scratch} "
-          "there is written, read and removed) …", file=progress, flush=True)
+
+    def say(line: str) -> None:  # a terminal's lines wrapped at words (80-column SSH)
+        if getattr(progress, "isatty", lambda: False)():
+            import shutil
+            import textwrap
+
+            width = shutil.get_terminal_size().columns - 1
+            line = "\n".join(textwrap.wrap(line, width, subsequent_indent="    ",
+                                            break_on_hyphens=False)) or line
+        print(line, file=progress, flush=True)
+
+    say(f"Measuring this machine's parts under {folder} (under a minute; {scratch} there "
+        "is written, read and removed) …")
     with tempfile.TemporaryFile("w+") as out:
         proc = subprocess.Popen(argv + (["--quick"] if quick else []), stdout=out,
                                 stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
@@ -211,7 +222,7 @@ def measure(directory: str | Path, *, quick: bool = False,
             said.append(line.rstrip())
             if line.strip() and not line.startswith("error:") and \
                     not any(s.startswith("Traceback") for s in said):
-                print(f"  {line.strip()}", file=progress, flush=True)
+                say(f"  {line.strip()}")
         rc = proc.wait()
         out.seek(0)
         text = out.read()
@@ -263,25 +274,33 @@ def format_forecast(fc: Forecast) -> list[str]:
            + (f" → {fc.load_average_after[0]:.2f}" if fc.load_average_after else "")]
     if fc.quick:
         out.append(f"  ({TOY})")
-    out.append(f"  {'preset':<12} {'fits':<4} {'s/token':>8}  {'bound':<8} {'peak RSS':>9}  "
-               "first token: 50-token prompt / 500-token prompt (expert GB read)")
+    # Every row within 80 columns (an SSH window): the two prompts' figures share a column
+    # and the footnote says which is which.
+    # (77 columns at most: the wizard indents them by two more)
+    out.append(f"  {'preset':<11} {'fits':<4} {'s/token':>7}  {'bound':<7} {'peak RSS':>8}  "
+               f"{'first token*':<17} experts read*")
     for p in fc.presets:
-        out.append(f"  {p.name:<12} {'yes' if p.fits else 'no':<4} {p.s_per_token:>8.1f}  "
-                   f"{p.bound:<8} {p.peak_rss_gb:>6.1f} GB  {duration(p.first_token_s)} "
-                   f"({p.prefill_gb:,.0f} GB) / {duration(p.first_token_500_s)} "
-                   f"({p.prefill_500_gb:,.0f} GB)")
+        first = f"{duration(p.first_token_s)} / {duration(p.first_token_500_s)}"
+        out.append(f"  {p.name:<11} {'yes' if p.fits else 'no':<4} {p.s_per_token:>7.1f}  "
+                   f"{p.bound:<7} {p.peak_rss_gb:>5.1f} GB  {first:<17} "
+                   f"{p.prefill_gb:,.0f}/{p.prefill_500_gb:,.0f} GB")
+    out.append("  * for a 50-token / a 500-token prompt (experts: what its prefill reads)")
     out.append(f"This is {SAYS}.")
     return out
 
 
 def plan_lines(preset: str) -> list[str]:
-    """For `k3tui plan`: the stored forecast for `preset`, or how to get one."""
+    """For `k3tui plan`: the stored forecast for `preset`, else the C engine's figure (one
+    speed per preset, never both) and how to get this machine's."""
+    from k3tui.planning.plan import peer_speed_lines
+
     fc, why = load_stored()
     if fc is None:
-        return [f"Forecast: {why or 'none measured yet: ' + HOW}"]
+        return peer_speed_lines(preset) + [f"Forecast: {why or 'none measured yet: ' + HOW}"]
     p = fc.preset(preset)
     if p is None:
-        return [f"Forecast: none for the {preset} preset in the measurement of {fc.date}"]
+        return peer_speed_lines(preset) + [
+            f"Forecast: none for the {preset} preset in the measurement of {fc.date}"]
     return [f"Forecast: {preset} ~{per_token(p.s_per_token)} s/token ({p.bound}-bound), "
             f"first token {duration(p.first_token_s)} for a 50-token prompt, peak RSS "
             f"~{p.peak_rss_gb:.1f} GB; measured here {fc.date} under {fc.dir}"

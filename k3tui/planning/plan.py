@@ -33,23 +33,25 @@ class Preset:
     cache_gb: float
     peak_rss_gb: float  # measured by the peer engine at this preset
     s_per_token: str  # the peer's measured range (spec §4, v0.1 and v1.0 runs); README's table
-    role: str = ""  # "the floor", "fastest"
 
     @property
-    def note(self) -> str:
-        speed = f"{self.s_per_token} s/token" if self.s_per_token[0] == "~" else self.s_per_token
-        return f"{self.role}, {speed}" if self.role else speed
+    def speed(self) -> str:
+        """The C engine's figure: "~27–33 s/token" (or "not faster than server")."""
+        return f"{self.s_per_token} s/token" if self.s_per_token[0] == "~" else self.s_per_token
 
 
 # The one table of expected speeds (wizard, plan and README) until issue 15's forecast
 # replaces it with figures measured on this machine.
 PRESETS: dict[str, Preset] = {p.name: p for p in [
-    Preset("laptop", 3.0, 1.0, 8.2, "~27–33", "the floor"),
+    Preset("laptop", 3.0, 1.0, 8.2, "~27–33"),
     Preset("desktop", 16.0, 10.0, 31.9, "~24–31"),
     Preset("workstation", 60.0, 30.0, 95.5, "~20–24"),
-    Preset("server", 110.0, 13.0, 128.0, "~6–11", "fastest"),
+    Preset("server", 110.0, 13.0, 128.0, "~6–11"),
     Preset("max", 110.0, 109.0, 224.0, "not faster than server"),
 ]}
+# Where those figures come from, said wherever one is shown without this machine's forecast.
+PEER_SOURCE = ("measured by kimi-k3-in-c, a C engine for Kimi-K3, on a 124-core server with "
+               "fast NVMe; this machine's own: `k3tui bench forecast`")
 PRESET_HEADROOM = 1.05  # the peer's forecast missed peak RSS by up to 1.84 GB
 MIN_USABLE_BYTES = 3 * GB  # the peer's `--preset auto` refuses below this
 DRIVER_RESERVE_BYTES = 25 * GiB  # unified memory: left to the GPU driver and the system
@@ -239,7 +241,7 @@ def _plan_bundled(report: MachineReport, plan: Plan) -> None:
     plan.preset_reason = (f"{preset.name} (trunk {preset.trunk_gb:g} GB, cache "
                           f"{preset.cache_gb:g} GB, peak ~{preset.peak_rss_gb:g} GB): "
                           f"{usable / GB:.1f} GB usable of {report.memory.total_bytes / GB:.1f} GB "
-                          f"RAM; {preset.note} (the C peer's figure, on its machine)")
+                          "RAM")
     if usable < MIN_USABLE_BYTES:
         plan.findings.append(Finding(
             "blocker", "memory_floor",
@@ -301,14 +303,15 @@ def _plan_llama(report: MachineReport, plan: Plan, ctx: int, budget: int,
                   f"{gib(DRIVER_RESERVE_BYTES)} for the driver and the system")
         if held:
             reason += f" minus {gib(held)} held by other GPU processes"
-        plan.findings.append(Finding(
-            "warn", "unified_memory",
-            "unified memory is shared by the GPU and the page cache: an uncapped mmap of the "
-            "GGUF can starve CUDA and lock the machine up (the DGX Spark lockup)",
-            "nothing to do: k3tui starts llama-server under the memory limit above"
-            if report.isolation.method != "none" else
-            "`k3tui serve` refuses to start llama-server here until the limit can be "
-            "enforced (see no_isolation)"))
+        risk = ("unified memory is shared by the GPU and the page cache: an uncapped mmap of "
+                "the GGUF can starve CUDA and lock the machine up (the DGX Spark lockup)")
+        if report.isolation.method != "none":  # handled: said, not a warning with no action
+            plan.findings.append(Finding("info", "unified_memory", f"{risk}; k3tui starts "
+                                         "llama-server under the memory limit above"))
+        else:
+            plan.findings.append(Finding(
+                "warn", "unified_memory", risk, "`k3tui serve` refuses to start llama-server "
+                "here until the limit can be enforced (see no_isolation)"))
     else:
         reserve = max(2 * GiB, int(0.1 * mem.effective_total_bytes))
         limit = mem.effective_total_bytes - reserve
@@ -375,15 +378,27 @@ def make_plan(report: MachineReport, model_kind: str, *, ctx_size: int = DEFAULT
     return plan
 
 
-def describe_machine(report: MachineReport) -> list[str]:
-    """Short human lines about the machine (used by plan, doctor and the wizard)."""
+def peer_speed_lines(preset: str) -> list[str]:
+    """The one speed shown for `preset` where this machine has no forecast: the C engine's,
+    saying whose it is (nothing for custom and auto, which have no figure)."""
+    p = PRESETS.get(preset)
+    return [f"Speed:   {p.speed} ({PEER_SOURCE})"] if p else []
+
+
+def describe_machine(report: MachineReport, binary: bool = False) -> list[str]:
+    """Short human lines about the machine (used by plan, doctor and the wizard). RAM in GB
+    like the presets it is compared with; `binary`: in GiB, like llama-server's limit."""
     c, m, g, s = report.cpu, report.memory, report.gpu, report.storage
     simd = ", ".join(n for n, ok in (("AVX2", c.avx2), ("AVX-512", c.avx512),
                                      ("NEON", c.neon)) if ok) or "no SIMD"
     lines = [f"CPU     {c.usable} usable cores, {c.arch} ({simd})"]
-    ram = f"RAM     {gib(m.total_bytes)} total, {gib(m.available_bytes)} available"
+
+    def mem(n: int) -> str:
+        return gib(n) if binary else f"{n / GB:.1f} GB"
+
+    ram = f"RAM     {mem(m.total_bytes)} total, {mem(m.available_bytes)} available"
     if m.cgroup_limit_bytes is not None:
-        ram += f", cgroup limit {gib(m.cgroup_limit_bytes)}"
+        ram += f", cgroup limit {mem(m.cgroup_limit_bytes)}"
     lines.append(ram)
     if not g.present:
         lines.append("GPU     no GPU")
@@ -405,13 +420,13 @@ def format_plan(plan: Plan, report: MachineReport, model_path: str | None = None
     out = []
     title = report.description or report.source
     out.append(f"Machine: {title}")
-    out += [f"  {line}" for line in describe_machine(report)]
+    out += [f"  {line}" for line in describe_machine(report, plan.backend == "llama-server")]
     out.append(f"Model:   {plan.model_label}")
     out.append(f"Backend: {plan.backend}: {plan.backend_reason}")
     if plan.backend == "bundled":
         out.append(f"Preset:  {plan.preset_reason}")
+        out += forecast or peer_speed_lines(plan.preset)
         out.append(f"Threads: {plan.threads}")
-        out += forecast or []
     if plan.backend == "llama-server":
         from k3tui.backends.llama.command import planned_command
 

@@ -18,6 +18,7 @@ from textual import on
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.geometry import Offset
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 from textual.worker import Worker, WorkerState
@@ -111,6 +112,14 @@ class ChatLog(VerticalScroll):
         if self.following:
             self.scroll_end(animate=False, immediate=True)
 
+    def scroll_to_region(self, region: Any, **kwargs: Any) -> Any:
+        """The reasoning block collapsing as its answer starts asks to be scrolled into view
+        (Textual's Collapsible does), which pulled a followed answer back up for good: while
+        the view follows, the bottom wins (Ctrl+T lets go first to show what it opens)."""
+        if self.following:
+            return Offset(0, 0)
+        return super().scroll_to_region(region, **kwargs)
+
     def hold(self, held: bool) -> None:
         self.held = held
         self.following = not held and self.scroll_y >= self.max_scroll_y - 2
@@ -123,6 +132,9 @@ class ChatLog(VerticalScroll):
 
 HINT = ("Type a message below and press Enter to send (Ctrl+J for a new line). F1 lists "
         "every key; Ctrl+O opens earlier conversations.")
+DEMO_NOTE = ("The demo model's replies are meaningless by design: random weights steered to "
+             "readable words. The streaming, the reasoning and both panes are real; "
+             "`k3tui setup` leads to Kimi-K3.")
 
 
 class ChatScreen(Screen):
@@ -139,6 +151,9 @@ class ChatScreen(Screen):
         # desktop takes Ctrl+arrows (macOS Mission Control).
         Binding("ctrl+up,alt+up", "pick(-1)", "Pick", show=False, priority=True),
         Binding("ctrl+down,alt+down", "pick(1)", "Pick next", show=False, priority=True),
+        # The prompt has the focus, so the chat would never see these: the screen takes them.
+        Binding("pageup", "scroll_chat(-1)", "Scroll up", show=False, priority=True),
+        Binding("pagedown", "scroll_chat(1)", "Scroll down", show=False, priority=True),
         Binding("f1", "keys", "Keys", priority=True),
         Binding("f2", "toggle_panes", "Panes", show=False, priority=True),
         Binding("f3", "downloads", "Downloads", show=False, priority=True),
@@ -275,8 +290,12 @@ class ChatScreen(Screen):
         chat = self.query_one("#chat", ChatLog)
         empty = not any(isinstance(w, (UserMessage, AssistantMessage)) for w in chat.children)
         hints = chat.query("#chat-hint")
+        demo = "random weights" in self.k3app.backend.label
+        text = f"{HINT}\n\n{DEMO_NOTE}" if demo else HINT
         if empty and not hints:
-            await chat.mount(Static(HINT, id="chat-hint"))
+            await chat.mount(Static(text, id="chat-hint"))
+        elif empty:  # the backend changed meanwhile (d on the start-up screen: the demo)
+            hints.first(Static).update(text)
         elif not empty and hints:
             await hints.remove()
 
@@ -348,6 +367,12 @@ class ChatScreen(Screen):
         if not app.is_headless and app._driver is not None:
             app._driver.write(finished_notice(
                 f"the answer is {'done' if status == 'done' else 'failed'}"))
+
+    def answer_done(self) -> None:
+        """The first demo answer says once what its words are (they read like canned text)."""
+        self.turns_finished += 1
+        if self.turns_finished == 1 and "random weights" in self.k3app.backend.label:
+            self.notify(DEMO_NOTE, title="demo model", timeout=15)
 
     def learn_budget(self, budget_gb: Any) -> None:
         """The engine reports the budget it runs under; the header shows it."""
@@ -429,11 +454,12 @@ class ChatScreen(Screen):
 
     def action_toggle_reasoning(self) -> None:
         picked = self._picked()
-        if isinstance(picked, AssistantMessage) and picked.reasoning:
-            picked.toggle_reasoning()
-            return
         answers = [a for a in self.query("#chat > AssistantMessage") if a.reasoning]
+        if isinstance(picked, AssistantMessage) and picked.reasoning:
+            answers = [picked]
         if answers:
+            if answers[-1].reasoning_block.collapsed:  # opening it: show it, stop following
+                self.query_one("#chat", ChatLog).following = False
             answers[-1].toggle_reasoning()
 
     def _last_answer(self) -> AssistantMessage | None:
@@ -528,13 +554,28 @@ class ChatScreen(Screen):
 
     def action_copy_answer(self) -> None:
         target = self._copy_target()
+        then = ""
+        if target is not None and not target.body and self._picked() is None:
+            # the last answer was stopped in its reasoning: the latest one with text
+            earlier = [a for a in self.query("#chat > AssistantMessage") if a.body]
+            if earlier:
+                target = earlier[-1]
+                then = " (The last answer has no text: it was stopped while reasoning.)"
         text = "" if target is None else target.body
         if target is None or not text:
             self.notify("No answer to copy yet." if target is None or self.picked is None
                         else f"{self._label(target).capitalize()} is empty.")
             return
         self._code_at = None
-        self._copy(text, self._label(target))
+        self._copy(text, self._label(target), then)
+
+    def action_scroll_chat(self, pages: int) -> None:
+        """PgUp / PgDn scroll the conversation; back at the bottom it follows the answer."""
+        chat = self.query_one("#chat", ChatLog)
+        if pages < 0:
+            chat.scroll_page_up(animate=False)
+        else:
+            chat.scroll_page_down(animate=False)
 
     def action_copy_code(self) -> None:
         """The last code block; pressed again on the same message, the one before it."""
@@ -621,7 +662,10 @@ class ChatScreen(Screen):
 
     def show_io(self) -> None:
         backend = self.k3app.backend
-        self.query_one(IOPane).show(self.last_sample, self.k3, backend.budget_gb, backend.kind)
+        k3 = self.k3
+        if not self.generating:  # the engine's MB/s is its last token's: stale once it ends
+            k3 = {k: v for k, v in k3.items() if k != "mb_per_s"}
+        self.query_one(IOPane).show(self.last_sample, k3, backend.budget_gb, backend.kind)
 
     def _check_backend(self) -> None:
         """A backend we started that died while idle: say so once, offer the restart."""
@@ -696,6 +740,12 @@ class ChatApp(App):
             "markdown.item.bullet": "bold yellow" if dark else "bold #875f00",
         }))
 
+    def action_help_quit(self) -> None:
+        """Ctrl+C: Textual's own toast ("Press ctrl+q to quit the app") said nothing of what
+        quitting stops, nor how to copy, which is what Ctrl+C often means."""
+        self.notify("Ctrl+Q quits k3tui (and stops a backend it started). Esc stops an "
+                    "answer; Ctrl+Y copies it.", title="Ctrl+C does not quit here")
+
     def get_default_screen(self) -> Screen:
         return ChatScreen(ChatSession(self.history, self._conversation_id, self.system_prompt,
                                       queue=self.queue), new=self._new_conversation)
@@ -724,6 +774,7 @@ class ChatApp(App):
                 self._on_started(running)
             chat = self.chat
             chat.query_one("#header", Static).update(self.backend.header())
+            self.call_later(chat._hint)  # the demo's note, when d chose the demo
             if self.monitor is not None:
                 self.monitor.set_pid(self.backend.pid)
                 if self.backend.pool:

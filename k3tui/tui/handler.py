@@ -60,4 +60,4 @@ class AnswerHandler:
         if status in ("done", "error") and not self.screen.esc_stopped:
             self.screen.tell_finished(status)
         self.screen.refresh_panes(force=True)
-        self.screen.turns_finished += 1
+        self.screen.answer_done()

@@ -29,3 +29,17 @@ def test_help_imports_no_heavy_modules():
     loaded = set(json.loads(out))
     for heavy in ["numpy", "textual", "huggingface_hub", "rich", "questionary", "httpx"]:
         assert heavy not in loaded, heavy
+
+
+def test_a_mistyped_flag_gets_its_subcommands_usage_and_the_nearest_flag():
+    """`k3tui chat --dmeo` printed the top-level usage (`k3tui [-h] [-V] COMMAND ...`),
+    which names no chat flag at all."""
+    res = subprocess.run([sys.executable, "-m", "k3tui", "chat", "--dmeo"], capture_output=True,
+                         text=True, stdin=subprocess.DEVNULL, timeout=60)
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.startswith("usage: k3tui chat ") and "--demo" in res.stderr
+    assert res.stderr.rstrip().endswith(
+        "k3tui chat: error: unrecognized arguments: --dmeo (did you mean --demo?)")
+    top = subprocess.run([sys.executable, "-m", "k3tui", "--bogus"], capture_output=True,
+                         text=True, timeout=60)
+    assert top.returncode == 2 and "usage: k3tui [-h]" in top.stderr

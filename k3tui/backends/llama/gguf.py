@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from k3tui.errors import K3Error
-from k3tui.units import MiB
+from k3tui.units import GiB, MiB
 
 
 SPLIT_RE = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -175,7 +175,7 @@ def read_gguf_header(path: Path) -> GGUFHeader:
             for d in dims:
                 n *= d
             end = max(end, offset + n // block[0] * block[1])
-        align = _integer(kv, "general.alignment", 1, 1 << 30) or 32
+        align = _integer(kv, "general.alignment", 1, GiB) or 32
         if align & (align - 1):
             raise GGUFError(f"general.alignment is {align:,}, not a power of two")
         data_start = -(-fh.tell() // align) * align

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from k3tui.errors import K3Error
-from k3tui.units import gib
+from k3tui.units import MiB, gib
 
 DEFAULT_PORT = 50052  # ggml-rpc-server's own default
 PROBE_TIMEOUT_S = 3.0  # a worker that does not answer the handshake in this is busy or not one
@@ -272,7 +272,7 @@ def placement(log_text: str) -> dict[str, int]:
     at verbosity 4: `load_tensors: RPC0[10.0.0.2:50052] model buffer size = 75.02 MiB`."""
     out: dict[str, int] = {}
     for endpoint, mib in _PLACED.findall(log_text):
-        out[endpoint] = out.get(endpoint, 0) + int(float(mib) * 2**20)
+        out[endpoint] = out.get(endpoint, 0) + int(float(mib) * MiB)
     return out
 
 
@@ -281,7 +281,7 @@ def log_start(path: Path | str | None) -> str:
     "" when it cannot be read)."""
     try:
         with open(path or "", "rb") as fh:
-            return fh.read(2**20).decode("utf-8", "replace")
+            return fh.read(MiB).decode("utf-8", "replace")
     except OSError:
         return ""
 

@@ -13,14 +13,21 @@ from k3tui.errors import K3Error
 
 
 def machine_summary() -> str:
-    """The same text `k3tui plan` prints, for the configured (or recommended) model kind."""
+    """The same text `k3tui plan` prints, for the configured (or recommended) model kind:
+    this machine, the configured folder's disk and the stored forecast."""
     from k3tui.config import config_exists, load_config
+    from k3tui.paths import get_paths
+    from k3tui.planning.forecast import plan_lines
     from k3tui.planning.plan import format_plan, make_plan, recommend_model_kind
     from k3tui.probe import probe_machine
 
-    report = probe_machine()
-    kind = load_config().model.kind if config_exists() else recommend_model_kind(report)
-    return format_plan(make_plan(report, kind), report)
+    cfg = load_config() if config_exists() else None
+    report = probe_machine(cfg.model.dir if cfg and cfg.model.dir else get_paths().models_dir)
+    report.description = f"this machine ({report.hostname})"
+    kind = cfg.model.kind if cfg else recommend_model_kind(report)
+    plan = make_plan(report, kind)
+    lines = plan_lines(plan.preset) if plan.backend == "bundled" else None
+    return format_plan(plan, report, forecast=lines)
 
 
 class MachineScreen(Screen):

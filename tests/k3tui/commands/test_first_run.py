@@ -94,7 +94,7 @@ def test_laptop_floor_advice_names_a_command_that_takes_effect():
     floor = [f for f in plan.findings if f.code == "below_laptop_floor"]
     assert floor and "custom" in floor[0].next
     # the presets are in GB, so the preset line is in GB only (no GiB in the same sentence)
-    assert "of 8.2 GB RAM;" in plan.preset_reason and "GiB" not in plan.preset_reason
+    assert "of 8.2 GB RAM" in plan.preset_reason and "GiB" not in plan.preset_reason
 
 
 def test_setup_yes_remote_tests_the_endpoint_before_saving():

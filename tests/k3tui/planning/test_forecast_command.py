@@ -62,7 +62,9 @@ def test_bench_forecast_json_is_stored_and_plan_shows_it(tmp_path):
     chosen = next(p for p in stored["presets"] if f"Forecast: {p['name']} " in line)
     assert f"~{forecast.per_token(chosen['s_per_token'])} s/token ({chosen['bound']}-bound)" in line
     assert "first token ~" in line and f"under {tmp_path}" in line and preset
-    assert "the C peer's figure" in plan.stdout  # the old table, labelled
+    # one speed for the preset: this machine's forecast, not the C engine's figure beside it
+    assert "Speed:" not in plan.stdout and "kimi-k3-in-c" not in plan.stdout
+    assert "s/token" not in next(ln for ln in plan.stdout.splitlines() if ln.startswith("Preset"))
     assert json.loads(k3("plan", "--json", "--model", "safetensors").stdout)["forecast"][
         "dir"] == str(tmp_path)
 
@@ -132,7 +134,7 @@ def test_the_wizard_measures_and_shows_the_forecast_beside_each_preset(tmp_path,
     screen, out = io.StringIO(), io.StringIO()
     # checkpoint, folder, "measure?" yes, no token, the recommended preset, write it
     with create_pipe_input() as inp:
-        inp.send_text("\r" + "\r" + "y" + "\r" + "\r" + "y")
+        inp.send_text("\r" + "\r" + "y\r" + "\r" + "\r" + "y\r")  # y/n wait for Enter
         rc = run_interactive(report, Config(), input=inp, output=PlainTextOutput(screen),
                              out=out, forecaster=measure,
                              storage_probe=lambda d: report.storage, llama_binary=lambda c: None)
@@ -144,9 +146,11 @@ def test_the_wizard_measures_and_shows_the_forecast_beside_each_preset(tmp_path,
     stored = forecast.load_stored()[0]
     laptop = stored.preset("laptop")
     shown = "".join(screen.getvalue().split())  # the choice, wrapped at 80 columns
-    beside = f"laptop trunk 3 + cache 1 GB, peak ~8.2 GB, {PRESETS['laptop'].note} | " \
-             f"{laptop.brief()} — measured here"
+    beside = f"laptop trunk 3 + cache 1 GB, peak ~8.2 GB | {laptop.brief()} — measured here"
     assert "".join(beside.split()) in shown
+    # one figure per preset, said whose: the forecast's, never the C engine's beside it
+    assert "this machine's forecast" in text and PRESETS["laptop"].speed not in text
+    assert "".join(PRESETS["laptop"].speed.split()) not in shown
     assert load_config().engine.preset == "laptop"
 
 
@@ -221,19 +225,19 @@ def stored_forecast(s_per_token: float = 43.4) -> forecast.Forecast:
     return fc
 
 
-def test_a_wide_terminal_shows_the_peers_figure_and_the_whole_forecast(tmp_path, monkeypatch):
+def test_a_wide_terminal_shows_the_whole_forecast_and_one_speed(tmp_path, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     from k3tui.wizard import preset_title
 
     fc = stored_forecast()
     title = preset_title(PRESETS["laptop"], fc.preset("laptop"))
-    assert title.endswith(f"{PRESETS['laptop'].note} | {fc.preset('laptop').brief()} — "
-                          "measured here")
+    assert title.endswith(f"GB | {fc.preset('laptop').brief()} — measured here")
+    assert title.count("s/token") == 1
     for p in PRESETS.values():  # 80 columns: the select's "» " and every title on one line
         assert len(preset_title(p, fc.preset(p.name), width=80)) <= 76
         assert preset_title(p, fc.preset(p.name), width=80).endswith("~43.4 s/token here")
         assert len(preset_title(p, None, width=80)) <= 76
-    assert preset_title(PRESETS["laptop"], None, width=80).endswith(", ~27–33 s/token")
+    assert preset_title(PRESETS["laptop"], None, width=80).endswith(" | ~27–33 s/token")
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
@@ -258,9 +262,9 @@ def test_at_80_columns_each_preset_shows_its_measured_speed_and_ctrl_c_writes_no
         tmux.keys("Enter")
         screen = tmux.wait_for(lambda s: "Choose another folder?" in s or "again" in s)
         if "Choose another folder?" in screen:              # this disk is far below 1.56 TB
-            tmux.keys("n")
+            tmux.keys("n", "Enter")
         tmux.wait_for(lambda s: "Measure this machine again" in s)
-        tmux.keys("n")
+        tmux.keys("n", "Enter")
         tmux.wait_for(lambda s: "Hugging Face token" in s)
         tmux.keys("Enter")
         screen = tmux.wait_for(lambda s: "custom" in s and "Engine memory preset" in s)
@@ -271,6 +275,10 @@ def test_at_80_columns_each_preset_shows_its_measured_speed_and_ctrl_c_writes_no
         assert set(rows) == set(named), screen
         for row in rows.values():
             assert row.rstrip().endswith(f"{shown} s/token here"), screen
+            assert row.count("s/token") == 1, screen   # one speed a preset
+        # the recommendation above says no other speed, and whose the figures are is said
+        assert "27–33" not in screen and "C peer" not in screen and "the floor" not in screen
+        assert "s/token below: this machine's forecast" in " ".join(screen.split()), screen
         assert not (home / "config.toml").exists()
         tmux.keys("C-c")
         screen = tmux.wait_for(lambda s: "EXIT=" in s)
@@ -283,3 +291,83 @@ def test_at_80_columns_each_preset_shows_its_measured_speed_and_ctrl_c_writes_no
         assert not list(home.glob("*.tmp"))
     finally:
         tmux.close()
+
+
+def test_without_a_forecast_plan_shows_one_speed_and_says_whose(tmp_path):
+    """"the floor, ~27–33 s/token (the C peer's figure, on its machine)": neither the floor
+    nor the C peer was explained anywhere a new user looks."""
+    res = k3("plan", "--machine", "laptop-8g", "--checkpoint-kind", "safetensors")
+    assert res.returncode == 0, res.stderr
+    speeds = [ln for ln in res.stdout.splitlines() if "s/token" in ln]
+    assert len(speeds) == 1, speeds
+    assert speeds[0].startswith("Speed:   ~27–33 s/token (measured by kimi-k3-in-c, a C engine")
+    assert "C peer" not in res.stdout and "the floor" not in res.stdout
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_the_forecast_table_fits_an_80_column_terminal(tmp_path):
+    """`k3tui bench forecast` in a real 80x24 window: the header ran to 130 columns, so the
+    terminal cut it mid-word ("first token: 50-token / prompt / 500-token prompt")."""
+    from tui_helpers import Tmux
+
+    tmux = Tmux(f"k3fc{os.getpid()}", {"K3TUI_HOME": str(get_paths().root),
+                                       "HOME": str(tmp_path / "home"), "TERM": "xterm"})
+    try:
+        tmux.start(f"{sys.executable} -m k3tui bench forecast --quick --dir {tmp_path} "
+                   "2>/dev/null; echo EXIT=$?")
+        screen = tmux.wait_for(lambda s: "EXIT=" in s, timeout=120)
+        assert "EXIT=0" in screen, screen
+        lines = screen.splitlines()
+        # a line the terminal had to break reaches the last column; none may
+        assert all(len(ln) < 80 for ln in lines), [ln for ln in lines if len(ln) >= 80]
+        header = next(ln for ln in lines if ln.lstrip().startswith("preset"))
+        assert header.split() == ["preset", "fits", "s/token", "bound", "peak", "RSS",
+                                  "first", "token*", "experts", "read*"]
+        rows = [ln.split() for ln in lines if ln.lstrip().startswith(("laptop", "server"))]
+        assert len(rows) == 2 and all(r[1] in ("yes", "no") and r[3] in ("disk", "compute")
+                                      for r in rows), rows
+        assert "* for a 50-token / a 500-token prompt" in screen
+    finally:
+        tmux.close()
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_the_wizard_at_80_columns_cuts_nothing_it_prints(tmp_path):
+    """Walking setup at 80x24: the measurement's table (indented two more by the wizard),
+    its progress lines and the chosen preset's echo ("? Engine memory preset: laptop …
+    | ~1" / "00 s/token here") ran past the edge and were cut mid-word."""
+    from tui_helpers import Tmux
+
+    home = get_paths().root
+    tmux = Tmux(f"k3wiz80{os.getpid()}",
+                {"K3TUI_HOME": str(home), "HOME": str(tmp_path / "home"),
+                 "HF_HOME": str(tmp_path / "hf"), "K3_BENCH_PARTS_QUICK": "1",
+                 "TERM": "xterm"})
+    try:
+        tmux.start(f"{sys.executable} -m k3tui setup; echo EXIT=$?")
+        tmux.wait_for(lambda s: "Which checkpoint?" in s)
+        tmux.keys("Enter")
+        tmux.wait_for(lambda s: "Where should the checkpoint go?" in s)
+        tmux.keys("Enter")
+        screen = tmux.wait_for(lambda s: "Choose another folder?" in s or "Measure what" in s)
+        if "Choose another folder?" in screen:
+            tmux.keys("n", "Enter")
+        tmux.wait_for(lambda s: "Measure what" in s)
+        tmux.keys("y", "Enter")
+        tmux.wait_for(lambda s: "Hugging Face token" in s, timeout=120)
+        tmux.keys("Enter")
+        tmux.wait_for(lambda s: "Engine memory preset" in s and "custom" in s)
+        tmux.keys("Enter")
+        tmux.wait_for(lambda s: "Write this to" in s)
+        text = subprocess.run([*tmux.base, "capture-pane", "-p", "-S", "-200", "-t",
+                               tmux.name], capture_output=True, text=True).stdout
+        tmux.keys("C-c")
+    finally:
+        tmux.close()
+    lines = text.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("Measuring"))
+    cut = [ln for ln in lines[start:] if len(ln) >= 80]   # the terminal broke these
+    assert cut == [], text
+    echo = next(i for i, ln in enumerate(lines) if ln.startswith("? Engine memory preset:"))
+    assert lines[echo].split()[4] == "laptop" and "s/token here" in " ".join(
+        lines[echo:echo + 2]), text

@@ -7,6 +7,7 @@ from tui_helpers import SAMPLES, screen_text, settle, wait_until
 
 from k3tui.backends.events import BackendError
 from k3tui.history import History
+from k3tui.monitor import Sample
 from k3tui.testing.scripted import FixedMonitor, ScriptedStream
 from k3tui.tui.app import BackendInfo
 from k3tui.tui.widgets.messages import AssistantMessage
@@ -30,19 +31,42 @@ def _io_lines(app) -> list[str]:
 
 
 async def test_io_pane_calls_the_process_figure_backend_whoever_counts_it(app_factory):
-    app = app_factory(monitor=FixedMonitor(SAMPLES))
+    app = app_factory(ScriptedStream("one two three", hang_after=1),
+                      monitor=FixedMonitor(SAMPLES))
     async with app.run_test(size=(120, 40)) as pilot:
         chat = app.chat
         chat.sample_now()                      # the kernel's per-process counter
         await pilot.pause()
         before = _io_lines(app)
+        await pilot.press(*"hi", "enter")      # while an answer streams
+        await wait_until(pilot, lambda: chat.current is not None and chat.current.content)
         chat.k3 = {"mb_per_s": 1340.0}         # the engine's own count
         chat.show_io()
         await pilot.pause()
         after = _io_lines(app)
+        await pilot.press("escape")
     assert any("backend " in line for line in before), before
     assert any("backend 1340 MB/s" in line for line in after), after
+    assert all("…" not in line for line in after), after   # whole in the side pane
     assert not any("engine " in line for line in before + after)
+
+
+async def test_io_pane_drops_the_engines_rate_when_the_answer_ends(app_factory):
+    """"backend 127 MB/s" stayed on screen 20 s after the answer: the engine's figure is its
+    last token's, so once the answer ends the pane shows the sampled process rate. And
+    "disk 684 MB/s" with nothing in flight was every disk of the machine, unsaid."""
+    idle = Sample(t=0.0, disk_read_mb_s=684.0, proc_read_mb_s=0.0, proc_rss_gb=6.2)
+    app = app_factory(ScriptedStream("one two three", k3={"mb_per_s": 127.0, "gb_read": 2.4}),
+                      monitor=FixedMonitor([idle]))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.press(*"hi", "enter")
+        await settle(app, pilot)
+        assert not app.chat.generating and app.chat.k3.get("mb_per_s") == 127.0
+        app.chat.sample_now()
+        await pilot.pause()
+        lines = _io_lines(app)
+    line = next(ln for ln in lines if "backend" in ln)
+    assert "all disks 684 · backend 0 MB/s" in line and "127" not in line, lines
 
 
 async def test_remote_io_pane_shows_no_rss(app_factory):

@@ -224,3 +224,77 @@ async def test_copy_pick_ctrl_t_toggles_the_highlighted_reasoning(app_factory):
         await pilot.press("ctrl+t")
         assert not answers[1].reasoning_block.collapsed
         assert answers[2].reasoning_block.collapsed  # not the last answer's
+
+
+async def test_pgup_pgdn_scroll_the_conversation_and_f1_says_so(app_factory):
+    """PgUp/PgDn did nothing (the prompt has the focus and kept them); F1 did not say how
+    to scroll."""
+    stream = ScriptedStream("")
+    app = app_factory(stream)
+    async with app.run_test(size=SIZE) as pilot:
+        await three_turns(app, pilot, stream)
+        chat = app.chat.query_one("#chat")
+        await wait_until(pilot, lambda: chat.scroll_y == chat.max_scroll_y > 0)
+        bottom = chat.max_scroll_y
+        await pilot.press("pageup")
+        await wait_until(pilot, lambda: chat.scroll_y < bottom)
+        assert not chat.following               # reading up: a new answer will not yank it
+        await pilot.press("pageup", "pagedown", "pagedown", "pagedown")
+        await wait_until(pilot, lambda: chat.scroll_y == chat.max_scroll_y)
+        assert chat.following
+        await pilot.press("f1")
+        await pilot.pause()
+        assert "PgUp / PgDn" in screen_text(app) and "scroll the conversation" in \
+            screen_text(app)
+
+
+async def test_ctrl_y_after_an_answer_stopped_in_its_reasoning_copies_the_earlier_one(
+        app_factory):
+    """Esc during the reasoning leaves an answer with no text: Ctrl+Y said "No answer to
+    copy yet" though the answer before it was on screen."""
+    import asyncio
+
+    from k3tui.backends.events import ReasoningDelta
+
+    app = app_factory(ScriptedStream("The first answer."))
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "one")
+        await settle(app, pilot)
+
+        def thinking(messages):
+            async def gen():
+                yield ReasoningDelta("thinking about it")
+                await asyncio.Event().wait()   # until Esc cancels it
+            return gen()
+
+        app.stream = thinking
+        await send(pilot, "two")
+        await wait_until(pilot, lambda: "thinking" in (app.chat.current.reasoning or ""))
+        await pilot.press("escape")
+        await settle(app, pilot)
+        await pilot.press("ctrl+y")
+    assert app.clipboard == "The first answer."
+    assert "Copied answer 1 of 2" in notes(app)[-1] and "stopped while reasoning" in \
+        notes(app)[-1], notes(app)
+
+
+async def test_the_view_follows_each_answer_to_its_end(app_factory):
+    """The reasoning block collapsing when the answer starts asked (as Textual's Collapsible
+    does) to be scrolled into view: the chat jumped back up to it and stopped following,
+    so the end of the second answer was below the view. Ctrl+T still shows what it opens."""
+    stream = ScriptedStream("")
+    app = app_factory(stream)
+    async with app.run_test(size=SIZE) as pilot:
+        chat = app.chat.query_one("#chat")
+        for prompt, answer, reasoning in zip(PROMPTS, ANSWERS, REASONING):
+            stream.content, stream.reasoning = answer, reasoning
+            await send(pilot, prompt)
+            await settle(app, pilot)
+            await pilot.pause()  # the collapse's after-refresh scroll, and its animation
+            await pilot.wait_for_scheduled_animations()
+            await pilot.pause()
+            assert chat.following and chat.scroll_y == chat.max_scroll_y, prompt
+        last = list(app.chat.query(AssistantMessage))[-1]
+        await pilot.press("ctrl+t")
+        await wait_until(pilot, lambda: not last.reasoning_block.collapsed
+                         and in_view(app, last.reasoning_block))

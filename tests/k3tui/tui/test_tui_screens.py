@@ -261,6 +261,10 @@ async def test_tui_screens_keys_help(app_factory):
         assert isinstance(app.screen, KeysScreen)
         text = screen_text(app)
         assert "Ctrl+J" in text and "Esc" in text and "F6" in text
+        from k3tui.tui.screens.keys import KEYS
+
+        missing = [key for key, _ in KEYS if key and key not in text]
+        assert missing == [], f"{missing} are below the 80x24 window: {text}"
         await pilot.press("escape")
         await pilot.pause()
         assert app.screen is app.chat
