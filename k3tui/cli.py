@@ -22,6 +22,8 @@ COMMANDS: dict[str, str] = {
     "download": "download a checkpoint: resumable, verified, survives a dropped SSH session",
     "pack": "pack the trunk of a safetensors checkpoint for streaming",
     "chat": "open the chat (try --demo first)",
+    "ask": "queue a prompt from a shell; it is answered even after the shell is gone",
+    "answers": "list, show or stop the answers queued and running",
     "serve": "start the configured backend as an OpenAI-compatible server",
     "worker": "lend this machine's memory to a head's pool (a llama.cpp RPC worker)",
     "jobs": "list, attach to or cancel detached jobs (downloads, packing)",

@@ -72,6 +72,8 @@ class ChatSection:
     max_tokens: int = 4096
     temperature: float = 0.6
     system_prompt: str = ""
+    seed: int = 0       # the sampling seed of every answer; 0: a new random one each
+    on_done: str = ""   # a shell command run when an answer ends (k3tui/answers/runner.py)
 
 
 @dataclass

@@ -51,6 +51,30 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX messages_by_conversation ON messages(conversation_id, id);
     """,
+    # 2: every answer is a turn (k3tui/answers/store.py), queued per backend and run by a
+    # detached runner; a reply keeps the ids it was generated as (JSON list, [] if unknown).
+    """
+    ALTER TABLE messages ADD COLUMN token_ids TEXT NOT NULL DEFAULT '[]';
+    CREATE TABLE turns (
+        id INTEGER PRIMARY KEY,
+        conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+        message_id INTEGER NOT NULL REFERENCES messages(id) ON DELETE CASCADE,
+        backend TEXT NOT NULL,
+        settings TEXT NOT NULL DEFAULT '{}',
+        state TEXT NOT NULL CHECK (state IN ('queued', 'running', 'done', 'stopped', 'failed')),
+        runner TEXT NOT NULL DEFAULT '',
+        stop_requested INTEGER NOT NULL DEFAULT 0,
+        stop_reason TEXT NOT NULL DEFAULT '',
+        next_step TEXT NOT NULL DEFAULT '',
+        tokens INTEGER NOT NULL DEFAULT 0,
+        created REAL NOT NULL,
+        started REAL,
+        first_token REAL,
+        updated REAL NOT NULL,
+        ended REAL
+    );
+    CREATE INDEX turns_by_backend ON turns(backend, state, id);
+    """,
 ]
 
 STATUSES = ("done", "streaming", "stopped", "quit", "interrupted", "error")
@@ -169,14 +193,21 @@ class History:
 
     def _mark_interrupted(self) -> None:
         """An answer still "streaming" in a conversation no window shows belongs to a TUI
-        or backend that died mid-answer. (One a window shows is being written now.)"""
+        or backend that died mid-answer. (One a window shows is being written now; a
+        turn's, queued or running, is its runner's: k3tui/answers continues it.)"""
         for (conversation_id,) in self._db.execute(
                 "SELECT DISTINCT conversation_id FROM messages WHERE status='streaming'"
                 ).fetchall():
             if not self.shown_elsewhere(conversation_id):
                 self._db.execute("UPDATE messages SET status='interrupted' "
-                                 "WHERE status='streaming' AND conversation_id=?",
-                                 (conversation_id,))
+                                 "WHERE status='streaming' AND conversation_id=? AND id NOT IN "
+                                 "(SELECT message_id FROM turns "
+                                 "WHERE state IN ('queued', 'running'))", (conversation_id,))
+
+    @property
+    def db(self) -> sqlite3.Connection:
+        """The connection, for the stores that share this file (k3tui/answers/store.py)."""
+        return self._db
 
     @property
     def schema_version(self) -> int:

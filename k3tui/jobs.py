@@ -85,6 +85,7 @@ class JobState(TypedDict):
     argv: list[str]
     retries: int
     errors: list[str]
+    url: str                  # a backend service: where it answers, once it does
 
 
 class Damaged(NamedTuple):
@@ -193,6 +194,7 @@ _FIELDS: dict[str, tuple[Any, str, Any]] = {
     "argv": (_texts, "a list of text", []),
     "retries": (_count, "a whole number", 0),
     "errors": (_texts, "a list of text", []),
+    "url": (_text, "text", ""),
 }
 
 
@@ -217,7 +219,7 @@ def parse_state(job_id: str, raw: Any) -> JobState:
     # compared with the process's command line)
     state["files"] = [{"name": clean(f["name"]), "size": f["size"], "done": f["done"],
                        "status": clean(f["status"])} for f in state["files"]]
-    for key in ("message", "target"):
+    for key in ("message", "target", "url"):
         state[key] = clean(state[key])
     state["errors"] = [clean(e) for e in state["errors"]]
     if state["updated"] is None:
@@ -319,7 +321,8 @@ def new_state(job_id: str, kind: str, argv: list[str], target_key: str) -> JobSt
             "updated": now, "message": "starting", "log": str(log_path(job_id)),
             "total_bytes": 0, "done_bytes": 0, "rate_bps": 0.0, "eta_s": None,
             "stalled": False, "files": [], "layer": None, "layers": None,
-            "target": target_key, "argv": argv, "pid_start": None, "retries": 0, "errors": []}
+            "target": target_key, "argv": argv, "pid_start": None, "retries": 0, "errors": [],
+            "url": ""}
 
 
 def start_job(kind: str, argv: list[str], target_key: str, *, lock_file: Path | None = None,
@@ -387,6 +390,10 @@ def resume_hint(state: JobState) -> str:
         return "start it again with `k3tui worker` (with the same --host and --port)"
     if state["kind"] == "pack":
         return "rerun `k3tui pack` with the same folders to resume (it resumes per layer)"
+    if state["kind"] == "backend":
+        return "start it again with `k3tui serve --detach`"
+    if state["kind"] == "answers":
+        return "`k3tui answers` starts a new runner for the answers left"
     return "rerun the same command to resume"
 
 

@@ -53,6 +53,15 @@ class TokenStats:
 
 
 @dataclass(frozen=True)
+class TokenIds:
+    """The ids a chunk carried (the engine's `k3.token_ids`: every id since the chunk
+    before, hidden tags included). Kept with the reply, they let a later request send it
+    back exactly (`k3_token_ids`) and continue a cut answer where it stopped."""
+
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Finished:
     finish_reason: str | None
     usage: dict[str, Any] = field(default_factory=dict)
@@ -86,4 +95,5 @@ class Waiting:
         _clean_fields(self, "message")
 
 
-StreamEvent = ReasoningDelta | ContentDelta | TokenStats | Finished | BackendError | Waiting
+StreamEvent = (ReasoningDelta | ContentDelta | TokenStats | TokenIds | Finished | BackendError
+               | Waiting)

@@ -40,6 +40,7 @@ from k3tui.backends.events import (
     Finished,
     ReasoningDelta,
     StreamEvent,
+    TokenIds,
     TokenStats,
     Waiting,
 )
@@ -62,6 +63,7 @@ MAX_ERROR_BYTES = 64 * KiB
 MAX_ERROR_CHARS = 500  # of a server's error message shown to the user
 MAX_FIGURE = 1e15  # a count, a time in ms, a size in GB: anything larger is not one
 MAX_TOKENS_PER_CHUNK = 4096  # what one chunk's cumulative predicted_n may add
+MAX_TOKEN_ID = 2**31 - 1  # a token id is an int32 in every tokenizer k3tui talks to
 MAX_MODELS_BYTES = 16 * MiB  # /v1/models of a hosted API with hundreds of models
 PING_HEADER = "x-k3-ping-seconds"  # the engine's keep-alive interval (engine/serve/app.py)
 STALL_PINGS = 3  # keep-alives missed in a row before an announcing backend counts as stalled
@@ -225,6 +227,16 @@ def _k3(obj: object) -> dict[str, Any]:
     return out
 
 
+def _token_ids(k3: Any) -> tuple[int, ...]:
+    """`k3.token_ids` when it is a list of at most MAX_TOKENS_PER_CHUNK token ids; anything
+    else is no ids (a reply without ids is still a reply, just not sent back as ids)."""
+    ids = k3.get("token_ids") if isinstance(k3, dict) else None
+    if not isinstance(ids, list) or len(ids) > MAX_TOKENS_PER_CHUNK or not all(
+            type(i) is int and 0 <= i <= MAX_TOKEN_ID for i in ids):
+        return ()
+    return tuple(ids)
+
+
 @dataclass
 class _Turn:
     """What one answer accumulated so far; decides the final event."""
@@ -293,6 +305,9 @@ class ChunkInterpreter:
         timings = _figures(chunk.get("timings")) or None
         if timings:
             self.turn.timings = timings
+        ids = _token_ids(chunk.get("k3"))
+        if ids:
+            events.append(TokenIds(ids))
         if texts:
             events.append(self._stats(timings, _k3(chunk.get("k3"))))
         return events

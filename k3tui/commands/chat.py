@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Callable
 from typing import Any
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from k3tui.errors import K3Error
@@ -62,6 +63,25 @@ class Session:
         self.url = ""
         self.api_key: str | None = None
         self.verify: Any = True                   # TLS policy for a remote URL
+        # how a runner finds this backend's key (never the key: the store is not for
+        # secrets); None: answers are streamed here, not queued (the demo ends with the chat)
+        self.key_settings: dict[str, Any] | None = None
+        self.seed = 0                             # [chat] seed; 0: random per answer
+
+    def queue_target(self) -> tuple[str, dict[str, Any]] | None:
+        """The turn queue's backend and the settings of one answer (a new seed each: kept
+        with the turn, so a continued answer is the same answer)."""
+        import secrets
+
+        from k3tui.backends.openai_stream import api_base
+
+        url = self.running.base_url if self.running is not None else self.url
+        if self.key_settings is None or not url:
+            return None
+        settings = {**self.chat_kwargs, **self.key_settings, "system_prompt": self.system_prompt,
+                    "model": self.info.model or None,
+                    "seed": self.seed or secrets.randbelow(2**31)}
+        return api_base(url), settings
 
     def stream(self, messages: list[dict[str, Any]]):
         if self.running is not None:
@@ -92,6 +112,7 @@ class Session:
         d.info = self.info  # the demo's starter records its budget on the info shown
         self.starter, self.chat_kwargs, self.system_prompt = (d.starter, d.chat_kwargs,
                                                               d.system_prompt)
+        self.key_settings = None   # its engine ends with the chat: nothing to queue for
         return d.starter
 
     def alive(self) -> bool:
@@ -114,7 +135,9 @@ def _url_session(url: str, api_key_env: str | None, model: str | None) -> Sessio
         if not api_key:
             raise K3Error(f"The environment variable {api_key_env} is empty or not set.",
                           f"export {api_key_env}=<your key>, then run this again", 2)
-    return _point_at(_chat_settings(Session(), load_config().chat), url, api_key, model)
+    s = _point_at(_chat_settings(Session(), load_config().chat), url, api_key, model)
+    s.key_settings = {"api_key_env": api_key_env}
+    return s
 
 
 def _demo_session() -> Session:
@@ -131,6 +154,7 @@ def _chat_settings(s: Session, chat: Any) -> Session:
 
     s.chat_kwargs = chat_settings(chat)
     s.system_prompt = chat.system_prompt
+    s.seed = chat.seed
     return s
 
 
@@ -165,8 +189,11 @@ def _remote_session(cfg: Any, base: Session) -> Session:
     from k3tui.backends.endpoint import resolve_api_key, tls_verify
 
     api_key, _ = resolve_api_key(cfg.remote.api_key_env)
-    return _point_at(base, cfg.remote.url, api_key, cfg.remote.model or None,
-                     tls_verify(cfg.remote.verify_tls))
+    s = _point_at(base, cfg.remote.url, api_key, cfg.remote.model or None,
+                  tls_verify(cfg.remote.verify_tls))
+    s.key_settings = {"api_key_env": cfg.remote.api_key_env or None, "configured_key": True,
+                      "verify_tls": cfg.remote.verify_tls}
+    return s
 
 
 def _config_session(cfg: Any) -> Session:
@@ -181,10 +208,35 @@ def _config_session(cfg: Any) -> Session:
     s.info.model = os.path.basename(str(cfg.model.dir).rstrip("/")) or cfg.model.repo
     if cfg.backend.kind == "bundled":
         s.info.preset = cfg.engine.preset
-    from k3tui.backends import launch as launch_mod
-
-    s.starter = lambda on_progress: launch_mod.launch(cfg, on_progress=on_progress)
+    s.starter = lambda on_progress: _shared_backend(cfg, s, on_progress)
     return s
+
+
+def _shared_backend(cfg: Any, s: Session, on_progress: Callable[[Any], None]) -> Any:
+    """The configured backend's detached service (started if none runs for this
+    configuration): quitting the chat, or losing its terminal, leaves it running for the
+    other chats, `k3tui ask` and the answers in progress."""
+    import psutil
+
+    from k3tui.backends import service
+    from k3tui.backends.launch import API_KEY_CREDENTIAL, MODEL_NAME
+    from k3tui.backends.running import RunningBackend
+
+    found, _ = service.attach_or_start(cfg, on_progress=on_progress)
+    key = None
+    if (cfg.backend.host or "127.0.0.1") not in ("127.0.0.1", "localhost", "::1"):
+        from k3tui.config import load_credentials
+
+        key = load_credentials().get(API_KEY_CREDENTIAL)
+    pid = found.pid
+    try:   # the memory pane follows the server, not the job that holds it
+        pid = next((c.pid for c in psutil.Process(found.pid).children()), found.pid)
+    except (psutil.Error, ValueError, TypeError):
+        pass
+    s.info.shared = True
+    s.key_settings = {"api_key_credential": API_KEY_CREDENTIAL} if key else {}
+    return RunningBackend(kind=cfg.backend.kind, base_url=found.url, api_key=key,
+                          model=MODEL_NAME, pid=pid, log_path=Path(found.log))
 
 
 def _offer_demo() -> bool:
@@ -226,7 +278,7 @@ def make_app(session: Session, args: argparse.Namespace, **overrides: Any):
         theme="textual-light" if args.light else None, starter=session.starter,
         on_started=session.attach, backend_alive=session.alive,
         demo=session.use_demo if session.starter is not None and not session.info.label
-        else None)
+        else None, queue=session.queue_target)
     kwargs.update(overrides)
     return ChatApp(**kwargs)
 

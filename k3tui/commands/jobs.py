@@ -88,6 +88,13 @@ def summary_line(state: dict) -> str:
     if state.get("kind") == "rpc-worker":  # a service, not a transfer: nothing to count
         return "RPC worker" + (": serves a head until `k3tui worker stop`"
                                if state.get("status") == "running" else "")
+    if state.get("kind") == "backend":
+        return "backend service" + (f" at {state.get('url') or '(loading)'}: shared by every "
+                                    "chat and `k3tui ask` until `k3tui serve stop`"
+                                    if state.get("status") == "running" else "")
+    if state.get("kind") == "answers":
+        return "answer runner" + (": answers the queued turns (`k3tui answers`)"
+                                  if state.get("status") == "running" else "")
     total, done = state.get("total_bytes") or 0, state.get("done_bytes") or 0
     pct = f"{100 * done / total:.1f}%" if total else "--"
     rate = state.get("rate_bps") or 0.0

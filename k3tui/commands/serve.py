@@ -16,6 +16,13 @@ from k3tui.errors import K3Error
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", nargs="?", choices=["stop", "status"],
+                        help="stop: stop the detached backend service; status: say whether "
+                        "one runs and where")
+    parser.add_argument("--detach", action="store_true",
+                        help="run it as a detached service (a job, `k3tui jobs`), shared by "
+                        "every chat and `k3tui ask`, until `k3tui serve stop`")
+    parser.add_argument("--as-job", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--backend", choices=["bundled", "llama-server"],
                         help="which backend to start (default: [backend] kind of the config)")
     from k3tui.commands import old_spelling
@@ -48,11 +55,68 @@ def _config():
     return load_config() if config_exists() else Config()
 
 
+def _serve_args(args: argparse.Namespace) -> list[str]:
+    """The options the service job must decide its launch with, as they were given."""
+    out: list[str] = []
+    for flag, value in (("--backend", args.backend), ("--model-path", args.model_path),
+                        ("--port", args.port), ("--rpc", args.rpc)):
+        if value is not None:
+            out += [flag, str(value)]
+    return out + (["--force"] if args.force else [])
+
+
+def _service_action(args: argparse.Namespace) -> int:
+    from k3tui.backends import service
+
+    if args.action == "status":
+        found = service.find()
+        if found is None:
+            print("No backend service runs. Start one with `k3tui serve --detach`.")
+            return 1
+        print(f"backend service {found.job_id}: {found.url + '/v1' if found.url else 'loading'}"
+              f" (pid {found.pid}); log {found.log}")
+        return 0
+    stopped = service.stop()
+    if stopped is None:
+        print("No backend service runs.")
+        return 0
+    print(f"Stopped the backend service {stopped.job_id}.")
+    return 0
+
+
+def _shared(args: argparse.Namespace, ready) -> int | None:
+    """The shared service: already running for this configuration (said, not doubled),
+    or started detached with --detach; None to serve in the foreground."""
+    from k3tui.backends import service
+
+    running = None if args.dry_run else service.find(service.service_key(ready))
+    if running is not None:
+        print(f"The backend for this configuration already runs as a shared service "
+              f"({running.job_id}): {running.url + '/v1' if running.url else 'loading'}.\n"
+              "`k3tui serve stop` stops it.")
+        return 0
+    shown = ready.describe()
+    print(shown, flush=True)
+    if args.dry_run:
+        return 0
+    if not args.detach:
+        return None
+    job_id = service.start(ready, _serve_args(args))
+    print(f"Starting it as a detached service (job {job_id}); it loads in the background…",
+          flush=True)
+    found = service.wait_ready(job_id)
+    print(f"{ready.kind} ready: {found.url}/v1 (job {job_id}, log {found.log}).\n"
+          "It is shared by every `k3tui chat` and `k3tui ask`; `k3tui serve stop` stops it.")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from k3tui.backends.launch import prepare_launch
     from k3tui.backends.llama.server import exit_story
     from k3tui.config import parse_rpc
 
+    if args.action:
+        return _service_action(args)
     cfg = _config()
     kind = args.backend or _kind_of(args.model_path) or cfg.backend.kind
     if kind == "remote":
@@ -74,10 +138,13 @@ def run(args: argparse.Namespace) -> int:
     workers = None if args.rpc is None else parse_rpc(args.rpc)
     ready = prepare_launch(cfg, kind=kind, model=args.model_path, port=args.port,
                            force=args.force, machine=args.machine, rpc=workers)
-    shown = ready.describe()
-    print(shown, flush=True)
-    if args.dry_run:
-        return 0
+    if args.as_job:
+        from k3tui.backends.service import run_as_job
+
+        return run_as_job(ready)
+    shared = _shared(args, ready)
+    if shared is not None:
+        return shared
     tty = sys.stderr.isatty()
 
     def progress(p) -> None:
@@ -93,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         if tty:
             print(file=sys.stderr)
         for note in backend.notes:
-            if note not in shown:  # the memory-limit warning was already in the description
+            if note not in ready.describe():  # the limit warning was shown above
                 print(note, file=sys.stderr)
         key = " (API key: see credentials.toml, `server_api_key`)" if backend.api_key else ""
         print(f"{backend.kind} ready: {backend.base_url}/v1 (model {backend.model}){key}\n"

@@ -31,7 +31,7 @@ from k3tui.history import History
 from k3tui.monitor import Monitor, Sample
 from k3tui.textsafe import clean
 from k3tui.tui.handler import AnswerHandler
-from k3tui.tui.session import ChatSession
+from k3tui.tui.session import ChatSession, QueueFn
 from k3tui.tui.stats import LatencyStats
 from k3tui.units import gb_amount
 from k3tui.tui.widgets.messages import AssistantMessage, UserMessage, code_blocks
@@ -58,6 +58,7 @@ class BackendInfo:
     log_path: str = ""
     label: str = ""                 # e.g. the demo's "random weights" warning
     pool: list[str] = field(default_factory=list)  # a pool head's workers, host:port each
+    shared: bool = False            # a detached service other chats use too: quitting keeps it
 
     def header(self) -> Text:
         """The label (the demo's warning) first, so 80 columns never cut it off."""
@@ -68,12 +69,22 @@ class BackendInfo:
         if self.budget_gb:   # llama-server's is the process's limit, the engine's a budget
             word = "limit" if self.kind == "llama-server" else "budget"
             parts.append((f"{word} {gb_amount(self.budget_gb)}", ""))
+        if self.shared:
+            parts.append(("shared: `k3tui serve stop` stops it", "dim"))
         text = Text(" ", no_wrap=True, overflow="ellipsis")
         for i, (part, style) in enumerate(parts):
             if i:
                 text.append(" │ ", style="dim")
             text.append(clean(part), style=style)  # the model id is the server's text
         return text
+
+
+def finished_notice(text: str) -> str:
+    """BEL, then OSC 9 and OSC 777 notifications carrying `text`, which is cleaned of every
+    control character (an ESC or BEL in it would end the sequence and run the rest) and of
+    `;` (OSC 777's separator)."""
+    what = clean(text).replace("\n", " ").replace("\t", " ").replace(";", ",")
+    return f"\a\x1b]9;{what}\x07\x1b]777;notify;k3tui;{what}\x07"
 
 
 class ChatLog(VerticalScroll):
@@ -258,15 +269,21 @@ class ChatScreen(Screen):
         chat = self.query_one("#chat", ChatLog)
         await chat.remove_children()
         widgets = []
+        running = None   # an answer in progress (its runner answers it): followed live
         for m in messages:
             if m.role == "user":
                 widgets.append(UserMessage(m.content, classes="user"))
             elif m.role == "assistant":
+                if m is messages[-1] and m.status == "streaming" and self.session.follow(m.id):
+                    running = m.id
+                    continue
                 widgets.append(AssistantMessage(content=m.content, reasoning=m.reasoning,
                                                 status=m.status, classes="assistant"))
         await chat.mount_all(widgets)
         await self._hint()
         chat.follow()
+        if running is not None and not self.generating:
+            await self._start_answer(following=running)
 
     async def _hint(self) -> None:
         """An empty chat says what to do (a first run, Ctrl+N); the first message replaces it."""
@@ -323,9 +340,10 @@ class ChatScreen(Screen):
         await self._hint()
         await self._start_answer()
 
-    async def _start_answer(self) -> None:
-        messages = self.session.request_messages()
-        self.current_id = self.session.start_answer()
+    async def _start_answer(self, following: int | None = None) -> None:
+        """A new answer, or (`following`: its message) one in progress in the store."""
+        messages = self.session.request_messages() if following is None else []
+        self.current_id = self.session.start_answer() if following is None else following
         self.clear_pick()
         self.current = AssistantMessage(classes="assistant")
         chat = self.query_one("#chat", ChatLog)
@@ -338,8 +356,17 @@ class ChatScreen(Screen):
 
     async def _generate(self, messages: list[dict[str, Any]], widget: AssistantMessage,
                         message_id: int) -> None:
-        await self.session.consume(self.k3app.stream(messages), AnswerHandler(self, widget),
-                                   message_id)
+        await self.session.consume(self.session.stream_for(messages, self.k3app.stream),
+                                   AnswerHandler(self, widget), message_id)
+
+    def tell_finished(self, status: str) -> None:
+        """An answer ended while this chat is open: the bell, and a desktop notification
+        (OSC 9 and OSC 777; terminals without them ignore both). The text is ours, cleaned
+        of control characters all the same, so it cannot end the sequence early."""
+        app = self.app
+        if not app.is_headless and app._driver is not None:
+            app._driver.write(finished_notice(
+                f"the answer is {'done' if status == 'done' else 'failed'}"))
 
     def answer_done(self) -> None:
         """The first demo answer says once what its words are (they read like canned text)."""
@@ -681,8 +708,10 @@ class ChatApp(App):
                  on_started: Callable[[Any], None] | None = None,
                  backend_alive: Callable[[], bool] | None = None,
                  demo: Callable[[], Callable[[Callable[[Any], None]], Any]] | None = None,
+                 queue: QueueFn | None = None,
                  ) -> None:
         super().__init__()
+        self.queue = queue  # answers go through the turn queue (k3tui/answers)
         self.stream = stream
         self.history = history
         self.backend = backend or BackendInfo()
@@ -718,8 +747,8 @@ class ChatApp(App):
                     "answer; Ctrl+Y copies it.", title="Ctrl+C does not quit here")
 
     def get_default_screen(self) -> Screen:
-        return ChatScreen(ChatSession(self.history, self._conversation_id, self.system_prompt),
-                          new=self._new_conversation)
+        return ChatScreen(ChatSession(self.history, self._conversation_id, self.system_prompt,
+                                      queue=self.queue), new=self._new_conversation)
 
     @property
     def chat(self) -> ChatScreen:

@@ -57,5 +57,7 @@ class AnswerHandler:
 
     async def done(self, status: str, note: str) -> None:
         await self.widget.finish(status, note)
+        if status in ("done", "error") and not self.screen.esc_stopped:
+            self.screen.tell_finished(status)
         self.screen.refresh_panes(force=True)
         self.screen.answer_done()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from k3tui.backends.events import (
@@ -29,6 +30,10 @@ from k3tui.backends.events import (
     Waiting,
 )
 from k3tui.history import Conversation, History, Message
+
+# What `queue` gives for each answer when answers go through the turn queue: the backend's
+# URL (the queue's key) and the turn's settings (k3tui/answers/store.py); None: stream here.
+QueueFn = Callable[[], "tuple[str, dict[str, Any]] | None"]
 
 SAVE_EVERY_S = 1.0  # how often a streaming answer is written to the history
 
@@ -57,9 +62,17 @@ def _seen(m: Message) -> tuple:
 
 
 class ChatSession:
+    """With `queue`, an answer is a turn (k3tui/answers): queued in the store, answered by
+    the backend's detached runner, and followed here from the store, so it goes on when
+    this chat ends. Without it (the demo, whose engine ends with the chat), the chat holds
+    the stream itself."""
+
     def __init__(self, history: History, conversation_id: int | None = None,
-                 system_prompt: str = "") -> None:
+                 system_prompt: str = "", queue: QueueFn | None = None) -> None:
         self.history = history
+        self.queue = queue
+        self.turn_id: int | None = None   # the turn being followed, when queued
+        self.turn_messages: set[int] = set()  # messages of turns this window sent or followed
         self.asked = conversation_id  # the one the user named (`chat --conversation ID`)
         self.system_prompt = system_prompt
         self.conversation_id: int | None = None
@@ -98,6 +111,7 @@ class ChatSession:
         (another window added to it, edited it or deleted it)."""
         if self.conversation_id is None:
             return False
+        self._reread(*self.turn_messages)   # what their runners wrote is not a change
         stored = self.history.messages(self.conversation_id)
         if not stored and self.history.get_conversation(self.conversation_id) is None:
             return True
@@ -134,8 +148,51 @@ class ChatSession:
                                                                  model=model))
         self._add("user", text)
 
+    def _store(self) -> Any:
+        from k3tui.answers.store import TurnStore
+
+        return TurnStore(self.history)
+
     def start_answer(self) -> int:
-        return self._add("assistant", "", status="streaming")
+        target = self.queue() if self.queue is not None else None
+        if target is None:
+            self.turn_id = None
+            return self._add("assistant", "", status="streaming")
+        from k3tui.answers.runner import ensure_runner
+
+        assert self.conversation_id is not None
+        backend, settings = target
+        turn = self._store().enqueue(self.conversation_id, None, backend, settings)
+        self.shown.append(Message(turn.message_id, self.conversation_id, "assistant", "",
+                                  status="streaming"))
+        ensure_runner(backend)
+        self.turn_id = turn.id
+        self.turn_messages.add(turn.message_id)
+        return turn.message_id
+
+    def follow(self, message_id: int) -> bool:
+        """Follow the turn that fills `message_id` if it is queued or running (a chat
+        opened on an answer in progress); False if there is none."""
+        turn = self._store().turn_of_message(message_id)
+        if turn is None or turn.state not in ("queued", "running"):
+            return False
+        self.turn_id = turn.id
+        self.turn_messages.add(message_id)
+        return True
+
+    def stream_for(self, messages: list[dict[str, Any]], direct: Callable[..., Any]) -> Any:
+        """The answer's events: read back from the store for a queued turn, else `direct`."""
+        if self.turn_id is not None:
+            from k3tui.answers.follow import follow_turn
+
+            return follow_turn(self._store(), self.turn_id)
+        return direct(messages)
+
+    def _reread(self, *message_ids: int) -> None:
+        """A queued turn's message is its runner's to write: show it as stored."""
+        stored = {m.id: m for m in self.history.messages(self.conversation_id or -1)
+                  if m.id in message_ids}
+        self.shown = [stored.get(m.id, m) for m in self.shown]
 
     def drop_last(self, role: str) -> Message | None:
         """Delete the last message if it is `role`'s (history and `shown`); it, or None."""
@@ -176,12 +233,14 @@ class ChatSession:
                         break
                     case Waiting():
                         view.waiting(f"⏳ {ev.message}")
-                if time.monotonic() - last_save > SAVE_EVERY_S:
+                if self.turn_id is None and time.monotonic() - last_save > SAVE_EVERY_S:
                     last_save = time.monotonic()
                     self.history.update_message(message_id, content=view.content,
                                                 reasoning=view.reasoning)
         except asyncio.CancelledError:
             status = view.cancelled_status()  # Esc stopped it, or k3tui quit
+            if self.turn_id is not None and status == "stopped":
+                self._store().request_stop(self.turn_id)  # Esc stops it; a quit does not
             raise
         except Exception as exc:  # a client bug or a dropped connection: never a traceback
             status, note = "error", f"{type(exc).__name__}: {exc}"
@@ -191,6 +250,9 @@ class ChatSession:
                 await stream.aclose()  # closes the HTTP stream, which stops the server
             except Exception:
                 pass
-            self._saved(message_id, content=view.content, reasoning=view.reasoning,
-                        status=status, meta=view.turn_meta())
+            if self.turn_id is None:
+                self._saved(message_id, content=view.content, reasoning=view.reasoning,
+                            status=status, meta=view.turn_meta())
+            else:
+                self._reread(message_id)
             await view.done(status, note)

@@ -40,7 +40,8 @@ def test_every_documented_key_exists():
         "llama_server": {"binary", "ctx_size", "reasoning_budget", "memory_limit_gb",
                          "n_gpu_layers", "extra_args", "rpc"},
         "remote": {"url", "model", "api_key_env", "verify_tls"},
-        "chat": {"thinking", "thinking_effort", "max_tokens", "temperature", "system_prompt"},
+        "chat": {"thinking", "thinking_effort", "max_tokens", "temperature", "system_prompt",
+                 "seed", "on_done"},
     }
     assert {k: set(v) for k, v in d.items()} == documented
 

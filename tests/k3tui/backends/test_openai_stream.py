@@ -242,3 +242,21 @@ def test_ls_interpreter_counts_tokens_from_cumulative_timings():
     assert a[-1].tokens == 1 and a[-1].backend_ms == 2.0
     assert b[-1].tokens == 2 and b[-1].backend_ms == 3.0 and b[-1].arrival_s == 1.0
     assert it.data("not json")[0].message.startswith("The backend sent")
+
+
+def test_every_chunks_token_ids_become_an_event_even_without_text():
+    """The engine's `k3.token_ids`: ids of hidden tags arrive in chunks with no text, and the
+    last chunk carries any still unsent; a reply is sent back (and continued) by them."""
+    from k3tui.backends.events import TokenIds
+
+    it = ChunkInterpreter()
+    chunks = [{"choices": [{"delta": {"reasoning_content": "hm"}}], "k3": {"token_ids": [7]}},
+              {"choices": [{"delta": {}}], "k3": {"token_ids": [8, 9]}},
+              {"choices": [{"delta": {"content": "ok"}, "finish_reason": "stop"}],
+               "k3": {"token_ids": [10]}},
+              {"choices": [], "k3": {"token_ids": [2]}}]
+    ids = [i for c in chunks for ev in it.chunk(c) if isinstance(ev, TokenIds) for i in ev.ids]
+    assert ids == [7, 8, 9, 10, 2]
+    for bad in ([1, "2"], [-1], [True], "12", [2**40], list(range(5000))):
+        assert not [ev for ev in it.chunk({"choices": [], "k3": {"token_ids": bad}})
+                    if isinstance(ev, TokenIds)]

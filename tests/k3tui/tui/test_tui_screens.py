@@ -376,3 +376,13 @@ async def test_tui_screens_conversations_after_a_new_chat_enter_opens_the_newest
         await wait_until(pilot, lambda: app.screen is app.chat
                          and app.chat.conversation_id == newest)
         assert [u.text for u in app.chat.query(UserMessage)] == ["newest question"]
+
+
+def test_the_done_notice_carries_no_control_character_of_its_text():
+    from k3tui.tui.app import finished_notice
+
+    notice = finished_notice("done\x1b]52;c;ZXZpbA==\x07;\x9b2J\nx")
+    assert notice.startswith("\a\x1b]9;") and notice.endswith("\x07")
+    inner = notice[len("\a\x1b]9;"):].split("\x07")[0]
+    assert inner == "done, x"
+    assert notice.count("\x1b") == 2 and notice.count("\x07") == 3
