@@ -135,21 +135,33 @@ def _lane_sum(builder, v):
     return builder.extract_element(v, ir.Constant(ir.IntType(32), 0))
 
 
-def _make_row_dot(decode, block: int):
+def _clamped(builder, n: int, limit):
+    """0..n−1 as IR indices, those at or past `limit` replaced by limit − 1: a block that
+    overhangs the matrix repeats its last row or token (the same value to the same place)."""
+    ity = limit.type
+    top = builder.sub(limit, ir.Constant(ity, 1))
+    return [builder.select(builder.icmp_signed("<", ir.Constant(ity, k), limit),
+                           ir.Constant(ity, k), top) for k in range(n)]
+
+
+def _make_mxfp4_block(decode, n_rows: int, n_tokens: int):
     @intrinsic
-    def row_dot(typingctx, packed, r, xe, xo, t0, scale, scales, out):
-        """out[t, r] = Σ_i W[r, i]·x[t, i] for MXFP4 row r and the `block` tokens from t0
-        (x split into even/odd columns). Each 32-group is decoded once for all of them.
-        Per token, lane k of two 16-lane accumulators (even / odd 32-groups) sums, group
-        after group, fma(fma(hi_k, xo_k, lo_k·xe_k), scale, acc) with E2M1·2^-14 values;
-        then acc_even + acc_odd, a fixed halving tree over the lanes, × 2^14. A token's
-        bits do not depend on which block it was computed in."""
-        sig = types.none(packed, r, xe, xo, t0, scale, scales, out)
+    def mxfp4_block(typingctx, packed, r0, valid, xe, xo, t0, tvalid, scale, scales, out):
+        """out[t, r] = Σ_i W[r, i]·x[t, i] for the MXFP4 rows r0.. (`n_rows`, those past
+        `valid` repeating the last) and tokens t0.. (`n_tokens`, past `tvalid` likewise),
+        x split into even/odd columns. Each 32-group of a row is decoded once for all the
+        tokens, and each token's x vectors serve all the rows. Per output, lane k of two
+        16-lane accumulators (even / odd 32-groups) sums, group after group,
+        fma(fma(hi_k, xo_k, lo_k·xe_k), scale, acc) with E2M1·2^-14 values; then
+        acc_even + acc_odd, a fixed halving tree over the lanes, × 2^14. An output's bits
+        do not depend on the block it was computed in."""
+        sig = types.none(packed, r0, valid, xe, xo, t0, tvalid, scale, scales, out)
 
         def codegen(context, builder, signature, args):
-            pk, r, xe, xo, t0, sc, tab, res = args
-            pkty, _, xety, xoty, _, scty, tabty, resty = signature.args
-            zero, one, two = (ir.Constant(r.type, v) for v in (0, 1, 2))
+            pk, r0, valid, xe, xo, t0, tvalid, sc, tab, res = args
+            pkty, _, _, xety, xoty, _, _, scty, tabty, resty = signature.args
+            ity = r0.type
+            zero, one, two = (ir.Constant(ity, v) for v in (0, 1, 2))
 
             def ptr(ty, val, i, j):
                 arr = context.make_array(ty)(context, builder, val)
@@ -158,82 +170,105 @@ def _make_row_dot(decode, block: int):
             half = cgutils.unpack_tuple(
                 builder, context.make_array(pkty)(context, builder, pk).shape, 2
             )[1]
-            n_groups = builder.udiv(half, ir.Constant(r.type, 16))
-            prow, srow = ptr(pkty, pk, r, zero), ptr(scty, sc, r, zero)
-            toks = [builder.add(t0, ir.Constant(r.type, i)) for i in range(block)]
+            n_groups = builder.udiv(half, ir.Constant(ity, 16))
+            rows = [builder.add(r0, i) for i in _clamped(builder, n_rows, valid)]
+            toks = [builder.add(t0, t) for t in _clamped(builder, n_tokens, tvalid)]
+            prows = [ptr(pkty, pk, r, zero) for r in rows]
+            srows = [ptr(scty, sc, r, zero) for r in rows]
             erows = [ptr(xety, xe, t, zero) for t in toks]
             orows = [ptr(xoty, xo, t, zero) for t in toks]
             table = context.make_array(tabty)(context, builder, tab).data
-            accs = [
-                [cgutils.alloca_once_value(builder, ir.Constant(_VF, None)) for _ in range(2)]
-                for _ in range(block)
-            ]
+            accs = {
+                (i, t): [cgutils.alloca_once_value(builder, ir.Constant(_VF, None))
+                         for _ in range(2)]
+                for i in range(n_rows) for t in range(n_tokens)
+            }
 
             def group(g, chain):
                 off = builder.mul(g, ir.Constant(g.type, 16))
-                b = builder.load(
-                    builder.bitcast(builder.gep(prow, [off]), _VI8.as_pointer()), align=1
-                )
-                lo, hi = decode(builder, b)
-                s = builder.load(
-                    builder.gep(table, [builder.zext(builder.load(builder.gep(srow, [g])), g.type)])
-                )
-                sv = builder.insert_element(
-                    ir.Constant(_VF, ir.Undefined), s, ir.Constant(ir.IntType(32), 0)
-                )
-                sv = builder.shuffle_vector(sv, sv, ir.Constant(_VI32, [0] * _LANES))
-                for erow, orow, acc in zip(erows, orows, accs):
+                ws = []
+                for prow, srow in zip(prows, srows):
+                    b = builder.load(
+                        builder.bitcast(builder.gep(prow, [off]), _VI8.as_pointer()), align=1
+                    )
+                    lo, hi = decode(builder, b)
+                    s = builder.load(builder.gep(
+                        table, [builder.zext(builder.load(builder.gep(srow, [g])), g.type)]))
+                    sv = builder.insert_element(
+                        ir.Constant(_VF, ir.Undefined), s, ir.Constant(ir.IntType(32), 0)
+                    )
+                    ws.append((lo, hi, builder.shuffle_vector(sv, sv,
+                                                              ir.Constant(_VI32, [0] * _LANES))))
+                for t, (erow, orow) in enumerate(zip(erows, orows)):
                     xev = builder.load(
                         builder.bitcast(builder.gep(erow, [off]), _VF.as_pointer()), align=4
                     )
                     xov = builder.load(
                         builder.bitcast(builder.gep(orow, [off]), _VF.as_pointer()), align=4
                     )
-                    part = _vfma(builder, hi, xov, builder.fmul(lo, xev))
-                    builder.store(_vfma(builder, part, sv, builder.load(acc[chain])), acc[chain])
+                    for i, (lo, hi, sv) in enumerate(ws):
+                        acc = accs[i, t][chain]
+                        part = _vfma(builder, hi, xov, builder.fmul(lo, xev))
+                        builder.store(_vfma(builder, part, sv, builder.load(acc)), acc)
 
             prefetch = _prefetch_fn(builder)
             with cgutils.for_range(builder, builder.udiv(n_groups, two)) as loop:  # two chains
                 g0 = builder.mul(loop.index, two)
                 ahead = builder.add(
-                    builder.mul(g0, ir.Constant(r.type, 16)), ir.Constant(r.type, PREFETCH_BYTES)
+                    builder.mul(g0, ir.Constant(ity, 16)), ir.Constant(ity, PREFETCH_BYTES)
                 )
-                builder.call(prefetch, [builder.gep(prow, [ahead]), *_PREFETCH_READ_L1])
+                for prow in prows:
+                    builder.call(prefetch, [builder.gep(prow, [ahead]), *_PREFETCH_READ_L1])
                 group(g0, 0)
                 group(builder.add(g0, one), 1)
             with builder.if_then(builder.icmp_unsigned("!=", builder.urem(n_groups, two), zero)):
                 group(builder.sub(n_groups, one), 0)
-            for t, acc in zip(toks, accs):
+            for (i, t), acc in accs.items():
                 total = _lane_sum(builder, builder.fadd(builder.load(acc[0]), builder.load(acc[1])))
-                builder.store(
-                    builder.fmul(total, ir.Constant(_F32, 16384.0)), ptr(resty, res, t, r)
-                )
+                builder.store(builder.fmul(total, ir.Constant(_F32, 16384.0)),
+                              ptr(resty, res, toks[t], rows[i]))
             return context.get_dummy_value()
 
         return sig, codegen
 
-    return row_dot
+    return mxfp4_block
 
 
 _DECODE = _decode_avx512 if _host_has_avx512() else _decode_generic
-_mxfp4_row_dot1, _mxfp4_row_dot2, _mxfp4_row_dot4 = (_make_row_dot(_DECODE, b) for b in (1, 2, 4))
+_mxfp4_row = _make_mxfp4_block(_DECODE, 1, 1)
+MX_BLOCK_ROWS = 2
+MX_TOKEN_BLOCKS = (4, 2, 1)
+_mxfp4_block4, _mxfp4_block2, _mxfp4_block1 = (
+    _make_mxfp4_block(_DECODE, MX_BLOCK_ROWS, n) for n in MX_TOKEN_BLOCKS)
+MX_ROWS_PER_TASK = 64
 
 
 def _mxfp4_matmul(packed, scale, xe, xo, out, scales):
-    """x arrives split into even (low nibble) and odd (high nibble) columns; tokens go
-    four, then two, then one at a time through each row (same bits either way)."""
+    """x arrives split into even (low nibble) and odd (high nibble) columns. One token:
+    a row at a time, straight from memory. Several: a task's rows × blocks of 4, then 2,
+    then 1 tokens (every output the same bits either way)."""
     rows = packed.shape[0]
     tokens = xe.shape[0]
-    for r in prange(rows):
+    n_tasks = (rows + MX_ROWS_PER_TASK - 1) // MX_ROWS_PER_TASK
+    for task in prange(n_tasks):
+        lo = task * MX_ROWS_PER_TASK
+        hi = min(rows, lo + MX_ROWS_PER_TASK)
+        if tokens == 1:
+            for r in range(lo, hi):
+                _mxfp4_row(packed, r, 1, xe, xo, 0, 1, scale, scales, out)
+            continue
         t = 0
-        while t + 4 <= tokens:
-            _mxfp4_row_dot4(packed, r, xe, xo, t, scale, scales, out)
-            t += 4
-        if t + 2 <= tokens:
-            _mxfp4_row_dot2(packed, r, xe, xo, t, scale, scales, out)
-            t += 2
-        if t < tokens:
-            _mxfp4_row_dot1(packed, r, xe, xo, t, scale, scales, out)
+        while t < tokens:
+            left = tokens - t
+            for r in range(lo, hi, MX_BLOCK_ROWS):
+                valid = min(MX_BLOCK_ROWS, hi - r)
+                if left >= 4:
+                    _mxfp4_block4(packed, r, valid, xe, xo, t, 4, scale, scales, out)
+                elif left >= 2:
+                    _mxfp4_block2(packed, r, valid, xe, xo, t, 2, scale, scales, out)
+                else:
+                    _mxfp4_block1(packed, r, valid, xe, xo, t, 1, scale, scales, out)
+            t += 4 if left >= 4 else 2 if left >= 2 else 1
 
 
 # ---- BF16 row dot product, the same way ------------------------------------------------------
@@ -360,16 +395,10 @@ def _make_bf16_block(n_rows: int, n_tokens: int):
             rarr = context.make_array(resty)(context, builder, res)
             abase = builder.gep(context.make_array(accty)(context, builder, accv).data, [a0])
             cols = cgutils.unpack_tuple(builder, warr.shape, 2)[1]
-
-            def clamped(n, limit):  # 0..n-1, those past `limit` replaced by limit - 1
-                top = builder.sub(limit, ir.Constant(ity, 1))
-                return [builder.select(builder.icmp_signed("<", ir.Constant(ity, k), limit),
-                                       ir.Constant(ity, k), top) for k in range(n)]
-
-            rows = clamped(n_rows, valid)
+            rows = _clamped(builder, n_rows, valid)
             wrows = [cgutils.get_item_pointer(context, builder, wty, warr,
                                               [builder.add(r0, i), zero]) for i in rows]
-            toks = [builder.add(t0, t) for t in clamped(n_tokens, tvalid)]
+            toks = [builder.add(t0, t) for t in _clamped(builder, n_tokens, tvalid)]
             xrows = [cgutils.get_item_pointer(context, builder, xty, xarr, [t, zero])
                      for t in toks]
             pairs = [(i, t) for i in range(n_rows) for t in range(n_tokens)]
