@@ -153,6 +153,35 @@ def test_prefill_equals_single_steps(synth_model):
             assert np.abs(sa.latent[: sa.length] - sb.latent[: sb.length]).max() <= 1e-5
 
 
+def test_prefill_kernels_give_every_position_its_one_token_bits(synth_model, monkeypatch):
+    """The multi-token kernels change no bit: a prompt's logits at every position are the
+    same with every matrix product run one token at a time, and a prompt prefilled whole
+    or fed token by token continues with the same ids."""
+    from engine import kernels
+    from engine.kernels import fused, fused_compact
+
+    model = synth_model
+    ids = PROMPT * 3  # 21 positions: whole blocks of 4 tokens and a partial one
+    whole = model.forward_full(ids)
+    if kernels.FUSED:
+        for module, name in ((fused, "linear"), (fused, "mxfp4_linear"),
+                             (fused_compact, "c12_linear")):
+            product = getattr(module, name)
+
+            def by_token(x, *args, product=product, **kw):
+                return np.concatenate([product(x[t : t + 1], *args, **kw) for t in range(len(x))])
+
+            monkeypatch.setattr(module, name, by_token)
+        split = model.forward_full(ids)
+        monkeypatch.undo()
+        assert np.array_equal(whole.view(np.uint32), split.view(np.uint32))
+    state = model.new_state()
+    for t in ids:
+        model.step(t, state)
+    fed = [t.id for t in generate(model, ids, GenParams(max_tokens=6), resume=state)]
+    assert fed == [t.id for t in generate(model, ids, GenParams(max_tokens=6))]
+
+
 def test_chunked_kda_prefill_equals_per_token_steps(tmp_path):
     """A long prompt takes the chunked KDA form; steps take the per-token form."""
     from engine.model.kda import CHUNKED_MIN_TOKENS, recurrence, recurrence_chunked
