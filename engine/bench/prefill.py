@@ -9,9 +9,10 @@ prefilled whole against token by token, in one run.
   repetitions, and their ratio; `prefill_flops_fraction` is the lowest ratio at T ≥ 16;
 * BLAS: the library numpy runs and, for OpenBLAS, the core kernel it picked (an
   OPENBLAS_CORETYPE in the environment pins an older, slower one: the ratio then flatters);
-* prompt: a 64- and a 256-token prompt on a synthesised checkpoint ("medium", made in a
-  temporary folder, or --checkpoint DIR), prefilled whole vs fed token by token through
-  `Model.step`: tokens per second, and the greedy ids after each compared.
+* prompt: a 64- and a 256-token prompt (--prompts) on a synthesised checkpoint ("medium",
+  made in a temporary folder, or --checkpoint DIR, e.g. `synth DIR --size bench`),
+  prefilled whole vs fed token by token through `Model.step`: tokens per second, and the
+  greedy ids after each compared.
 The load average before and after says how much of the 2 cores the run had.
 """
 
@@ -35,7 +36,6 @@ from engine.kernels import reference
 from engine.kernels.mxfp4 import mxfp4_decode
 
 TOKENS = (1, 4, 16, 64, 256)
-PROMPTS = (64, 256)
 CONTINUE = 4  # greedy ids compared after each prompt
 LATENT_DOWN = (3584, 7168)  # routed_expert_down_proj: hidden 7168 → latent 3584
 EXPERT_W1 = (3072, 3584)  # an expert's gate: latent 3584 → 3072
@@ -45,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions (median)")
     parser.add_argument("--checkpoint", metavar="DIR",
                         help="prompt timings on this checkpoint (default: a synthesised medium)")
+    parser.add_argument("--prompts", default="64,256", metavar="N,N",
+                        help="prompt lengths in tokens (default 64,256)")
     parser.add_argument("--threads", type=int, default=0, help="compute threads (0 = all cores)")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
@@ -156,7 +158,7 @@ def measure_kernels(reps: int, rng) -> list[dict[str, Any]]:
 
 
 # ---- a prompt whole vs token by token -----------------------------------------------------------
-def measure_prompts(path: Path, reps: int, rng) -> list[dict[str, Any]]:
+def measure_prompts(path: Path, prompts: list[int], reps: int, rng) -> list[dict[str, Any]]:
     """Per prompt length: the whole prompt's prefill (median of `reps`) and the same ids fed
     one `Model.step` at a time (once: it is the slow side), then CONTINUE greedy ids after
     each."""
@@ -165,7 +167,7 @@ def measure_prompts(path: Path, reps: int, rng) -> list[dict[str, Any]]:
     model = load_model(path)
     cfg = model.config
     runs = []
-    for n in PROMPTS:
+    for n in prompts:
         ids = [int(i) for i in rng.integers(0, cfg.vocab_size, n)]
         model.prefill(ids[:8], model.new_state())  # compile and warm up
         whole = []
@@ -197,8 +199,13 @@ def _greedy(model, state, logits: np.ndarray) -> list[int]:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.reps < 1:
-        print("error: --reps must be at least 1.", file=sys.stderr)
+    try:
+        prompts = [int(n) for n in args.prompts.split(",")]
+    except ValueError:
+        prompts = []
+    if args.reps < 1 or not prompts or min(prompts) < 1:
+        print("error: --reps must be at least 1 and --prompts a list of token counts such as "
+              "64,256.", file=sys.stderr)
         return 2
     if args.checkpoint and not (Path(args.checkpoint) / "config.json").is_file():
         print(f"error: {args.checkpoint} holds no config.json; give a checkpoint folder "
@@ -230,9 +237,9 @@ def main(args: argparse.Namespace) -> int:
 
             log("synthesising a medium checkpoint ...")
             synthesize(path, "medium", seed=1)
-        log(f"prompts of {', '.join(map(str, PROMPTS))} tokens: whole vs token by token ...")
+        log(f"prompts of {', '.join(map(str, prompts))} tokens: whole vs token by token ...")
         res["prompt"] = {"checkpoint": args.checkpoint or "synthesised medium",
-                         "runs": measure_prompts(path, args.reps, rng)}
+                         "runs": measure_prompts(path, prompts, args.reps, rng)}
     res["ids_equal"] = all(r["ids_equal"] for r in res["prompt"]["runs"])
     res["load_average_after"] = list(os.getloadavg())
     res["seconds"] = time.perf_counter() - start

@@ -7,6 +7,12 @@ code rather than left to fast-math reassociation. Rows are split across threads;
 output element is produced by the same instruction sequence whatever the number of tokens
 or threads, so results depend on neither (tests/engine/kernels/test_kernels_fused.py checks the
 bits against a numpy emulation of each documented order).
+One token (a decode step) streams each row once. Several tokens (a prefill, a chunk, the
+head at several positions) go through register blocks of rows × tokens: a decoded 16-lane
+weight vector feeds every token's accumulator and an x vector every row's, so T tokens cost
+far less than T passes; each output still gets the one-token instruction sequence, only the
+order in which independent outputs and accumulators are worked on differs
+(tests/engine/kernels/test_kernels_tokens.py checks them bit for bit against one token).
 Importing this module raises ImportError when numba is missing; kernels/__init__.py then uses
 the numpy reference.
 """

@@ -13,11 +13,11 @@ def test_bench_prefill_reports_fractions_and_equal_ids(monkeypatch, tmp_path, ca
     monkeypatch.setattr(bench_prefill, "LATENT_DOWN", (40, 200))
     monkeypatch.setattr(bench_prefill, "EXPERT_W1", (36, 96))
     monkeypatch.setattr(bench_prefill, "TOKENS", (1, 5, 16))
-    monkeypatch.setattr(bench_prefill, "PROMPTS", (9, 20))
     ckpt = synthesize(tmp_path / "m", "tiny", seed=2)
     parser = argparse.ArgumentParser()
     bench_prefill.add_arguments(parser)
-    args = parser.parse_args(["--json", "--reps", "1", "--checkpoint", str(ckpt)])
+    args = parser.parse_args(["--json", "--reps", "1", "--checkpoint", str(ckpt),
+                              "--prompts", "9,20"])
     assert bench_prefill.main(args) == 0
     res = json.loads(capsys.readouterr().out)
     products = res["products"]
@@ -38,3 +38,5 @@ def test_bench_prefill_refuses_a_folder_without_a_checkpoint(tmp_path, capsys):
     assert bench_prefill.main(parser.parse_args(["--checkpoint", str(tmp_path)])) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no config.json" in err
+    assert bench_prefill.main(parser.parse_args(["--prompts", "64,x"])) == 2
+    assert capsys.readouterr().err.count("\n") == 1
