@@ -11,8 +11,8 @@ prefilled whole against token by token, in one run.
   OPENBLAS_CORETYPE in the environment pins an older, slower one: the ratio then flatters);
 * prompt: a 64- and a 256-token prompt (--prompts) on a synthesised checkpoint ("medium",
   made in a temporary folder, or --checkpoint DIR, e.g. `synth DIR --size bench`),
-  prefilled whole vs fed token by token through `Model.step`: tokens per second, and the
-  greedy ids after each compared.
+  prefilled whole vs fed token by token through `Model.step`: tokens per second, the last
+  logits compared bit for bit and the greedy ids after each.
 The load average before and after says how much of the 2 cores the run had.
 """
 
@@ -176,17 +176,19 @@ def measure_prompts(path: Path, prompts: list[int], reps: int, rng) -> list[dict
             t = time.perf_counter()
             logits = model.prefill(ids, state)
             whole.append(time.perf_counter() - t)
+        first = logits
         a = _greedy(model, state, logits)
         state = model.new_state()
         t = time.perf_counter()
         for i in ids:
             logits = model.step(i, state)
         steps = time.perf_counter() - t
+        same = np.array_equal(first.view(np.uint32), logits.view(np.uint32))
         b = _greedy(model, state, logits)
         w = statistics.median(whole)
         runs.append({"tokens": n, "whole_s": w, "steps_s": steps, "whole_tok_s": n / w,
-                     "steps_tok_s": n / steps, "speedup": steps / w, "ids_equal": a == b,
-                     "ids": a})
+                     "steps_tok_s": n / steps, "speedup": steps / w, "logits_equal": same,
+                     "ids_equal": a == b, "ids": a})
     return runs
 
 
@@ -241,6 +243,7 @@ def main(args: argparse.Namespace) -> int:
         res["prompt"] = {"checkpoint": args.checkpoint or "synthesised medium",
                          "runs": measure_prompts(path, prompts, args.reps, rng)}
     res["ids_equal"] = all(r["ids_equal"] for r in res["prompt"]["runs"])
+    res["logits_equal"] = all(r["logits_equal"] for r in res["prompt"]["runs"])
     res["load_average_after"] = list(os.getloadavg())
     res["seconds"] = time.perf_counter() - start
     if args.json:
@@ -271,6 +274,8 @@ def print_report(r: dict[str, Any]) -> None:
     for p in r["prompt"]["runs"]:
         print(f"{r['prompt']['checkpoint']}, {p['tokens']}-token prompt: whole "
               f"{p['whole_tok_s']:.1f} tok/s, token by token {p['steps_tok_s']:.1f} tok/s "
-              f"({p['speedup']:.1f}x); ids after it {'equal' if p['ids_equal'] else 'DIFFER'}")
+              f"({p['speedup']:.1f}x); last logits "
+              f"{'bit-identical' if p['logits_equal'] else 'DIFFER'}, ids after it "
+              f"{'equal' if p['ids_equal'] else 'DIFFER'}")
     print(f"load average {r['load_average'][0]:.2f} before, {r['load_average_after'][0]:.2f} "
           f"after, on {r['cpus']} CPUs; {r['seconds']:.0f} s")

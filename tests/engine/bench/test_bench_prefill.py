@@ -29,6 +29,7 @@ def test_bench_prefill_reports_fractions_and_equal_ids(monkeypatch, tmp_path, ca
     runs = res["prompt"]["runs"]
     assert [r["tokens"] for r in runs] == [9, 20]
     assert res["ids_equal"] and all(r["ids_equal"] and len(r["ids"]) == 4 for r in runs)
+    assert all(r["logits_equal"] for r in runs)  # prefilled whole = token by token, bitwise
     assert res["blas"]["name"] and len(res["load_average"]) == 3
 
 
