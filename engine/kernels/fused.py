@@ -7,11 +7,12 @@ code rather than left to fast-math reassociation. Rows are split across threads;
 output element is produced by the same instruction sequence whatever the number of tokens
 or threads, so results depend on neither (tests/engine/kernels/test_kernels_fused.py checks the
 bits against a numpy emulation of each documented order).
-One token (a decode step) streams each row once. Several tokens (a prefill, a chunk, the
-head at several positions) go through register blocks of rows × tokens: a decoded 16-lane
-weight vector feeds every token's accumulator and an x vector every row's, so T tokens cost
-far less than T passes; each output still gets the one-token instruction sequence, only the
-order in which independent outputs and accumulators are worked on differs
+BF16 (and c12) products of one to three tokens stream each row once, a row dot per token;
+from four tokens on (a prefill, the head at several positions), and MXFP4 from two, they
+go through register blocks of rows × tokens: a decoded 16-lane weight vector feeds every
+token's accumulator and an x vector every row's, so T tokens cost far less than T passes.
+Each output still gets the one-token instruction sequence; only the order in which
+independent outputs and accumulators are worked on differs
 (tests/engine/kernels/test_kernels_tokens.py checks them bit for bit against one token).
 Importing this module raises ImportError when numba is missing; kernels/__init__.py then uses
 the numpy reference.
@@ -474,8 +475,9 @@ def _make_bf16_block(n_rows: int, n_tokens: int):
     return bf16_block
 
 
-def _bf16_matmul(w, x, out):  # w uint16 [R, C], x f32 [1, C], out f32 [1, R]
-    """One token: each row once, straight from memory (the decode step's case)."""
+def _bf16_matmul(w, x, out):  # w uint16 [R, C], x f32 [T, C], out f32 [T, R]
+    """A decode step's token (or two or three): each row once, straight from memory, its
+    row dot for each token while it is in cache."""
     rows = w.shape[0]
     tokens = x.shape[0]
     n_tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
@@ -491,6 +493,13 @@ def _bf16_matmul(w, x, out):  # w uint16 [R, C], x f32 [1, C], out f32 [1, R]
 BLOCK_ROWS, BLOCK_TOKENS, PANEL_BLOCKS = 4, 4, 16
 _ACC_FLOATS = _BF16_CHAINS * BLOCK_ROWS * BLOCK_TOKENS * _LANES  # one block's kept chains
 _bf16_block = _make_bf16_block(BLOCK_ROWS, BLOCK_TOKENS)
+
+
+def blocks_pay(tokens: int) -> bool:
+    """Below a block of tokens the row dots stream each row once and compute no padding
+    (2 tokens: ~7 vs ~9 ms for a [3584, 7168] BF16 product here); from a block on the
+    blocks win (8 tokens: ~12 vs ~20 ms)."""
+    return tokens >= BLOCK_TOKENS
 
 
 def _bf16_tiles(w, r0, r1, c0, x, out, acc):
@@ -548,7 +557,8 @@ def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
     par = w.size >= PARALLEL_MIN_WEIGHTS  # by matrix only: a step and a prefill agree
     if w.dtype == np.uint16:
-        _KERNELS[("_bf16_matmul" if x.shape[0] == 1 else "_bf16_matmul_tokens", par)](w, x, out)
+        _KERNELS[("_bf16_matmul_tokens" if blocks_pay(x.shape[0]) else "_bf16_matmul", par)](
+            w, x, out)
     else:
         _KERNELS[("_f32_matmul", par)](w, x, out)
     return out

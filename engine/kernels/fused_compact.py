@@ -36,6 +36,7 @@ from engine.kernels.fused import (
     _emit_bf16_dot,
     _prefetch_ahead,
     _splat,
+    blocks_pay,
 )
 
 _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
@@ -335,8 +336,8 @@ def _parts(w: CompactMatrix) -> tuple[np.ndarray, ...]:
 def c12_linear(x: np.ndarray, w: CompactMatrix) -> np.ndarray:
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
     par = w.size >= PARALLEL_MIN_WEIGHTS  # the BF16 kernel's rule, so both split alike
-    _KERNELS[("_c12_matmul" if x.shape[0] == 1 else "_c12_matmul_tokens", par)](*_parts(w), x,
-                                                                                 out)
+    kernel = "_c12_matmul_tokens" if blocks_pay(x.shape[0]) else "_c12_matmul"
+    _KERNELS[(kernel, par)](*_parts(w), x, out)
     return out
 
 
