@@ -1,8 +1,9 @@
 """`python -m engine COMMAND`: run, synth, pack, serve, plan, bench (the dispatcher that
 __main__.py calls).
 
-Each command's module exposes `add_arguments(parser)` and `main(args) -> int`; only the
-chosen one is imported.
+Each command's module (engine/commands/; serve's is still engine/serve/app.py) exposes
+`add_arguments(parser)` and `main(args) -> int`; only the chosen one is imported, so
+`--help` and a command's start-up never pay for the others.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ import importlib
 import sys
 
 COMMANDS = {
-    "run": ("engine.decode.run", "generate from a checkpoint (token ids in, ids and timings out)"),
-    "synth": ("engine.checkpoint.synth", "write a random-weight Kimi-K3-architecture checkpoint"),
-    "pack": ("engine.checkpoint.trunk", "pack a checkpoint's trunk into trunk.bin + trunk.json"),
+    "run": ("engine.commands.run",
+            "generate from a checkpoint (token ids in, ids and timings out)"),
+    "synth": ("engine.commands.synth", "write a random-weight Kimi-K3-architecture checkpoint"),
+    "pack": ("engine.commands.pack", "pack a checkpoint's trunk into trunk.bin + trunk.json"),
     "serve": ("engine.serve.app", "serve a checkpoint over an OpenAI-compatible HTTP API"),
-    "plan": ("engine.weights.plan_cli", "the memory plan and its forecast, without weights"),
-    "bench": ("engine.bench", "benchmarks: forward, stream, serve, compact, parts, slice"),
+    "plan": ("engine.commands.plan", "the memory plan and its forecast, without weights"),
+    "bench": ("engine.commands.bench", "benchmarks: forward, stream, serve, compact, parts, slice"),
 }
 
 

@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "pack": "pack the trunk of a safetensors checkpoint for streaming",
     "chat": "open the chat (try --demo first)",
     "serve": "start the configured backend as an OpenAI-compatible server",
+    "worker": "lend this machine's memory to a head's pool (a llama.cpp RPC worker)",
     "jobs": "list, attach to or cancel detached jobs (downloads, packing)",
     "bench": "measure: download, tui, engine",
     "config": "show the config and where k3tui keeps its files",

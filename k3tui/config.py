@@ -56,6 +56,7 @@ class LlamaServerSection:
     memory_limit_gb: float = 0.0
     n_gpu_layers: int = 99
     extra_args: list[str] = field(default_factory=list)
+    rpc: list[str] = field(default_factory=list)  # the pool's workers, "host:port" each
 
 
 @dataclass
@@ -108,6 +109,11 @@ _HEADER = """\
 # k3tui configuration. `k3tui setup` writes it; edit freely, comments are kept.
 # `k3tui config show` prints the effective values; `k3tui doctor` checks them.
 """
+
+
+def _cut(text: str, most: int = 80) -> str:
+    """A name or value from outside as a message shows it: at most `most` characters."""
+    return text if len(text) <= most else text[:most] + "…"
 
 
 def _copy(value: Any) -> Any:
@@ -164,6 +170,46 @@ def is_http_url(url: str) -> bool:
     return url.startswith(("http://", "https://"))
 
 
+MAX_RPC_WORKERS = 16  # llama.cpp's GGML_RPC_MAX_SERVERS
+_HOST_NAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                        r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
+
+
+def split_endpoint(text: str) -> tuple[str, int] | None:
+    """`host:port` → (host, port): an IPv4 address or a host name, and a port 1..65535;
+    None when it is not one. (llama.cpp's RPC client reads the host up to the first colon,
+    so an IPv6 address cannot name a worker.)"""
+    host, sep, port = text.partition(":")
+    if not sep or not port.isascii() or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return (host, int(port)) if _HOST_NAME.fullmatch(host) else None
+
+
+def rpc_problem(endpoints: list[str]) -> str | None:
+    """Why a list of RPC workers cannot be used (one sentence), or None."""
+    if len(endpoints) > MAX_RPC_WORKERS:
+        return f"llama.cpp takes at most {MAX_RPC_WORKERS} RPC workers, not {len(endpoints)}"
+    for endpoint in endpoints:
+        if split_endpoint(endpoint) is None:
+            return (f"{endpoint!r} is not host:port (an IPv4 address or a host name, a port "
+                    "1..65535; llama.cpp's RPC client cannot take an IPv6 address)")
+    twice = sorted({e for e in endpoints if endpoints.count(e) > 1})
+    if twice:
+        return f"{', '.join(twice)} is listed twice"
+    return None
+
+
+def parse_rpc(given: str, flag: str = "--rpc") -> list[str]:
+    """A command line's `HOST:PORT,HOST:PORT` (empty: no workers), checked like the
+    config's list."""
+    workers = [w.strip() for w in given.split(",") if w.strip()]
+    why = rpc_problem(workers)
+    if why:
+        raise K3Error(f"{flag}: {why}.", f"e.g. {flag} 192.168.1.20:50052,192.168.1.21:50052",
+                      2)
+    return workers
+
+
 def _fix(cli: bool, section: str, key: str, example: Any) -> str:
     """The next step for a refused value: the command that sets it (`config set` also
     repairs a file that does not load because of that value), or for a file that line."""
@@ -200,7 +246,7 @@ def config_from_dict(data: dict[str, Any], *, path: Path | None = None,
     for section, values in data.items():
         if section not in SECTIONS:
             raise K3Error(
-                f"{_where(where_path, text, section)}unknown section [{section}] "
+                f"{_where(where_path, text, section)}unknown section [{_cut(section)}] "
                 f"(known: {', '.join(SECTIONS)}).",
                 "use one of those sections" if cli else
                 "fix or remove it, then run `k3tui config show`", 2)
@@ -213,21 +259,21 @@ def config_from_dict(data: dict[str, Any], *, path: Path | None = None,
         for key, value in values.items():
             if key not in known:
                 raise K3Error(
-                    f"{_where(where_path, text, section, key)}unknown key `{key}` in "
+                    f"{_where(where_path, text, section, key)}unknown key `{_cut(key)}` in "
                     f"[{section}] (known: {', '.join(known)}).",
                     "use one of those keys" if cli else "fix the spelling or remove the line", 2)
             converted = _check_value(section, key, known[key], value)
             if converted is None:
                 raise K3Error(
                     f"{_where(where_path, text, section, key)}[{section}] {key} must be "
-                    f"{_type_name(known[key])}, not {value!r}.",
+                    f"{_type_name(known[key])}, not {_cut(repr(value))}.",
                     _fix(cli, section, key, _example(section, key, known[key])), 2)
             where = _where(where_path, text, section, key)
             fix = _fix(cli, section, key, _example(section, key, known[key]))
             allowed = CHOICES.get((section, key))
             if allowed and converted not in allowed:
                 fix = _fix(cli, section, key, getattr(SECTIONS[section](), key))
-                raise K3Error(f"{where}[{section}] {key} = {converted!r} is not one of "
+                raise K3Error(f"{where}[{section}] {key} = {_cut(repr(converted))} is not one of "
                               f"{', '.join(allowed)}.", fix, 2)
             if isinstance(converted, (int, float)) and not isinstance(converted, bool) \
                     and converted < 0 and key != "reasoning_budget":
@@ -238,11 +284,88 @@ def config_from_dict(data: dict[str, Any], *, path: Path | None = None,
                               f"{low}..{high}.", fix, 2)
             if (section, key) == ("remote", "url") and converted and \
                     not is_http_url(converted):
-                raise K3Error(f"{where}[remote] url = {converted!r} is not an http:// or "
+                raise K3Error(f"{where}[remote] url = {_cut(repr(converted))} is not an http:// or "
                               "https:// address.",
                               _fix(cli, section, key, "https://HOST:PORT/v1"), 2)
+            if (section, key) == ("llama_server", "rpc") and rpc_problem(converted):
+                raise K3Error(f"{where}[llama_server] rpc: {rpc_problem(converted)}.",
+                              _fix(cli, section, key, '\'["192.168.1.20:50052"]\''), 2)
             setattr(target, key, converted)
     return cfg
+
+
+MAX_FILE_BYTES = 1 << 20   # a config is a few KB; its longest value a system prompt
+MAX_KEY = 256              # characters of a key (or a bare value) outside quotes
+MAX_NESTING = 32           # arrays and inline tables inside each other
+
+# Outside strings: a run of key or bare-value characters, blanks, the start of a string or a
+# comment, or one separator. Then where each kind of string, or a comment, ends.
+_TOKEN = re.compile(r"""[^\s"'#=,{}\[\]]+|[ \t\r\f\v]+|"{3}|'{3}|.""", re.S)
+_ENDS = {
+    '"': re.compile(r'(?:[^"\\\n]|\\[^\n])*(?:"|(?=\n)|\Z)'),
+    "'": re.compile(r"[^'\n]*(?:'|(?=\n)|\Z)"),
+    '"""': re.compile(r'(?:[^"\\]|\\.|"(?!""))*(?:"{3,5}|\Z)', re.S),
+    "'''": re.compile(r"(?:[^']|'(?!''))*(?:'{3,5}|\Z)", re.S),
+    "#": re.compile(r"[^\n]*"),
+}
+
+
+def toml_problem(text: str) -> str | None:
+    """Why `text` must not reach a TOML parser, or None: a key or bare value longer than
+    MAX_KEY characters outside quotes (tomllib spends memory quadratic in the parts of a
+    dotted key: ~10 GB for 100 KB of them), or arrays and tables nested deeper than
+    MAX_NESTING (a RecursionError). One linear pass that skips strings and comments;
+    everything else is the parser's to judge."""
+    depth = run = pos = 0
+    while pos < len(text):
+        token = _TOKEN.match(text, pos).group()
+        end = pos + len(token)
+        if token in _ENDS:
+            end = _ENDS[token].match(text, end).end()
+        elif token in ("[", "{"):
+            depth += 1
+            if depth > MAX_NESTING:
+                return (f"line {text.count(chr(10), 0, pos) + 1}: arrays or tables are "
+                        f"nested more than {MAX_NESTING} deep")
+        elif token in ("]", "}"):
+            depth = max(0, depth - 1)
+        if token in ("\n", "=", ",", "[", "]", "{", "}"):
+            run = 0
+        elif token not in _ENDS and not token.isspace():
+            run += len(token)
+            if run > MAX_KEY:
+                return (f"line {text.count(chr(10), 0, pos) + 1}: a key (or a bare value) is "
+                        f"longer than {MAX_KEY} characters, as no setting is")
+        pos = end
+    return None
+
+
+def read_toml(path: Path, what: str) -> tuple[str, dict[str, Any]]:
+    """(text, parsed) of a TOML file k3tui reads, its size and shape bounded before it is
+    parsed; every refusal is one K3Error sentence naming the file. `what`: "a config"…"""
+    fix = "fix the file in a text editor, or delete it and run `k3tui setup`"
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise K3Error(f"cannot read {path}: {exc.strerror or exc}.",
+                      "check the file's permissions", 1) from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise K3Error(f"{path} is larger than {MAX_FILE_BYTES >> 10:,} KiB, which {what} "
+                      "never is.", fix, 2)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise K3Error(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}).",
+                      fix, 2) from None
+    if problem := toml_problem(text):
+        raise K3Error(f"{path}, {problem}.", fix, 2)
+    try:
+        return text, tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise K3Error(f"{path}: not valid TOML: {exc}.",
+                      "fix the line named above, or delete the file and run `k3tui setup`",
+                      2) from None
 
 
 def config_exists(path: Path | None = None) -> bool:
@@ -254,21 +377,7 @@ def load_config(path: Path | None = None) -> Config:
     path = Path(path) if path else get_paths().config_file
     if not path.is_file():
         return Config()
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise K3Error(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}).",
-                      "fix the file in a text editor, or delete it and run `k3tui setup`",
-                      2) from None
-    except OSError as exc:
-        raise K3Error(f"cannot read {path}: {exc.strerror or exc}.",
-                      "check the file's permissions", 1) from None
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise K3Error(f"{path}: not valid TOML: {exc}.",
-                      "fix the line named above, or delete the file and run `k3tui setup`",
-                      2) from None
+    text, data = read_toml(path, "a config")
     return config_from_dict(data, path=path, text=text)
 
 
@@ -279,7 +388,7 @@ def save_config(cfg: Config, path: Path | None = None) -> Path:
     path = Path(path) if path else get_paths().config_file
     config_from_dict(cfg.to_dict())  # never write what we would refuse to read
     if path.is_file():
-        doc = tomlkit.parse(path.read_text(encoding="utf-8"))
+        doc = tomlkit.parse(read_toml(path, "a config")[0])
     else:
         doc = tomlkit.document()
         for line in _HEADER.splitlines():
@@ -311,9 +420,8 @@ def set_in_file(dotted: str, raw: str, path: Path | None = None) -> Config:
             raise
         fresh = set_value(Config(), dotted, raw)  # the new value alone: its own errors first
         try:
-            text = path.read_text(encoding="utf-8")
-            data = tomllib.loads(text)
-        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+            text, data = read_toml(path, "a config")
+        except K3Error:
             raise refused from None
         section, _, key = dotted.partition(".")
         if not isinstance(data.get(section, {}), dict):
@@ -326,10 +434,10 @@ def set_value(cfg: Config, dotted: str, raw: str) -> Config:
     """`section.key` = raw (parsed as a TOML value, or taken as a string), validated."""
     section, _, key = dotted.partition(".")
     if not key:
-        raise K3Error(f"`{dotted}` is not section.key.",
+        raise K3Error(f"`{_cut(dotted)}` is not section.key.",
                       "e.g. `k3tui config set backend.port 8080`", 2)
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
+    try:   # what no TOML value is (a long sentence, or deep nesting) is taken as text
+        value = raw if toml_problem(raw) else tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw
     if section in SECTIONS and isinstance(value, str):
@@ -349,12 +457,8 @@ def load_credentials(path: Path | None = None) -> dict[str, str]:
     path = Path(path) if path else get_paths().credentials_file
     if not path.is_file():
         return {}
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise K3Error(f"cannot read {path}: {exc}.",
-                      "fix or delete the file, then run `k3tui setup`", 1) from None
-    return {k: v for k, v in data.items() if isinstance(v, str)}
+    return {k: v for k, v in read_toml(path, "a credentials file")[1].items()
+            if isinstance(v, str)}
 
 
 def save_credential(key: str, value: str, path: Path | None = None) -> Path:

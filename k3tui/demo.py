@@ -22,6 +22,7 @@ from k3tui.units import GB
 
 DEMO_LABEL = "demo model — random weights, not Kimi-K3"
 DEMO_SEED = 0
+DEMO_MAX_TOKENS = 200  # random weights: a longer answer shows nothing more
 COMPLETE = ".k3tui-demo-complete"
 
 
@@ -79,9 +80,11 @@ def start(on_progress: Callable[[Any], None] | None = None) -> Any:
                          on_progress=on_progress)
 
 
-def demo_session(session_cls: type) -> Any:
-    """A chat Session (see k3tui.commands.chat) that starts the demo backend."""
-    s = session_cls()
+def demo_session(s: Any) -> Any:
+    """Make `s`, a chat Session (see k3tui.commands.chat) that already carries the [chat]
+    settings, start the demo backend. It keeps those settings, so a demo turn (and
+    `--demo --smoke`) asks the engine exactly what a real turn asks; only the answer is
+    capped at DEMO_MAX_TOKENS and the seed fixed."""
     s.info.kind = "bundled"
     s.info.model = "demo"
     folder = model_dir()
@@ -95,5 +98,9 @@ def demo_session(session_cls: type) -> Any:
         return running
 
     s.starter = starter
-    s.chat_kwargs = {"max_tokens": 200, "extra": {"seed": DEMO_SEED}}
+    kwargs = s.chat_kwargs
+    s.chat_kwargs = {**kwargs,
+                     "max_tokens": min(kwargs.get("max_tokens") or DEMO_MAX_TOKENS,
+                                       DEMO_MAX_TOKENS),
+                     "extra": {**kwargs.get("extra", {}), "seed": DEMO_SEED}}
     return s

@@ -6,10 +6,16 @@ answer is saved while it streams (status "streaming"), and a store opened after 
 marks any answer still "streaming" as "interrupted". A file that is not a database or is
 corrupt is moved aside (never deleted) and a fresh store started; `notice` says where the
 old one went. The files are private (0600). No UI imports here.
+
+Which conversations a chat window shows is kept beside the database, not in it: a window
+holds a shared flock on `<history>.windows/<id>` while it shows conversation `id`, so a
+killed window lets go at once, and another window (or process) that can take the lock
+exclusively knows that none shows it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import sqlite3
@@ -138,8 +144,7 @@ class History:
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA foreign_keys=ON")
             self._migrate()
-            # An answer still "streaming" belongs to a TUI or backend that died mid-answer.
-            self._db.execute("UPDATE messages SET status='interrupted' WHERE status='streaming'")
+            self._mark_interrupted()
         except sqlite3.DatabaseError as exc:
             from k3tui.errors import K3Error
 
@@ -162,25 +167,46 @@ class History:
                 os.rename(old, f"{moved}{suffix}")
         return moved
 
+    def _mark_interrupted(self) -> None:
+        """An answer still "streaming" in a conversation no window shows belongs to a TUI
+        or backend that died mid-answer. (One a window shows is being written now.)"""
+        for (conversation_id,) in self._db.execute(
+                "SELECT DISTINCT conversation_id FROM messages WHERE status='streaming'"
+                ).fetchall():
+            if not self.shown_elsewhere(conversation_id):
+                self._db.execute("UPDATE messages SET status='interrupted' "
+                                 "WHERE status='streaming' AND conversation_id=?",
+                                 (conversation_id,))
+
     @property
     def schema_version(self) -> int:
         return int(self._db.execute("PRAGMA user_version").fetchone()[0])
 
     def _migrate(self) -> None:
-        version = self.schema_version
+        """Read the version and raise it in one write transaction: another process opening
+        a fresh file at the same moment waits here, then finds the schema already made."""
+        if self.schema_version == len(MIGRATIONS):
+            return  # the usual open takes no write lock
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            version = self.schema_version
+            for number in range(version, len(MIGRATIONS)):
+                for statement in MIGRATIONS[number].split(";"):
+                    if statement.strip():
+                        self._db.execute(statement)
+            if version < len(MIGRATIONS):
+                self._db.execute(f"PRAGMA user_version={len(MIGRATIONS)}")
+            self._db.execute("COMMIT")
+        except BaseException:
+            if self._db.in_transaction:  # SQLite rolls some failures back itself
+                self._db.execute("ROLLBACK")
+            raise
         if version > len(MIGRATIONS):
             from k3tui.errors import K3Error
 
             self.close()
             raise K3Error(f"The chat history {self.path} was written by a newer k3tui "
                           f"(schema {version}).", "upgrade k3tui, or move that file away")
-        for number in range(version, len(MIGRATIONS)):
-            self._db.execute("BEGIN")
-            for statement in MIGRATIONS[number].split(";"):
-                if statement.strip():
-                    self._db.execute(statement)
-            self._db.execute(f"PRAGMA user_version={number + 1}")
-            self._db.execute("COMMIT")
 
     def close(self) -> None:
         if self._db is not None:
@@ -212,6 +238,69 @@ class History:
 
     def delete(self, conversation_id: int) -> None:
         self._db.execute("DELETE FROM conversations WHERE id=?", (conversation_id,))
+        try:
+            fd = self._window_lock(conversation_id, fcntl.LOCK_EX)
+        except OSError:
+            return
+        if fd is not None:  # shown nowhere: its file goes too (under the lock: see below)
+            os.unlink(self._window_file(conversation_id))
+            os.close(fd)
+
+    # windows -------------------------------------------------------------------------
+    def _window_file(self, conversation_id: int) -> Path:
+        return Path(f"{self.path}.windows") / str(int(conversation_id))
+
+    def _window_lock(self, conversation_id: int, how: int) -> int | None:
+        """An fd holding `how` on the conversation's window file; None if another holds a
+        conflicting lock. OSError if the file cannot be made."""
+        path = self._window_file(conversation_id)
+        private_dir(path.parent)
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            try:
+                fcntl.flock(fd, how | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                return None
+            # `delete` unlinks the file under an exclusive lock: a lock taken on the
+            # unlinked file would be seen by nobody, so take the new file's instead.
+            try:
+                if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                    return fd
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+
+    def shown_elsewhere(self, conversation_id: int) -> bool:
+        """Whether a chat window (another process, or another session here) shows it;
+        False when that cannot be known (the folder is not writable)."""
+        try:
+            fd = self._window_lock(conversation_id, fcntl.LOCK_EX)
+        except OSError:
+            return False
+        if fd is None:
+            return True
+        os.close(fd)
+        return False
+
+    def show(self, conversation_id: int) -> int | None:
+        """Mark the conversation as shown in this window until the returned fd is closed
+        (`hide`). None if the mark cannot be made (the folder is not writable): the window
+        then works unmarked."""
+        for _ in range(100):  # another window's `shown_elsewhere` holds it for an instant
+            try:
+                fd = self._window_lock(conversation_id, fcntl.LOCK_SH)
+            except OSError:
+                return None
+            if fd is not None:
+                return fd
+            time.sleep(0.002)
+        return None
+
+    @staticmethod
+    def hide(mark: int | None) -> None:
+        if mark is not None:
+            os.close(mark)
 
     def _touch(self, conversation_id: int) -> None:
         self._db.execute("UPDATE conversations SET updated=? WHERE id=?",

@@ -78,6 +78,7 @@ class JobState(TypedDict):
     eta_s: float | None
     stalled: bool
     files: list[FileRow]
+    file_counts: dict[str, int]  # download: files per status (the files list holds only the active)
     layer: int | None         # pack: the zero-based layer being copied
     layers: int | None        # pack: how many the checkpoint has
     target: str
@@ -183,6 +184,9 @@ _FIELDS: dict[str, tuple[Any, str, Any]] = {
     "eta_s": (_optional(_number), "seconds or null", None),
     "stalled": (lambda v: type(v) is bool, "true or false", False),
     "files": (_file_rows, "a list of {name, size, done, status}", []),
+    "file_counts": (lambda v: isinstance(v, dict) and all(_text(k) and _count(n)
+                                                          for k, n in v.items()),
+                    "files per status", {}),
     "layer": (_optional(_count), "a layer number or null", None),
     "layers": (_optional(lambda v: type(v) is int and v > 0), "a layer count or null", None),
     "target": (_text, "text", ""),
@@ -204,7 +208,7 @@ def parse_state(job_id: str, raw: Any) -> JobState:
         if key not in raw:
             if default is _REQUIRED:
                 raise DamagedState(job_id, f"'{key}' is missing")
-            state[key] = list(default) if isinstance(default, list) else default
+            state[key] = type(default)(default) if isinstance(default, (list, dict)) else default
         elif not check(raw[key]):
             raise DamagedState(job_id, f"'{key}' is not {what}")
         else:
@@ -379,6 +383,8 @@ def resume_hint(state: JobState) -> str:
     argv = state["argv"]
     if "--resume-as" in argv[:-1]:
         return f"rerun `{clean(argv[argv.index('--resume-as') + 1])}` to resume"
+    if state["kind"] == "rpc-worker":
+        return "start it again with `k3tui worker` (with the same --host and --port)"
     if state["kind"] == "pack":
         return "rerun `k3tui pack` with the same folders to resume (it resumes per layer)"
     return "rerun the same command to resume"

@@ -29,6 +29,8 @@ class Sample:
     cgroup_current_gb: float | None = None
     cgroup_max_gb: float | None = None       # None = unlimited or unknown
     page_cache_gb: float | None = None
+    # a pool's workers: (host:port, the head holds a connection to it, bytes it holds)
+    pool: tuple[tuple[str, bool, int | None], ...] = ()
 
 
 def _psutil_disk_read_bytes() -> int | None:
@@ -108,11 +110,29 @@ class Monitor:
         self._process_stats = process_stats
         self._last: tuple[float, int | None, int | None] | None = None
         self._cgroup_dir: tuple[Path, str, str] | None | bool = False  # False: not looked up
+        self.set_pool([], None)
 
     def set_pid(self, pid: int | None) -> None:
         """Follow another backend process (a restart); forget the old counters."""
         self.pid = pid
         self._last = None
+
+    def set_pool(self, workers: list[str], log_path: str | None) -> None:
+        """Follow a head's pool: which workers it is connected to, and what the load put
+        on each (from its log)."""
+        self._pool = list(workers)
+        self._pool_log = log_path
+        self._placed: dict[str, int] = {}
+
+    def _pool_sample(self) -> tuple[tuple[str, bool, int | None], ...]:
+        if not self._pool or self.pid is None:
+            return ()
+        from k3tui.backends.llama import rpc
+
+        if not self._placed:
+            self._placed = rpc.placement_in_log(self._pool_log)
+        up = rpc.connected(self.pid, self._pool)
+        return tuple((w, w in up, self._placed.get(w)) for w in self._pool)
 
     def sample(self) -> Sample:
         now = self._clock()
@@ -139,7 +159,7 @@ class Monitor:
             proc_rss_gb=None if rss is None else rss / GB,
             psi_some_avg10=some, psi_full_avg10=full,
             cgroup_current_gb=current, cgroup_max_gb=limit,
-            page_cache_gb=self._page_cache_gb())
+            page_cache_gb=self._page_cache_gb(), pool=self._pool_sample())
 
     # /proc and /sys readers; each returns None where the kernel does not offer the file.
     def _psi(self) -> tuple[float | None, float | None]:

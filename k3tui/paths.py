@@ -52,9 +52,14 @@ class Paths:
     def bench_dir(self) -> Path:
         return self.root / "bench"
 
+    @property
+    def states_dir(self) -> Path:
+        """The bundled engine's kept conversation states (its --state-dir)."""
+        return self.root / "states"
+
     def as_dict(self) -> dict[str, str]:
         names = ["root", "config_file", "credentials_file", "jobs_dir", "logs_dir",
-                 "history_db", "demo_dir", "models_dir", "bench_dir"]
+                 "history_db", "demo_dir", "models_dir", "bench_dir", "states_dir"]
         return {name: str(getattr(self, name)) for name in names}
 
 

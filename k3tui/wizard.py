@@ -472,8 +472,10 @@ def answers_from_flags(report: MachineReport, existing: Config, *, model: str | 
                        remote_url: str | None = None, api_key_env: str | None = None,
                        storage_probe: Callable[[str], StorageInfo] | None = None,
                        force: bool = False,
-                       endpoint_checker: Callable[..., Any] | None = None) -> SetupResult:
-    """`k3tui setup --yes`: the same decisions from flags and the recommendation."""
+                       endpoint_checker: Callable[..., Any] | None = None,
+                       rpc: list[str] | None = None) -> SetupResult:
+    """`k3tui setup --yes`: the same decisions from flags and the recommendation; `rpc`:
+    the pool's workers (None keeps the config's)."""
     if model and backend and BACKEND_FOR[model] != backend:
         raise K3Error(f"--checkpoint-kind {model} runs on the {BACKEND_FOR[model]} backend, "
                       f"not {backend}.",
@@ -493,10 +495,15 @@ def answers_from_flags(report: MachineReport, existing: Config, *, model: str | 
         if api_key_env is not None:
             cfg.remote.api_key_env = api_key_env
         return _checked_remote(cfg, force, endpoint_checker or _endpoint_checker())
+    if rpc and kind != "gguf":
+        raise K3Error("--rpc pools workers for llama-server, which runs the GGUF, not the "
+                      f"{kind} checkpoint.", "add --checkpoint-kind gguf, or drop --rpc", 2)
+    workers = existing.llama_server.rpc if rpc is None else rpc
     directory = str(Path(model_dir or _default_dir(existing, kind)).expanduser().absolute())
     report.storage = (storage_probe or Wizard._probe_storage)(directory)
     plan = make_plan(report, kind, ctx_size=existing.llama_server.ctx_size,
-                     reasoning_budget=existing.llama_server.reasoning_budget)
+                     reasoning_budget=existing.llama_server.reasoning_budget,
+                     rpc=workers if kind == "gguf" else ())
     if plan.blockers and not force:
         steps = ["choose another --model-dir" if f.code in DOWNLOAD_BLOCKERS else f.next
                  for f in plan.blockers]
@@ -504,6 +511,7 @@ def answers_from_flags(report: MachineReport, existing: Config, *, model: str | 
                       "; ".join(dict.fromkeys(s for s in steps if s))
                       + "; or add --force to save the config anyway", 1)
     cfg = _configure(existing, kind, directory, plan)
+    cfg.llama_server.rpc = list(workers)
     if preset:
         if kind != "safetensors":
             raise K3Error("--preset applies to the bundled engine (safetensors) only.",
@@ -511,6 +519,10 @@ def answers_from_flags(report: MachineReport, existing: Config, *, model: str | 
         cfg.engine.preset = preset
     result = SetupResult(cfg, plan)
     result.notes = [f"{f.level}: {f.message}" for f in plan.findings if f.level != "info"]
+    if kind == "gguf" and cfg.llama_server.rpc:
+        result.notes.append(f"pool: llama-server will use {len(cfg.llama_server.rpc)} RPC "
+                            f"worker(s), {', '.join(cfg.llama_server.rpc)}; `k3tui doctor` "
+                            "checks them")
     warning = oversized_preset(cfg.engine.preset, plan, report) if kind == "safetensors" else None
     if warning is not None:
         result.notes.append(warning)

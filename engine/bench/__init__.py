@@ -16,32 +16,3 @@
 * prefill — the multi-token kernels against numpy's FP32 GEMM at real widths, and a prompt
   prefilled whole against token by token (engine/bench/prefill.py).
 """
-
-from __future__ import annotations
-
-import argparse
-import importlib
-
-BENCHES = {
-    "forward": "engine.bench.forward",
-    "stream": "engine.bench.stream",
-    "serve": "engine.bench.serve",
-    "compact": "engine.bench.compact",
-    "parts": "engine.bench.parts",
-    "slice": "engine.bench.slice",
-    "chat": "engine.bench.chat",
-    "prefill": "engine.bench.prefill",
-}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench", metavar="WHICH", required=True)
-    for name, module in BENCHES.items():
-        sp = sub.add_parser(
-            name, help=(importlib.import_module(module).__doc__ or "").split("\n")[0]
-        )
-        importlib.import_module(module).add_arguments(sp)
-
-
-def main(args: argparse.Namespace) -> int:
-    return int(importlib.import_module(BENCHES[args.bench]).main(args) or 0)

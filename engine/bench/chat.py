@@ -19,6 +19,16 @@ import tempfile
 import time
 from pathlib import Path
 
+from engine.bench.stream import default_workdir
+from engine.checkpoint.synth import synthesize
+from engine.decode.generate import GenParams, generate
+from engine.model.transformer import load_model
+from engine.serve.snapshots import SnapshotStore
+from engine.text.chat_template import CLOSE, END_OF_MSG, SEP, ChatTemplate
+from engine.text.tokenizer import Tokenizer
+from engine.weights.planner import GB, make_plan
+from engine.weights.streaming import CheckpointMap, StreamingSource
+
 QUESTIONS = (
     "What is a mixture of experts?",
     "And how many experts does each token use?",
@@ -39,22 +49,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _checkpoint(args: argparse.Namespace, tmp: Path) -> Path:
     if args.checkpoint:
         return Path(args.checkpoint)
-    from engine.bench.stream import default_workdir
 
     bench = default_workdir() / "ck-bench-seed0"
     if (bench / ".complete").is_file():
         return bench
-    from engine.checkpoint.synth import synthesize
 
     return synthesize(tmp, "small", seed=0)
 
 
 def _models(ck: Path, budget_gb: float | None):
     """Two models over their own sources (cold, reuse): resident, or streaming."""
-    from engine.model.transformer import load_model
-    from engine.weights.planner import make_plan
-    from engine.weights.streaming import CheckpointMap, StreamingSource
-
     if budget_gb is None:
         return load_model(ck), load_model(ck)
     out = []
@@ -74,11 +78,6 @@ def _first(gen) -> tuple[object, list[int]]:
 
 
 def _conversation(ck: Path, budget_gb: float | None, reply_tokens: int) -> list[dict]:
-    from engine.decode.generate import GenParams, generate
-    from engine.serve.snapshots import SnapshotStore
-    from engine.text.chat_template import CLOSE, END_OF_MSG, SEP, ChatTemplate
-    from engine.text.tokenizer import Tokenizer
-
     tpl = ChatTemplate(Tokenizer.from_dir(ck))
     cold_model, reuse_model = _models(ck, budget_gb)
     store = SnapshotStore(1 << 40)
@@ -116,9 +115,6 @@ def _conversation(ck: Path, budget_gb: float | None, reply_tokens: int) -> list[
 
 
 def main(args: argparse.Namespace) -> int:
-    from engine.weights.planner import GB
-    from engine.weights.streaming import CheckpointMap
-
     with tempfile.TemporaryDirectory(prefix="k3-bench-chat-") as tmp:
         ck = _checkpoint(args, Path(tmp))
         g = CheckpointMap(ck).geometry()

@@ -27,8 +27,19 @@ from typing import Any
 
 import numpy as np
 
-from engine.bench.stream import default_workdir, ensure_checkpoint
+from engine.bench.forward import memory_reader
+from engine.bench.stream import default_workdir, ensure_checkpoint, reference_raw
+from engine.checkpoint.compact import eligible, encode, measure
+from engine.checkpoint.safetensors import SafetensorsIndex
+from engine.checkpoint.schema import TensorNames
+from engine.checkpoint.synth import synthesize
+from engine.checkpoint.trunk import pack
+from engine.decode.generate import GenParams, generate
 from engine.errors import EngineError
+from engine.kernels import linear
+from engine.model.transformer import load_model
+from engine.weights.planner import GB, make_plan
+from engine.weights.streaming import CheckpointMap, StreamingSource
 
 PROMPT = [3, 7, 11, 5, 9, 200, 17]
 
@@ -65,10 +76,6 @@ def _hard(rng) -> dict[str, np.ndarray]:
 
 
 def format_section(ck: Path) -> dict[str, Any]:
-    from engine.checkpoint.compact import eligible, measure
-    from engine.checkpoint.safetensors import SafetensorsIndex
-    from engine.checkpoint.schema import TensorNames
-
     index = SafetensorsIndex.open(ck)
     names = TensorNames.detect(index)
     w = b = e = 0
@@ -84,16 +91,12 @@ def format_section(ck: Path) -> dict[str, Any]:
 
 
 def kernel_section(rows: int = 7168, cols: int = 2048, reps: int = 5) -> dict[str, Any]:
-    from engine.checkpoint.compact import encode
-    from engine.kernels import linear
-
     rng = np.random.default_rng(1)
     bits = (np.float32(0.02) * rng.standard_normal((rows, cols), np.float32)).view(np.uint32)
     bits = (bits >> 16).astype(np.uint16)
     m = encode(bits)
     x = rng.standard_normal((1, cols)).astype(np.float32)
     assert np.array_equal(linear(x, bits).view(np.uint32), linear(x, m).view(np.uint32))
-    from engine.bench.forward import memory_reader
 
     big, read = np.ones(256 << 20 >> 2, np.float32), memory_reader()
     read(big)  # compiled and faulted in before timing
@@ -112,12 +115,6 @@ def kernel_section(rows: int = 7168, cols: int = 2048, reps: int = 5) -> dict[st
 
 
 def _decode(ck: Path, trunk: Path, budget_gb: float, tokens: int) -> dict[str, Any]:
-    from engine.bench.stream import reference_raw
-    from engine.decode.generate import GenParams, generate
-    from engine.model.transformer import load_model
-    from engine.weights.planner import GB, make_plan
-    from engine.weights.streaming import CheckpointMap, StreamingSource
-
     cmap = CheckpointMap(ck, trunk)
     plan = make_plan(cmap.geometry(), budget_gb=budget_gb)
     with StreamingSource(cmap, plan) as src:
@@ -141,8 +138,6 @@ def _decode(ck: Path, trunk: Path, budget_gb: float, tokens: int) -> dict[str, A
 
 def pack_trunks(ck: Path, work: Path) -> tuple[dict[str, Path], dict[str, dict]]:
     """Both trunks of `ck` in `work`, packed once and reused; each pack's summary."""
-    from engine.checkpoint.trunk import pack
-
     trunks = {"bf16": work / "trunk-bf16", "c12": work / "trunk-c12"}
     packed = {kind: pack(ck, path, compact=kind == "c12") for kind, path in trunks.items()}
     return trunks, packed
@@ -152,9 +147,6 @@ def decode_section(ck: Path, work: Path, fractions: list[float], tokens: int,
                    budgets_gb: list[float] | None = None) -> list[dict]:
     """BF16 vs c12 interleaved at each budget: `budgets_gb`, else `fractions` of the BF16
     trunk above the smallest budget that decodes."""
-    from engine.weights.planner import GB
-    from engine.weights.streaming import CheckpointMap
-
     trunks, _ = pack_trunks(ck, work)
     g = CheckpointMap(ck, trunks["bf16"]).geometry()
     floor = max(g.layer_bytes) * 2 + g.min_expert_slots * g.expert_slot_bytes
@@ -184,8 +176,6 @@ def _numbers(text: str, flag: str) -> list[float]:
 
 def _checkpoint(args: argparse.Namespace) -> tuple[Path, Path]:
     """The checkpoint and the folder its trunks are packed into."""
-    from engine.checkpoint.synth import synthesize
-
     if args.checkpoint:
         ck = Path(args.checkpoint)
         if not (ck / "config.json").is_file():

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.weights.io import ALIGN, FileTable, Read, ReadPool, aligned_buffer, align_down
+from engine.core.directio import ALIGN, FileTable, Read, ReadPool, aligned_buffer, align_down
 
 SWEEP_BYTES = 256 << 20  # per configuration: long enough to fill any queue, short to run
 

@@ -31,12 +31,13 @@ import numpy as np
 
 from engine import kernels
 from engine.checkpoint.schema import expected_tensors
+from engine.core.config import ModelConfig
+from engine.decode.generate import GenParams, generate
 from engine.kernels import reference
-from engine.model.config import ModelConfig
 from engine.model.kda import KDAState
 from engine.model.mla import MLAState
 from engine.model.moe import run_experts
-from engine.model.transformer import Model
+from engine.model.transformer import Model, load_model
 from engine.weights.source import ExpertTable, ExpertWeights
 
 REAL_WIDTHS: dict[str, Any] = dict(
@@ -94,7 +95,7 @@ def memory_reader():
     """A parallel sum with numba over the fused kernels' threads (vectorised: fastmath lets
     the adds reorder), else numpy's; compiled once per process."""
     try:
-        import numba
+        import numba  # optional: the engine runs on the numpy reference without it
     except ImportError:
         return np.sum
 
@@ -264,9 +265,6 @@ def time_mxfp4_ref(src: BenchSource, cfg: ModelConfig, rng) -> float:
 
 
 def checkpoint_decode(path: str, gen: int) -> dict[str, Any]:
-    from engine.decode.generate import GenParams, generate
-    from engine.model.transformer import load_model
-
     t = time.perf_counter()
     model = load_model(path)
     load_s = time.perf_counter() - t
@@ -300,7 +298,7 @@ def checkpoint_decode(path: str, gen: int) -> dict[str, Any]:
 def main(args: argparse.Namespace) -> int:
     if args.threads:
         try:
-            from engine.kernels import fused
+            from engine.kernels import fused  # only loads where numba does
 
             fused.set_threads(args.threads)
         except ImportError:
@@ -320,7 +318,7 @@ def main(args: argparse.Namespace) -> int:
         "load_average_1min_before": load_before,
     }
     try:
-        import numba
+        import numba  # optional, as above
 
         res["threads"] = numba.get_num_threads()
     except ImportError:

@@ -62,7 +62,21 @@ from typing import Any
 
 import numpy as np
 
+from engine import kernels
+from engine.bench.forward import REAL_WIDTHS, BenchSource, _Filler, memory_reader, time_mxfp4
+from engine.checkpoint.schema import expected_tensors
+from engine.checkpoint.synth import flat_config
+from engine.core.config import ModelConfig
+from engine.core.directio import FileTable, Layout, ReadPool, TensorSpec, aligned_buffer
+from engine.decode.forecast import LayerKinds, Parts, forecast
 from engine.errors import EngineError
+from engine.model.mla import MLAState
+from engine.model.transformer import Model
+from engine.weights.geometry import geometry_from_config, plan_for, real_config
+from engine.weights.planner import HEAD_CHUNK_BYTES, PRESETS, default_threads
+from engine.weights.source import ExpertWeights
+from engine.weights.streaming import EXPERT_CHUNK, EXPERT_PRIORITY, TRUNK_PRIORITY
+from engine.weights.sysmem import current_rss, peak_rss, read_memory_facts
 
 GB = 1e9
 NOTE = ("a forecast from measured parts (this disk, these cores, real-width layers with "
@@ -91,10 +105,6 @@ def measure_disk(folder: Path, scratch_bytes: int, expert_bytes: int, top_k: int
     """The three ways the engine reads, each as the engine issues it: trunk runs at
     read-ahead priority (the ring's), the streamed head's chunks urgent and one at a time,
     and top-k experts at once, urgent, in the engine's expert chunks."""
-    from engine.weights.io import FileTable, ReadPool, aligned_buffer
-    from engine.weights.streaming import EXPERT_CHUNK, EXPERT_PRIORITY, TRUNK_PRIORITY
-    from engine.weights.tables import HEAD_CHUNK_BYTES
-
     fd, name = tempfile.mkstemp(prefix=".k3-bench-parts-", dir=folder)
     path = Path(name)
     try:
@@ -139,15 +149,11 @@ def measure_disk(folder: Path, scratch_bytes: int, expert_bytes: int, top_k: int
 
 
 def _layout(path: Path, start: int, nbytes: int):
-    from engine.weights.io import Layout, TensorSpec
-
     return Layout([TensorSpec("t", path, start, nbytes, np.dtype(np.uint8), (nbytes,))])
 
 
 def _runs(pool, files, path: Path, size: int, run: int, priority: tuple) -> float:
     """Bytes per second reading the file start to end in runs of `run` bytes, one at a time."""
-    from engine.weights.io import aligned_buffer
-
     buf = aligned_buffer(run + 8192)
     buf[:] = 0  # the engine's buffers are touched once; page faults are not disk time
     secs, n = 0.0, 0
@@ -172,8 +178,6 @@ def _shared_layout(cfg) -> tuple[dict[int, dict[str, tuple[int, tuple]]], list[t
     shared array, every kind from its start and each matrix at a multiple of _TILE, the
     head at the start too; and the union of those ranges in whole pages (the rest of the
     array is never touched, so never resident)."""
-    from engine.checkpoint.schema import expected_tensors
-
     shapes = expected_tensors(cfg)
     kinds: dict[int, dict[str, tuple[int, tuple]]] = {}
     used = [(0, cfg.vocab_size * cfg.hidden_size)]
@@ -201,9 +205,6 @@ def compute_weight_bytes(cfg) -> int:
     """What the compute measurement's weights hold: the shared array's used ranges (about
     the largest layer kind or the head), each kind's vectors (F32 at most) and the routed
     experts' pool."""
-    from engine.checkpoint.schema import expected_tensors
-    from engine.weights.plan_cli import geometry_from_config
-
     layout, union = _shared_layout(cfg)
     shapes = expected_tensors(cfg)
     vectors = sum(4 * int(np.prod(shape)) for kind in layout for name, shape in shapes.items()
@@ -233,10 +234,6 @@ def _timed_source(cfg, pool: int, fill):
     largest, not of them all. It notes the wall time spent inside each layer, when each
     layer asks for its experts, and how many of the routed experts the guesses named (the
     model guesses a layer ahead and at the attention, as under expert read-ahead)."""
-    from engine.bench.forward import BenchSource
-    from engine.checkpoint.schema import expected_tensors
-    from engine.weights.source import ExpertWeights
-
     shapes = expected_tensors(cfg)
     layout, union = _shared_layout(cfg)
     shared = _filled(union, fill)
@@ -316,11 +313,6 @@ def measure_compute(tokens: int, cfg) -> dict[str, Any]:
     shared and routed experts included) and of its start until it asks for its experts;
     the token's work outside its layers (embedding row, output aggregation, norm, head);
     the top-k routed experts alone; and the head's BF16 matvec alone."""
-    from engine import kernels
-    from engine.bench.forward import _Filler, time_mxfp4
-    from engine.model.mla import MLAState
-    from engine.model.transformer import Model
-
     rng = np.random.default_rng(2)
     fill = _Filler(3)
     src = _timed_source(cfg, cfg.num_experts_per_token + 1, fill)  # more than the CPU cache
@@ -362,7 +354,6 @@ def measure_compute(tokens: int, cfg) -> dict[str, Any]:
     x = rng.standard_normal((1, cfg.hidden_size)).astype(np.float32)
     # The bandwidth reference reads the head's own bytes with the kernels' threads, taking
     # turns with the matvec: measured apart, a VM's swings put the kernel above it.
-    from engine.bench.forward import memory_reader
 
     words, read = head.reshape(-1).view(np.float32), memory_reader()
     times, reads = [], []
@@ -404,11 +395,6 @@ def measure_prefill(model, src, kinds: dict[int, str], rng) -> dict[str, Any]:
 
 def preset_forecasts(parts_json: dict[str, Any]) -> list[dict[str, Any]]:
     """The real 93-layer model's forecast for each preset, from a parts measurement."""
-    from engine.decode.forecast import LayerKinds, Parts, forecast
-    from engine.weights.planner import PRESETS
-    from engine.weights.plan_cli import plan_for, real_config
-    from engine.weights.sysmem import read_memory_facts
-
     parts = Parts.from_dict(parts_json)
     kinds = LayerKinds.of(real_config())
     avail = read_memory_facts().available
@@ -424,8 +410,6 @@ def preset_forecasts(parts_json: dict[str, Any]) -> list[dict[str, Any]]:
 def checkpoint_widths(folder: Path):
     """The config of the checkpoint in `folder`, to measure compute at its widths: its
     layers 0, 1 and 3 must be dense, KDA-MoE and MLA-MoE, as in the release."""
-    from engine.model.config import ModelConfig
-
     cfg = ModelConfig.from_dir(folder)
     if cfg.num_hidden_layers < 4 or cfg.is_moe(0) or cfg.is_mla(1) or not cfg.is_mla(3) \
             or not (cfg.is_moe(1) and cfg.is_moe(3)):
@@ -442,9 +426,6 @@ def expected_peak_bytes(cfg, g, scratch_bytes: int) -> int:
     the largest of its phases, each freeing its memory before the next: the disk's read
     buffers, the compute's weights (`compute_weight_bytes`; the numpy reference also widens
     a matrix to F32 at a time; the bandwidth test reads the head among them)."""
-    from engine import kernels
-    from engine.checkpoint.schema import expected_tensors
-
     run = min(max(g.layer_bytes[1:]), scratch_bytes // 2)
     disk = (1 << 24) + run + g.top_k * (g.expert_bytes + 8192)
     widen = 0 if kernels.FUSED else 4 * max(int(np.prod(s)) for s in
@@ -457,13 +438,6 @@ def measure(folder: Path, scratch_gb: float, tokens: int, quick: bool = False,
     """Disk, compute and bandwidth; compute at `cfg`'s widths (default: the release's).
     Refuses (EngineError) before measuring when the memory available here is less than
     the measurement's expected peak needs."""
-    from engine.bench.forward import REAL_WIDTHS
-    from engine.checkpoint.synth import flat_config
-    from engine.model.config import ModelConfig
-    from engine.weights.plan_cli import geometry_from_config, real_config
-    from engine.weights.planner import default_threads
-    from engine.weights.sysmem import current_rss, peak_rss, read_memory_facts
-
     if quick:  # the schema at toy cost: for tests of the consumers, not a measurement
         scratch_gb = 0.032
         cfg = cfg or ModelConfig.from_dict(flat_config("tiny"))

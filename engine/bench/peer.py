@@ -29,8 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from engine.errors import EngineError
 from engine.jsonfile import parse_json
+from engine.kernels import compute_threads
+from engine.weights.planner import GB, make_plan
+from engine.weights.streaming import CheckpointMap
 
 MAX_OUT_BYTES = 1 << 20  # a real --out for 4096 tokens is ~70 KB
 MAX_STDOUT_BYTES = 8 << 20
@@ -78,8 +83,6 @@ def plan_split(geometry, budget_gb: str, threads: int, guess: str) -> Split:
     """The split `python -m engine run --budget-gb budget_gb` will use. The cache gets half
     a slot more than its slots' bytes so the peer's floor(cache / slot) cannot lose one to
     float rounding of the GB figure."""
-    from engine.weights.planner import GB, make_plan
-
     plan = make_plan(geometry, budget_gb=float(budget_gb), threads=threads,
                      guess_experts=guess, check_memory=False)
     slot = geometry.expert_slot_bytes
@@ -119,8 +122,6 @@ def run_child(argv: list[str], timeout: float, env: dict[str, str] | None = None
               cwd: Path | None = None) -> Child:
     """Run `argv` in its own session; its peak RSS from wait4 (its own, not ours). At the
     timeout the whole process group is killed."""
-    from engine.weights.planner import GB
-
     timed_out = threading.Event()
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         try:
@@ -271,11 +272,6 @@ def compare(binary: Path, ck: Path, trunk: Path, budgets: list[str], tokens: int
             reader_threads: int = 0, guess: str = "auto",
             timeout: float = DEFAULT_TIMEOUT_S, log=None) -> dict[str, Any]:
     """Per budget: `runs` engine runs and `runs` peer runs, taking turns; medians."""
-    import numpy as np
-
-    from engine.kernels import compute_threads
-    from engine.weights.streaming import CheckpointMap
-
     cmap = CheckpointMap(ck, trunk)
     g = cmap.geometry()
     prompt = [int(x) for x in np.random.default_rng(1).integers(0, cmap.config.vocab_size, 4)]

@@ -32,8 +32,11 @@ from typing import Any
 import numpy as np
 
 from engine import kernels
+from engine.checkpoint.compact import encode
+from engine.checkpoint.synth import synthesize
 from engine.kernels import reference
 from engine.kernels.mxfp4 import mxfp4_decode
+from engine.model.transformer import load_model
 
 TOKENS = (1, 4, 16, 64, 256)
 CONTINUE = 4  # greedy ids compared after each prompt
@@ -108,8 +111,6 @@ def blas_info(threads: int) -> dict[str, Any]:
 def _weights(rng) -> dict[str, tuple[Any, np.ndarray]]:
     """name → (the kernel's weight, its float32 matrix for the GEMM). BF16 like trained
     weights (a normal spread of exponents, so c12 has its exceptions)."""
-    from engine.checkpoint.compact import encode
-
     f = rng.standard_normal(LATENT_DOWN, dtype=np.float32) * np.float32(0.02)
     bf16 = (f.view(np.uint32) >> 16).astype(np.uint16)
     dense = reference.widen_bf16(bf16)
@@ -169,8 +170,6 @@ def measure_prompts(path: Path, prompts: list[int], reps: int, rng) -> list[dict
     """Per prompt length: the whole prompt's prefill (median of `reps`) and the same ids fed
     one `Model.step` at a time (once: it is the slow side), then CONTINUE greedy ids after
     each."""
-    from engine.model.transformer import load_model
-
     model = load_model(path)
     cfg = model.config
     runs = []
@@ -222,7 +221,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if args.threads:
         try:
-            from engine.kernels import fused
+            from engine.kernels import fused  # only loads where numba does
 
             fused.set_threads(args.threads)
         except ImportError:
@@ -242,8 +241,6 @@ def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="k3-bench-prefill-") as tmp:
         path = Path(args.checkpoint) if args.checkpoint else Path(tmp) / "medium"
         if not args.checkpoint:
-            from engine.checkpoint.synth import synthesize
-
             log("synthesising a medium checkpoint ...")
             synthesize(path, "medium", seed=1)
         log(f"prompts of {', '.join(map(str, prompts))} tokens: whole vs token by token ...")

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from engine.weights.io import ALIGN, FileTable, ReadPool, aligned_buffer
+from engine.core.directio import ALIGN, FileTable, ReadPool, aligned_buffer
 from engine.weights.source import ExpertSet
 from engine.weights.streaming import EXPERT_CHUNK, EXPERT_PRIORITY, CheckpointMap
 

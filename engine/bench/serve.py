@@ -20,16 +20,20 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
+
+from engine.checkpoint.synth import synthesize
+from engine.decode.generate import GenParams, generate
+from engine.decode.steer import NEG
+from engine.model.transformer import load_model
+from engine.text.bpe_train import TRAINING_TEXT
+from engine.text.chat_template import ChatTemplate
+from engine.text.tokenizer import SPLIT_PATTERN, Tokenizer, read_ranks
+
 MESSAGES = [{"role": "user", "content": "Hello there"}]
 
 
 def _direct(ckpt: Path, n: int):
-    from engine.decode.generate import GenParams, generate
-    from engine.decode.steer import NEG
-    from engine.model.transformer import load_model
-    from engine.text.chat_template import ChatTemplate
-    from engine.text.tokenizer import Tokenizer
-
     tpl = ChatTemplate(Tokenizer.from_dir(ckpt))
     ids = tpl.render(MESSAGES)
     model = load_model(ckpt)
@@ -58,8 +62,6 @@ def _direct(ckpt: Path, n: int):
 
 
 def _via_http(url: str, n: int):
-    import httpx
-
     body = {
         "messages": MESSAGES,
         "stream": True,
@@ -84,8 +86,6 @@ def _via_http(url: str, n: int):
 
 
 def bench_serve(ckpt: Path, n: int) -> None:
-    import httpx
-
     direct = _direct(ckpt, n)
     proc = subprocess.Popen(
         [sys.executable, "-m", "engine", "serve", str(ckpt), "--port", "0"],
@@ -115,11 +115,8 @@ def bench_serve(ckpt: Path, n: int) -> None:
 
 
 def bench_tokenizer(ckpt: Path) -> None:
-    from engine.text.bpe_train import TRAINING_TEXT
-    from engine.text.tokenizer import SPLIT_PATTERN, Tokenizer, read_ranks
-
     try:
-        import tiktoken
+        import tiktoken  # a test dependency: the reference tokenizer, when installed
     except ImportError:
         print("tokenizer: tiktoken is not installed; skipped")
         return
@@ -164,8 +161,6 @@ def main(args: argparse.Namespace) -> int:
         if args.checkpoint:
             ckpt = Path(args.checkpoint)
         else:
-            from engine.checkpoint.synth import synthesize
-
             ckpt = synthesize(Path(tmp) / "small", "small", seed=0)
         bench_tokenizer(ckpt)
         bench_serve(ckpt, args.tokens)

@@ -29,7 +29,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from engine.bench.parts import checkpoint_widths
+from engine.checkpoint.synth import synthesize
+from engine.decode.forecast import LayerKinds, Parts, forecast
 from engine.errors import EngineError
+from engine.weights.planner import gb_arg, make_plan
+from engine.weights.streaming import CheckpointMap
 
 GB = 1e9
 DEFAULT_DIR = Path.home() / ".cache" / "k3-engine" / "slice"
@@ -49,9 +54,6 @@ def log(msg: str) -> None:
 
 
 def ensure_slice(folder: Path) -> Path:
-    from engine.bench.parts import checkpoint_widths
-    from engine.checkpoint.synth import synthesize
-
     if (folder / "config.json").is_file():
         try:
             checkpoint_widths(folder)
@@ -83,8 +85,6 @@ def measure_parts(folder: Path) -> dict[str, Any]:
 
 def budget_of(word: str, geometry) -> float:
     """A ladder entry: GB, or `max` (a budget holding every trunk layer and expert)."""
-    from engine.weights.planner import gb_arg
-
     if word == "max":
         return float(gb_arg(geometry.all_weights_bytes))
     return float(word)
@@ -98,10 +98,6 @@ TERMS = (("compute_s_per_token", "compute_s"), ("wait_trunk_s_per_token", "wait_
 def rung(folder: Path, budget: float, gen: int) -> dict[str, Any]:
     """One budget: parts measured just before and just after the run (the load of a shared
     machine moves), the forecast from each, and their mean against what the run measured."""
-    from engine.decode.forecast import LayerKinds, forecast
-    from engine.weights.planner import make_plan
-    from engine.weights.streaming import CheckpointMap
-
     cmap = CheckpointMap(folder)
     plan = make_plan(cmap.geometry(), budget_gb=budget, check_memory=False)
     kinds = LayerKinds.of(cmap.config)
@@ -144,8 +140,6 @@ def rung(folder: Path, budget: float, gen: int) -> dict[str, Any]:
 
 
 def _parts(measured: dict[str, Any]):
-    from engine.decode.forecast import Parts
-
     return Parts.from_dict(measured)
 
 
@@ -168,7 +162,6 @@ def main(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     folder = ensure_slice(Path(args.dir).expanduser())
-    from engine.weights.streaming import CheckpointMap
 
     geometry = CheckpointMap(folder).geometry()
     try:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -30,8 +31,22 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from platformdirs import user_data_path
 
+from engine.bench import peer
+from engine.bench.disk import DiskCounters, raw_sweep
+from engine.bench.peer import check_binary, compare
+from engine.bench.readload import ReadLoad
+from engine.checkpoint.synth import checkpoint_bytes, synthesize
+from engine.checkpoint.trunk import TRUNK_BIN, drop_cache, pack, plain_copy
+from engine.core.directio import CHUNK
+from engine.decode.generate import GenParams, generate
 from engine.errors import EngineError
+from engine.model.transformer import Model, load_model
+from engine.weights.planner import GB, gb_arg, make_plan
+from engine.weights.resident import ResidentSource
+from engine.weights.streaming import EXPERT_CHUNK, CheckpointMap, StreamingSource
+from engine.weights.sysmem import peak_rss, read_memory_facts
 
 BENCH_EXPERTS = 256  # the bench shape: 13 layers, 256 experts top-16, ~6.38 GB
 DEFAULT_LADDER = "0.53,1.06,2.1,max"
@@ -42,7 +57,6 @@ def default_workdir() -> Path:
     home = os.environ.get("K3TUI_HOME")
     if home:
         return Path(home) / "bench"
-    from platformdirs import user_data_path
 
     return user_data_path("k3tui") / "bench"
 
@@ -88,8 +102,6 @@ def _log(msg: str) -> None:
 
 def ensure_checkpoint(workdir: Path, checkpoint_gb: float | None) -> Path:
     """The bench-shape checkpoint in `workdir`, synthesised once (a marker says complete)."""
-    from engine.checkpoint.synth import checkpoint_bytes, synthesize
-
     experts = BENCH_EXPERTS
     if checkpoint_gb is not None:
         # Size is linear in the expert count; everything else keeps the bench shape.
@@ -126,10 +138,6 @@ def reference_raw(cmap, plan, rng: np.random.Generator) -> dict:
     """The best of a sweep over the engine's request sizes (a demand chunk, an expert, a
     read-ahead chunk) and queue depths (the plan's readers, twice that), on this
     checkpoint's files, through the engine's pool and buffers."""
-    from engine.bench.disk import raw_sweep
-    from engine.weights.io import CHUNK
-    from engine.weights.streaming import EXPERT_CHUNK
-
     g = plan.geometry
     files = sorted({Path(t.file) for t in cmap.index.tensors.values()})
     sizes = sorted({EXPERT_CHUNK, g.expert_slot_bytes, CHUNK})
@@ -139,8 +147,6 @@ def reference_raw(cmap, plan, rng: np.random.Generator) -> dict:
 def _decode(model, prompt: list[int], tokens: int, src=None, disk=None) -> tuple[list, dict]:
     """Greedy tokens; CPU seconds of the decode steps (compute + readers) and, with `disk`,
     the device's counters and the engine's own device bytes over the same steps."""
-    from engine.decode.generate import GenParams, generate
-
     toks = []
     cpu0 = 0.0
     a = pool0 = None
@@ -152,8 +158,6 @@ def _decode(model, prompt: list[int], tokens: int, src=None, disk=None) -> tuple
             pool0 = src.pool.bytes_read if src is not None else 0
     info: dict = {"cpu_s": _cpu_s() - cpu0}
     if disk is not None and src is not None:
-        from engine.bench.disk import DiskCounters
-
         b = disk.sample()
         info.update(DiskCounters.between(a, b))
         secs = sum(t.seconds for t in toks[1:])
@@ -165,10 +169,6 @@ def _decode(model, prompt: list[int], tokens: int, src=None, disk=None) -> tuple
 
 def _open(cmap, budget_gb: float, threads: int, guess: str = "auto"):
     """A StreamingSource under `budget_gb` and its model."""
-    from engine.model.transformer import load_model
-    from engine.weights.planner import make_plan
-    from engine.weights.streaming import StreamingSource
-
     plan = make_plan(cmap.geometry(), budget_gb=budget_gb, threads=threads,
                      guess_experts=guess)
     src = StreamingSource(cmap, plan)
@@ -177,16 +177,11 @@ def _open(cmap, budget_gb: float, threads: int, guess: str = "auto"):
 
 def _resident(ck: Path):
     """The same engine without a memory flag: every weight in RAM."""
-    from engine.model.transformer import load_model
-    from engine.weights.resident import ResidentSource
-
     return load_model(ck, ResidentSource(ck))  # read O_DIRECT: nothing left in the cache
 
 
 def _room_for_twin(g) -> bool:
     """Whether a resident twin fits beside a source that holds every weight already."""
-    from engine.weights.sysmem import read_memory_facts
-
     need = g.all_weights_bytes + g.model_bytes
     return read_memory_facts().available > 1.2 * need  # it counts the cgroup's limit too
 
@@ -198,8 +193,6 @@ def _alternate(models: list, pools: list, prompt: list[int],
     any) drains, and that time is charged to its tokens: reads still in flight would finish
     during the next model's turn for free. Returns each model's tokens, its drain time per
     token and, turn by turn, each model's s/token (drain included): the spread."""
-    from engine.decode.generate import GenParams, generate
-
     gens = [generate(m, prompt, GenParams(max_tokens=tokens)) for m in models]
     runs: list[list] = [[next(g)] for g in gens]  # prefills: not timed
     drained = [0.0] * len(models)
@@ -235,11 +228,6 @@ def run_rung(ck: Path, budget: str, tokens: int, threads: int, trunk: str | None
     a memory flag (compute-only, under the same machine load). At "max" every weight fits
     the budget and the source loads them up front; the twin alternates with it too where
     the checkpoint fits in RAM twice, else it runs after the source closes."""
-    from engine.bench.disk import DiskCounters
-    from engine.weights.planner import GB
-    from engine.weights.streaming import CheckpointMap
-    from engine.weights.sysmem import peak_rss
-
     cmap = CheckpointMap(ck, trunk)
     g = cmap.geometry()
     full_gb = g.all_weights_bytes / GB
@@ -293,9 +281,6 @@ def run_rung(ck: Path, budget: str, tokens: int, threads: int, trunk: str | None
         load = None
         reads = info.get("device_bytes_per_token", 0) / g.expert_slot_bytes
         if reads and len(src.plan.pinned) == g.n_layers:  # only experts stream: load them
-            from engine.bench.readload import ReadLoad
-            from engine.model.transformer import Model
-
             load = ReadLoad(twin.source, cmap, src.plan.threads, reads / g.moe_layers)
             models.append(Model(twin.config, load))
             pools.append(load.pool)
@@ -370,8 +355,6 @@ def run_rung(ck: Path, budget: str, tokens: int, threads: int, trunk: str | None
 
 
 def _cpu_s() -> float:
-    import resource
-
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
 
@@ -395,8 +378,6 @@ def _spawn_rung(ck: Path, budget: str, args: argparse.Namespace, trunk: str | No
 def pack_ratio(ck: Path, scratch: Path) -> dict[str, float]:
     """Pack speed / plain copy speed of the same bytes (both cold, both fsynced), run in
     the order cp, pack, pack, cp so a load change hits both; the best of each counts."""
-    from engine.checkpoint.trunk import TRUNK_BIN, drop_cache, pack, plain_copy
-
     def clear() -> None:
         shutil.rmtree(scratch / "trunk", ignore_errors=True)
         (scratch / "copy.bin").unlink(missing_ok=True)
@@ -478,13 +459,8 @@ def assess(r: dict) -> dict:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from engine.weights.planner import GB
-    from engine.weights.streaming import CheckpointMap
-
     peer_bin = None
     if getattr(args, "peer", None):
-        from engine.bench.peer import check_binary
-
         peer_bin = check_binary(args.peer)  # refused before anything is synthesised
     workdir = Path(args.workdir) if args.workdir else default_workdir()
     if args.checkpoint:
@@ -560,10 +536,6 @@ def _peer(binary: Path, ck: Path, workdir: Path, budgets: list[str], g,
           args: argparse.Namespace) -> dict:
     """The peer beside the engine, both streaming the same packed BF16 trunk (the peer
     needs one; it is packed once beside the checkpoint's other trunks and reused)."""
-    from engine.bench.peer import compare
-    from engine.checkpoint.trunk import pack
-    from engine.weights.planner import gb_arg
-
     trunk = workdir / f"{ck.name}-trunks" / "trunk-bf16"
     pack(ck, trunk)
     full = gb_arg(g.all_weights_bytes)
@@ -625,8 +597,6 @@ def render(res: dict[str, Any]) -> str:
             f"{_f(r.get('overlap_vs_loaded'), '.2f'):>7}")
     lines += errors
     if res.get("peer"):
-        from engine.bench import peer
-
         lines += ["", peer.render(res["peer"]), ""]
     lines.append("useful GB = read per token and used; wasted = read on wrong guesses; compute = "
                  "s/token of the engine without a memory flag, decoded in alternation with the "

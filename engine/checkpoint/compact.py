@@ -20,7 +20,7 @@ import numpy as np
 
 from engine.errors import CheckpointError
 from engine.kernels.compact import EXCEPTION, TABLE, CompactMatrix
-from engine.weights.io import TensorSpec
+from engine.core.directio import TensorSpec
 
 C12 = "c12"
 MIN_SAVING = 0.10  # below this the raw BF16 is kept: not worth a decode

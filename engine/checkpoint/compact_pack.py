@@ -4,10 +4,11 @@
 Same folder contract as the BF16 pack (trunk.py): layers in order at 4096-aligned
 offsets of `trunk.bin` (each layer's c12 tensors first, 64-byte aligned, then its raw
 ones, no gaps), `trunk.json` only once every layer is durable, and
-`trunk.progress.json` (the finished layers' entries) to resume from. trunk.json adds
-`"format": "k3-c12"`, the packer's identity and, per c12 tensor, `"encoding": "c12"`
-and its exception count; `nbytes` is the compact size. Every matrix is decoded again
-and compared with the checkpoint's bits before it is written.
+`trunk.progress.json` (the finished layers' entries, bound as binding.py says) to resume
+from. trunk.json adds `"format": "k3-c12"`, the packer's identity and, per c12 tensor,
+`"encoding": "c12"` and its exception count; `nbytes` is the compact size. Every matrix
+is decoded again and compared with the checkpoint's bits before it is written; a layer's
+`sha256` covers its compact bytes, `source_sha256` the run they encode.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from engine.checkpoint import trunk as T
+from engine.checkpoint import packing
+from engine.checkpoint.binding import changed_shards, new_digest
 from engine.checkpoint.compact import C12, MIN_SAVING, c12_nbytes, eligible, encode, to_bytes
 from engine.errors import EngineError
-from engine.weights.io import align_up
+from engine.core.directio import align_up
 
-FORMAT = T.COMPACT_FORMAT
+FORMAT = packing.COMPACT_FORMAT
 PACKER = "k3tui engine.checkpoint.compact_pack c12 v1"
 
 
@@ -44,12 +46,14 @@ def _encode_tensor(t, raw: np.ndarray) -> tuple[bytes, dict[str, Any]]:
     return raw.tobytes(), dict(entry, nbytes=t.nbytes)
 
 
-def _pack_layer(run: T.LayerRun, file_off: int) -> tuple[bytes, dict[str, Any]]:
-    with open(run.shard, "rb") as f:
+def _pack_layer(run: packing.LayerRun, file_off: int) -> tuple[bytes, dict[str, Any]]:
+    with open(run.shard, "rb") as f:  # each layer's source once: its digest, then its c12
         data = os.pread(f.fileno(), run.own, run.start)
         os.posix_fadvise(f.fileno(), run.start, run.own, os.POSIX_FADV_DONTNEED)
     if len(data) != run.own:
         raise EngineError(f"short read of {run.shard}; the file is truncated; re-download it.")
+    source = new_digest()
+    source.update(data)
     src = np.frombuffer(data, np.uint8)
     done = []
     for t in sorted(run.tensors, key=lambda t: t.offset):
@@ -62,47 +66,45 @@ def _pack_layer(run: T.LayerRun, file_off: int) -> tuple[bytes, dict[str, Any]]:
     for name, blob, entry in done:
         tensors[name] = dict(entry, off=len(out))
         out += blob
+    digest = new_digest()
+    digest.update(out)
     out += bytes(align_up(len(out)) - len(out))
     return bytes(out), {"layer": run.layer, "shard": run.shard.name, "run_start": run.start,
-                        "nbytes": len(out), "file_off": file_off, "tensors": tensors}
+                        "nbytes": len(out), "file_off": file_off,
+                        "sha256": digest.hexdigest(), "source_sha256": source.hexdigest(),
+                        "tensors": tensors}
 
 
 def pack_compact(checkpoint_dir: str | Path, out_dir: str | Path,
-                 progress: T.Progress | None = None) -> dict[str, Any]:
-    root, out = Path(checkpoint_dir), Path(out_dir)
-    index, names, n = T._open_checkpoint(root)
-    runs = T.layer_runs(index, names, n)
-    fp = T.fingerprint(root, index, runs)
-    out.mkdir(parents=True, exist_ok=True)
+                 progress: packing.Progress | None = None) -> dict[str, Any]:
+    s = packing.Session.open(checkpoint_dir, out_dir, FORMAT)
+    runs, out, n = s.runs, s.out, len(s.runs)
     total = sum(r.own for r in runs)
-    done_json, state_file = out / T.TRUNK_JSON, out / T.PROGRESS
-    if done_json.is_file():
-        have = T._load_json(done_json)
-        if have.get("fingerprint") == fp and have.get("format") == FORMAT:
-            if progress:
-                progress(total, total, n - 1)
-            return _summary(have["layers"], total, 0, 0.0, 0, True, out)
-        raise EngineError(f"{out} already holds another trunk (another checkpoint, or the "
-                          "BF16 format); choose another folder or delete that one.")
-    layers: list[dict[str, Any]] = []
-    if state_file.is_file():
-        state = T._load_json(state_file)
-        if state.get("fingerprint") == fp and state.get("format") == FORMAT \
-                and isinstance(state.get("layers"), list):
-            layers = _checked_resume(state["layers"], runs)
-    fd = os.open(out / T.TRUNK_BIN, os.O_WRONLY | os.O_CREAT, 0o644)
+    t0 = time.perf_counter()
+    layers, _ = s.verify(packing.spans(s), prefix=True, progress=progress, total=total)
+    if s.complete and len(layers) == n:
+        if s.stale_meta or changed_shards(s.recorded, s.sources):  # same bytes: bind anew
+            packing.write_json(out / packing.TRUNK_JSON, _meta(s, layers))
+        if progress:
+            progress(total, total, n - 1)
+        return _summary(layers, total, 0, time.perf_counter() - t0, 0, True, out)
+    fd = os.open(out / packing.TRUNK_BIN, os.O_WRONLY | os.O_CREAT, 0o644)
     t0, moved, copied = time.perf_counter(), 0, 0
     try:
+        s.begin(fd, layers)
         off = layers[-1]["file_off"] + layers[-1]["nbytes"] if layers else 0
         os.ftruncate(fd, off)
         done = sum(r.own for r in runs[:len(layers)])
         for run in runs[len(layers):]:
             blob, entry = _pack_layer(run, off)
             _write(fd, blob, off)
-            os.fdatasync(fd)
+            try:
+                os.fdatasync(fd)
+            except OSError as exc:
+                raise packing.fail_write(off, exc) from None
             os.posix_fadvise(fd, off, len(blob), os.POSIX_FADV_DONTNEED)
             layers.append(entry)
-            T._write_json(state_file, {"fingerprint": fp, "format": FORMAT, "layers": layers})
+            s.record(fd, layers)
             off += len(blob)
             done += run.own
             moved += len(blob)
@@ -111,12 +113,14 @@ def pack_compact(checkpoint_dir: str | Path, out_dir: str | Path,
                 progress(done, total, run.layer)
     finally:
         os.close(fd)
-    meta = T.trunk_json(runs, fp)
-    meta.update(format=FORMAT, packer=PACKER, layers=layers)
-    T._write_json(done_json, meta)
-    state_file.unlink(missing_ok=True)
+    s.finish(_meta(s, layers))
     secs = time.perf_counter() - t0
     return _summary(layers, total, moved, secs, copied, False, out)
+
+
+def _meta(s: packing.Session, layers: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"n_layers": len(s.runs), "align": packing.ALIGN, "format": FORMAT, "packer": PACKER,
+            "fingerprint": s.fp, "sources": s.sources, "layers": layers}
 
 
 def _write(fd: int, blob: bytes, offset: int) -> None:
@@ -125,21 +129,7 @@ def _write(fd: int, blob: bytes, offset: int) -> None:
         try:
             done += os.pwrite(fd, view[done:], offset + done)
         except OSError as exc:
-            raise EngineError(
-                f"writing {T.TRUNK_BIN} failed at byte {offset + done} ({exc.strerror}); "
-                "free disk space or choose another folder, then rerun to resume."
-            ) from None
-
-
-def _checked_resume(entries: list, runs: list[T.LayerRun]) -> list[dict[str, Any]]:
-    """The finished layers of an interrupted pack, if they are the first ones, in order."""
-    off = 0
-    for entry, run in zip(entries, runs):
-        if not isinstance(entry, dict) or entry.get("layer") != run.layer \
-                or entry.get("file_off") != off or not isinstance(entry.get("nbytes"), int):
-            return []
-        off += entry["nbytes"]
-    return entries[:len(runs)]
+            raise packing.fail_write(offset + done, exc) from None
 
 
 def _summary(layers: list, total: int, moved: int, secs: float, copied: int, already: bool,

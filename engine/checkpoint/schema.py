@@ -11,7 +11,7 @@ from pathlib import Path
 
 from engine.checkpoint.safetensors import SafetensorsIndex
 from engine.errors import CheckpointError
-from engine.model.config import ModelConfig
+from engine.core.config import ModelConfig
 
 EXPERT_PARTS = ("w1", "w2", "w3")  # on-disk order of one expert's run: packed then scale
 

@@ -2,25 +2,26 @@
 
 `trunk.json` uses the peer engine's schema, so a trunk packed by either tool works with
 both: `{"n_layers", "align": 4096, "layers": [{"layer", "shard", "run_start", "nbytes",
-"file_off", "tensors": {full_name: {"off", "nbytes", "dtype", "shape"}}}]}`, plus a
-`"fingerprint"` of the checkpoint it came from (the peer ignores unknown keys). A layer
-whose trunk tensors are not one contiguous run in one shard is refused: the gap would drag
-expert bytes into every token's reads.
+"file_off", "tensors": {full_name: {"off", "nbytes", "dtype", "shape"}}}]}`, plus keys the
+peer ignores: a `"fingerprint"` of the checkpoint it came from, `"sources"` (the shards'
+identity) and per layer `"sha256"` and `"source_sha256"` (binding.py: what they bind and
+where they are checked). A layer whose trunk tensors are not one contiguous run in one
+shard is refused: the gap would drag expert bytes into every token's reads.
 
 The copy reads with O_DIRECT and writes with O_DIRECT from aligned buffers, a few chunks
-in flight, so neither side goes through (or grows) the page cache. Finished layers are
-recorded in `trunk.progress.json` after an fdatasync, so an interrupted pack resumes
-where it stopped; `trunk.json` appears only when every layer is in place.
+in flight, so neither side goes through (or grows) the page cache; each chunk is hashed
+in order as it lands. Finished layers are recorded with their digests in
+`trunk.progress.json` after an fdatasync, so an interrupted pack resumes where it
+stopped, re-reading what it finished first; `trunk.json` appears only when every layer is
+in place. `pack` on a finished trunk checks every layer again and re-packs what no longer
+matches its digest or its shard. What this pack shares with the compact one
+(compact_pack.py) — the runs, the session, trunk.json — is in packing.py.
 """
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import json
 import os
 import queue
-import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -32,123 +33,39 @@ from typing import Any
 
 import numpy as np
 
+from engine.checkpoint.binding import (
+    changed_shards,
+    is_digest,
+    new_digest,
+    shard_stats,
+)
 from engine.checkpoint.safetensors import DTYPES, SafetensorsIndex, TensorInfo, overlap
 from engine.checkpoint.schema import TensorNames
 from engine.checkpoint.compact import C12, CompactSpec, c12_nbytes, eligible
+from engine.checkpoint.compact_pack import pack_compact
+from engine.checkpoint.packing import (
+    COMPACT_FORMAT,
+    PROGRESS,
+    TRUNK_BIN,
+    TRUNK_JSON,
+    LayerRun,
+    Progress,
+    Session,
+    fail_write,
+    fingerprint,
+    layer_runs,
+    load_trunk_json,
+    open_checkpoint,
+    spans,
+    same_layout,
+    trunk_json,
+    write_json,
+)
 from engine.errors import CheckpointError, EngineError, ReadError
-from engine.jsonfile import load_json
-from engine.model.config import ModelConfig
-from engine.weights.io import ALIGN, FileTable, TensorSpec, align_down, align_up, aligned_buffer
+from engine.core.directio import ALIGN, FileTable, TensorSpec, align_down, align_up, aligned_buffer
 
-TRUNK_BIN = "trunk.bin"
-TRUNK_JSON = "trunk.json"
-PROGRESS = "trunk.progress.json"
-COMPACT_FORMAT = "k3-c12"  # compact_pack.FORMAT
 CHUNK = 16 << 20
 WORKERS = 4  # chunks copied concurrently: the disk's queue depth for reads and writes
-Progress = Callable[[int, int, int], None]  # (done_bytes, total_bytes, layer)
-
-
-@dataclass(frozen=True)
-class LayerRun:
-    layer: int
-    shard: Path
-    start: int  # absolute offset of the run in the shard
-    own: int  # bytes of the run (= sum of its tensors)
-    file_off: int  # offset in trunk.bin (aligned)
-    tensors: tuple[TensorInfo, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return align_up(self.own)
-
-
-def layer_runs(index: SafetensorsIndex, names: TensorNames, n_layers: int) -> list[LayerRun]:
-    """Each layer's trunk as one contiguous run; refuse a layer where that is not so."""
-    per: dict[int, list[TensorInfo]] = {i: [] for i in range(n_layers)}
-    lp = names.prefix + "layers."
-    for name, t in index.tensors.items():
-        if name.startswith(lp) and not names.is_expert(name):
-            num = name[len(lp):].split(".", 1)[0]
-            if num.isdigit() and int(num) < n_layers:
-                per[int(num)].append(t)
-    runs = []
-    off = 0
-    for i in range(n_layers):
-        ts = sorted(per[i], key=lambda t: t.offset)
-        if not ts:
-            raise CheckpointError(f"layer {i} has no trunk tensors in {index.root}.")
-        shards = sorted({t.file.name for t in ts})
-        if len(shards) > 1:
-            raise CheckpointError(
-                f"layer {i}'s trunk tensors span several shards ({', '.join(shards)}); it cannot "
-                "be packed as one run."
-            )
-        lo, hi = ts[0].offset, max(t.end for t in ts)
-        own = sum(t.nbytes for t in ts)
-        if hi - lo != own:
-            raise CheckpointError(
-                f"layer {i}'s trunk tensors in {shards[0]} are not one contiguous run (bytes "
-                f"[{lo}, {hi}) hold {own} bytes of trunk and {hi - lo - own} of other data); "
-                "packing it would drag expert bytes into every token's reads."
-            )
-        runs.append(LayerRun(i, ts[0].file, lo, own, off, tuple(ts)))
-        off += align_up(own)
-    return runs
-
-
-def fingerprint(checkpoint_dir: Path, index: SafetensorsIndex, runs: list[LayerRun]) -> str:
-    """Identity of a checkpoint: config, shard sizes, trunk layout and sampled trunk bytes."""
-    h = hashlib.sha256()
-    cfg = Path(checkpoint_dir) / "config.json"
-    if cfg.is_file():
-        h.update(cfg.read_bytes())
-    for f in index.files():
-        h.update(f"{f.name}:{f.stat().st_size}\n".encode())
-    for r in runs:
-        for t in r.tensors:
-            h.update(f"{t.name}:{t.dtype}:{list(t.shape)}:{t.offset}\n".encode())
-        with open(r.shard, "rb") as f:  # first and last 4 KiB of the run: same layout,
-            for pos in (r.start, max(r.start, r.start + r.own - ALIGN)):  # other weights
-                h.update(os.pread(f.fileno(), min(ALIGN, r.own), pos))
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    return "sha256:" + h.hexdigest()
-
-
-def _open_checkpoint(checkpoint_dir: Path) -> tuple[SafetensorsIndex, TensorNames, int]:
-    index = SafetensorsIndex.open(checkpoint_dir)
-    names = TensorNames.detect(index)
-    n = ModelConfig.from_dir(checkpoint_dir).num_hidden_layers
-    return index, names, n
-
-
-def trunk_json(runs: list[LayerRun], fp: str) -> dict[str, Any]:
-    return {
-        "n_layers": len(runs),
-        "align": ALIGN,
-        "fingerprint": fp,
-        "layers": [
-            {
-                "layer": r.layer,
-                "shard": r.shard.name,
-                "run_start": r.start,
-                "nbytes": r.nbytes,
-                "file_off": r.file_off,
-                "tensors": {
-                    t.name: {"off": t.offset - r.start, "nbytes": t.nbytes, "dtype": t.dtype,
-                             "shape": list(t.shape)}
-                    for t in r.tensors
-                },
-            }
-            for r in runs
-        ],
-    }
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
 
 
 def _open_out(path: Path) -> tuple[int, bool]:
@@ -161,7 +78,8 @@ def _open_out(path: Path) -> tuple[int, bool]:
 
 class _Copier:
     """Copies layer runs into trunk.bin: `WORKERS` threads each read a chunk (O_DIRECT) and
-    write it (O_DIRECT) at its aligned place, so reads and writes overlap at queue depth."""
+    write it (O_DIRECT) at its aligned place, so reads and writes overlap at queue depth.
+    The caller's thread hashes each chunk's bytes in order while the others copy."""
 
     def __init__(self, out_fd: int, direct: bool):
         self.fd, self.direct = out_fd, direct
@@ -171,53 +89,64 @@ class _Copier:
             self.buffers.put((aligned_buffer(CHUNK + 2 * ALIGN), aligned_buffer(CHUNK)))
 
     def copy(self, runs: list[LayerRun], on_bytes: Callable[[int, int], None],
-             on_layer: Callable[[LayerRun], None]) -> None:
-        """Copy `runs`; `on_layer(run)` once its bytes are durable (in layer order)."""
+             on_layer: Callable[[LayerRun, str], None]) -> None:
+        """Copy `runs`; `on_layer(run, sha256 of its bytes)` once they are durable (in layer
+        order)."""
         chunks = [(r, k, min(CHUNK, r.nbytes - k)) for r in runs for k in range(0, r.nbytes, CHUNK)]
         todo = iter(chunks)
         window: deque = deque()
+        digest = new_digest()
         with ThreadPoolExecutor(WORKERS, thread_name_prefix="k3-pack") as ex:
             def submit() -> None:
+                # A chunk takes its buffers here and gives them back once hashed below: a
+                # chunk in the window always has them, so the oldest never waits.
                 c = next(todo, None)
                 if c is not None:
-                    window.append((c, ex.submit(self._chunk, *c)))
+                    bufs = self.buffers.get()
+                    window.append((c, bufs, ex.submit(self._chunk, *c, bufs)))
 
-            for _ in range(2 * WORKERS):
+            for _ in range(WORKERS):
                 submit()
             try:
                 while window:
-                    (run, k, n), fut = window.popleft()
-                    fut.result()
+                    (run, k, n), bufs, fut = window.popleft()
+                    try:
+                        digest.update(fut.result())
+                    finally:
+                        self.buffers.put(bufs)
                     on_bytes(run.layer, n)
                     if k + n >= run.nbytes:
-                        os.fdatasync(self.fd)
+                        try:
+                            os.fdatasync(self.fd)
+                        except OSError as exc:
+                            raise fail_write(run.file_off, exc) from None
                         if not self.direct:
                             os.posix_fadvise(self.fd, run.file_off, run.nbytes,
                                              os.POSIX_FADV_DONTNEED)
-                        on_layer(run)
+                        on_layer(run, digest.hexdigest())
+                        digest = new_digest()
                     submit()
             finally:
-                for _, fut in window:
+                for _, _, fut in window:
                     fut.cancel()
 
-    def _chunk(self, run: LayerRun, k: int, n: int) -> None:
-        rbuf, wbuf = self.buffers.get()
-        try:
-            lo = run.start + k
-            hi = run.start + min(k + n, run.own)  # payload; the tail of the last is padding
-            win = align_down(lo)
-            buf = rbuf[: align_up(hi) - win]
-            self.files.get(run.shard).read_into(buf, win, hi - win)
-            delta, payload = lo - win, hi - lo
-            if delta == 0 and payload == n:
-                out = buf[:n]
-            else:  # shift to an aligned address and zero the padding
-                out = wbuf[:n]
-                out[:payload] = buf[delta:delta + payload]
-                out[payload:] = 0
-            self._write(out, run.file_off + k)
-        finally:
-            self.buffers.put((rbuf, wbuf))
+    def _chunk(self, run: LayerRun, k: int, n: int, bufs: tuple) -> np.ndarray:
+        """Copy chunk k of `run`; returns its payload (the run's bytes, not the padding)."""
+        rbuf, wbuf = bufs
+        lo = run.start + k
+        hi = run.start + min(k + n, run.own)  # payload; the tail of the last is padding
+        win = align_down(lo)
+        buf = rbuf[: align_up(hi) - win]
+        self.files.get(run.shard).read_into(buf, win, hi - win)
+        delta, payload = lo - win, hi - lo
+        if delta == 0 and payload == n:
+            out = buf[:n]
+        else:  # shift to an aligned address and zero the padding
+            out = wbuf[:n]
+            out[:payload] = buf[delta:delta + payload]
+            out[payload:] = 0
+        self._write(out, run.file_off + k)
+        return out[:payload]
 
     def _write(self, buf: np.ndarray, offset: int) -> None:
         done = 0
@@ -225,10 +154,7 @@ class _Copier:
             try:
                 n = os.pwrite(self.fd, buf[done:], offset + done)
             except OSError as exc:
-                raise EngineError(
-                    f"writing {TRUNK_BIN} failed at byte {offset + done} ({exc.strerror}); "
-                    "free disk space or choose another folder, then rerun to resume."
-                ) from None
+                raise fail_write(offset + done, exc) from None
             done += n
 
     def close(self) -> None:
@@ -237,41 +163,41 @@ class _Copier:
 
 def pack(checkpoint_dir: str | Path, out_dir: str | Path,
          progress: Progress | None = None, compact: bool = False) -> dict[str, Any]:
-    """Pack the trunk into `out_dir`; resumable. Returns a summary (bytes, seconds, MB/s).
-    `compact`: the lossless c12 trunk (compact_pack.py) instead of the peer's BF16 one."""
-    if compact:
-        from engine.checkpoint.compact_pack import pack_compact
-
-        return pack_compact(checkpoint_dir, out_dir, progress)
-    root, out = Path(checkpoint_dir), Path(out_dir)
-    index, names, n = _open_checkpoint(root)
-    runs = layer_runs(index, names, n)
-    fp = fingerprint(root, index, runs)
-    out.mkdir(parents=True, exist_ok=True)
-    total = sum(r.nbytes for r in runs)
-    done_json = out / TRUNK_JSON
-    if done_json.is_file():
-        have = _load_json(done_json)
-        if have.get("fingerprint") == fp and "format" not in have and (out / TRUNK_BIN).is_file() \
-                and (out / TRUNK_BIN).stat().st_size >= total:
-            if progress:
-                progress(total, total, n - 1)
-            return {"bytes": 0, "total_bytes": total, "seconds": 0.0, "mb_per_s": 0.0,
-                    "layers_copied": 0, "already_packed": True, "out": str(out)}
+    """Pack the trunk into `out_dir`; resumable, and a finished trunk is checked again
+    (binding.py) with what no longer matches re-packed. Returns a summary (bytes, seconds,
+    MB/s). `compact`: the lossless c12 trunk (compact_pack.py) instead of the peer's BF16
+    one."""
+    try:
+        if compact:
+            return pack_compact(checkpoint_dir, out_dir, progress)
+        return _pack_bf16(checkpoint_dir, out_dir, progress)
+    except OSError as exc:  # what the steps above did not word themselves: one sentence
         raise EngineError(
-            f"{out} already holds a trunk packed from a different checkpoint; choose another "
-            "folder or delete that one."
-        )
-    state_file = out / PROGRESS
-    done: set[int] = set()
-    if state_file.is_file():
-        state = _load_json(state_file)
-        listed = state.get("done")
-        if state.get("fingerprint") == fp and isinstance(listed, list):
-            done = {i for i in listed if type(i) is int}
+            f"packing into {out_dir} failed on {exc.filename or TRUNK_BIN} ({exc.strerror}); "
+            "free disk space or fix the folder's permissions, then rerun to resume."
+        ) from None
+
+
+def _pack_bf16(checkpoint_dir: str | Path, out_dir: str | Path,
+               progress: Progress | None) -> dict[str, Any]:
+    s = Session.open(checkpoint_dir, out_dir, None)
+    runs, out, n = s.runs, s.out, len(s.runs)
+    total = sum(r.nbytes for r in runs)
+    t0 = time.perf_counter()
+    kept, _ = s.verify(spans(s), prefix=False, progress=progress, total=total)
+    digests = {e["layer"]: e["sha256"] for e in kept}
+    verified = time.perf_counter() - t0
+    if s.complete and len(digests) == n:
+        if s.stale_meta or changed_shards(s.recorded, s.sources):  # same bytes: bind anew
+            write_json(out / TRUNK_JSON, trunk_json(runs, s.fp, digests, s.sources))
+        if progress:
+            progress(total, total, n - 1)
+        return {"bytes": 0, "total_bytes": total, "seconds": verified, "mb_per_s": 0.0,
+                "layers_copied": 0, "layers_verified": n, "already_packed": True,
+                "out": str(out)}
     fd, direct = _open_out(out / TRUNK_BIN)
     copier = _Copier(fd, direct)
-    copied = sum(r.nbytes for r in runs if r.layer in done)
+    copied = sum(r.nbytes for r in runs if r.layer in digests)
     moved = n_copied = 0
     t0 = time.perf_counter()
 
@@ -282,33 +208,59 @@ def pack(checkpoint_dir: str | Path, out_dir: str | Path,
         if progress:
             progress(copied, total, layer)
 
-    def on_layer(run: LayerRun) -> None:
+    def records() -> list[dict]:
+        return [{"layer": L, "sha256": d, "source_sha256": d} for L, d in sorted(digests.items())]
+
+    def on_layer(run: LayerRun, digest: str) -> None:
         nonlocal n_copied
         n_copied += 1
-        done.add(run.layer)
-        _write_json(state_file, {"fingerprint": fp, "done": sorted(done)})
+        digests[run.layer] = digest
+        s.record(fd, records())
 
     try:
-        os.ftruncate(fd, total)
-        copier.copy([r for r in runs if r.layer not in done], on_bytes, on_layer)
+        s.begin(fd, records())
+        try:
+            os.ftruncate(fd, total)
+        except OSError as exc:
+            raise fail_write(total, exc) from None
+        copier.copy([r for r in runs if r.layer not in digests], on_bytes, on_layer)
     except ReadError as exc:
         raise EngineError(f"{exc} Rerun pack to resume.") from None
     finally:
         copier.close()
         os.close(fd)
-    _write_json(done_json, trunk_json(runs, fp))
-    state_file.unlink(missing_ok=True)
+    s.finish(trunk_json(runs, s.fp, digests, s.sources))
     secs = time.perf_counter() - t0
     return {"bytes": moved, "total_bytes": total, "seconds": secs,
             "mb_per_s": moved / 1e6 / secs if secs > 0 else 0.0,
-            "layers_copied": n_copied, "already_packed": False, "out": str(out)}
+            "layers_copied": n_copied, "layers_verified": len(kept), "already_packed": False,
+            "out": str(out)}
 
 
-MAX_TRUNK_JSON = 64 << 20  # the release's trunk.json is ~1 MB
+def verify(checkpoint_dir: str | Path, out_dir: str | Path,
+           progress: Progress | None = None) -> dict[str, Any]:
+    """Check a finished trunk and change nothing: every layer's bytes in trunk.bin against
+    its digest, and the runs of any shard changed since the pack against theirs. Returns
+    {"layers", "bytes", "seconds", "bad": [(layer, why)]}."""
+    out = Path(out_dir)
+    if not (out / TRUNK_JSON).is_file():
+        raise EngineError(f"{out} holds no finished trunk ({TRUNK_JSON} is missing); pack one "
+                          f"with `python -m engine pack {checkpoint_dir} {out}`.")
+    fmt = load_trunk_json(out / TRUNK_JSON).get("format")
+    s = Session.open(checkpoint_dir, out, COMPACT_FORMAT if fmt == COMPACT_FORMAT else None)
+    if not s.complete:
+        raise EngineError(
+            f"the trunk in {out} has no per-layer digests (packed by the C peer or an older "
+            f"k3tui), so it cannot be verified; {repack_in_place(Path(checkpoint_dir), out)}.")
+    t0 = time.perf_counter()
+    checked = spans(s)
+    total = sum(r.nbytes if s.fmt is None else r.own for r in s.runs)
+    _, bad = s.verify(checked, prefix=False, progress=progress, total=total)
+    listed = {run.layer for run, *_ in checked}
+    bad += [(r.layer, "its trunk.json entry is malformed") for r in s.runs if r.layer not in listed]
+    return {"layers": len(s.runs), "bytes": sum(used for *_, used in checked),
+            "seconds": time.perf_counter() - t0, "bad": sorted(bad)}
 
-
-def _load_json(path: Path) -> dict[str, Any]:
-    return load_json(path, MAX_TRUNK_JSON, "delete it and re-pack.")
 
 
 class _Checker:
@@ -352,12 +304,36 @@ def _tensor_specs(chk: _Checker, where: str, got: dict, want: dict, binary: Path
     return specs
 
 
+@dataclass(frozen=True)
+class PackedTrunk:
+    """A checked trunk: per layer its tensors in trunk.bin and the sha256 its bytes must
+    have (checked on the layer's first read); no digests for a trunk packed by the peer,
+    whose schema has none."""
+
+    layers: dict[int, list[TensorSpec]]
+    digests: dict[int, str]
+
+
+def repack_in_place(checkpoint_dir: Path, trunk_dir: Path) -> str:
+    """The next step for a trunk that no longer matches: pack re-checks it and re-packs
+    the layers that changed."""
+    return (f"run `k3tui pack` (or `python -m engine pack {checkpoint_dir} {trunk_dir}`) to "
+            "re-pack what changed")
+
+
+def layer_mismatch(checkpoint_dir: Path, trunk_dir: Path, layer: int) -> str:
+    return (f"layer {layer} of the trunk in {trunk_dir} does not match the digest it was packed "
+            f"with ({TRUNK_BIN} changed after packing); "
+            f"{repack_in_place(checkpoint_dir, trunk_dir)}.")
+
+
 def trunk_specs(trunk_dir: Path, index: SafetensorsIndex, names: TensorNames, n_layers: int,
-                checkpoint_dir: Path) -> dict[int, list[TensorSpec]]:
+                checkpoint_dir: Path) -> PackedTrunk:
     """Per layer, where its tensors live in a packed trunk: trunk.json checked against its
     schema, against trunk.bin's size (every tensor inside its own layer's span, the spans
-    disjoint) and against the checkpoint, so a corrupt or hostile file never hands the
-    model another layer's bytes."""
+    disjoint) and against the checkpoint (its layout, and each shard a layer came from
+    still the file it was packed from), so a corrupt, hostile or stale file never hands
+    the model another layer's bytes."""
     meta_path = trunk_dir / TRUNK_JSON
     repack = (f"re-pack it with `python -m engine pack {checkpoint_dir} {trunk_dir}-new` "
               "(or `k3tui pack`)")
@@ -371,18 +347,13 @@ def trunk_specs(trunk_dir: Path, index: SafetensorsIndex, names: TensorNames, n_
             f"{trunk_dir} has no {TRUNK_JSON}; pack one with `python -m engine pack "
             f"{checkpoint_dir} {trunk_dir}`."
         )
-    meta = _load_json(meta_path)
+    meta = load_trunk_json(meta_path)
 
     chk = _Checker(meta_path, repack)
     need, bad = chk.need, chk.bad
 
     runs = layer_runs(index, names, n_layers)
-    fp = meta.get("fingerprint")
-    if fp is not None and fp != fingerprint(checkpoint_dir, index, runs):
-        raise CheckpointError(
-            f"the trunk in {trunk_dir} was packed from a different checkpoint than "
-            f"{checkpoint_dir}; {repack}."
-        )
+    _check_current(meta, runs, checkpoint_dir, trunk_dir, index, need, repack)
     fmt = _format(meta, bad)
     if need(meta, "align", int, "") != ALIGN or need(meta, "n_layers", int, "") != n_layers:
         raise bad(f"it describes {meta['n_layers']} layers aligned to {meta['align']} but the "
@@ -419,6 +390,72 @@ def trunk_specs(trunk_dir: Path, index: SafetensorsIndex, names: TensorNames, n_
     clash = overlap(spans)
     if clash:
         raise bad(f"layers {clash[0]} and {clash[1]} overlap in {TRUNK_BIN}")
+    return PackedTrunk(out, _digests(meta, layers, out, chk, checkpoint_dir, trunk_dir))
+
+
+def _check_current(meta: dict, runs: list[LayerRun], checkpoint_dir: Path, trunk_dir: Path,
+                   index: SafetensorsIndex, need: Callable, repack: str) -> None:
+    """The trunk was packed from this checkpoint as it is now: each shard a layer came from
+    still the same file, and the fingerprint (config.json, layout) the same. A stale trunk
+    of this checkpoint's layout is re-checked in place by pack; any other is another's."""
+    changed = set()
+    if "sources" in meta:
+        changed = changed_shards(need(meta, "sources", dict, ""),
+                                 shard_stats(r.shard for r in runs))
+    first = next((r for r in runs if r.shard.name in changed), None)
+    fp = meta.get("fingerprint")
+    if first is None and (fp is None or fp == fingerprint(checkpoint_dir, index, runs)):
+        return
+    if not same_layout(meta.get("layers"), runs):
+        raise CheckpointError(
+            f"the trunk in {trunk_dir} was packed from a different checkpoint than "
+            f"{checkpoint_dir}; {repack}."
+        )
+    what = (f"{first.shard.name} is not the file layer {first.layer} of the trunk in "
+            f"{trunk_dir} was packed from (it was replaced or rewritten since)" if first else
+            f"{checkpoint_dir} changed since the trunk in {trunk_dir} was packed from it (its "
+            "config.json, or a shard's bytes)")
+    raise CheckpointError(f"{what}; {repack_in_place(checkpoint_dir, trunk_dir)}.")
+
+
+def check(checkpoint_dir: str | Path, trunk_dir: str | Path) -> PackedTrunk:
+    """trunk_specs for a checkpoint folder: what `k3tui doctor` runs (it reads two pages
+    per layer of the shards, no trunk bytes)."""
+    index, names, n = open_checkpoint(Path(checkpoint_dir))
+    return trunk_specs(Path(trunk_dir), index, names, n, Path(checkpoint_dir))
+
+
+def _digests(meta: dict, layers: list, specs: dict[int, list[TensorSpec]], chk: _Checker,
+             checkpoint_dir: Path, trunk_dir: Path) -> dict[int, str]:
+    """Each layer's sha256, its tensors checked to fill its bytes from `file_off` without a
+    gap (what the digest covers is then exactly what the engine reads). A trunk of ours
+    (it has a fingerprint) without them was packed by a k3tui whose resume could leave
+    zeroed layers: refused. The peer's trunks have none: {} (not verified)."""
+    if not any(isinstance(e, dict) and "sha256" in e for e in layers):
+        if "fingerprint" in meta:
+            raise CheckpointError(
+                f"the trunk in {trunk_dir} was packed by an older k3tui, without the per-layer "
+                "digests that show its bytes are whole (an interrupted pack of that version "
+                f"could leave zeroed layers); {repack_in_place(checkpoint_dir, trunk_dir)}."
+            )
+        return {}
+    if "fingerprint" in meta:
+        chk.need(meta, "sources", dict, "")
+    out = {}
+    for i, entry in enumerate(layers):
+        where = f"layers[{i}]."
+        digest = chk.need(entry, "sha256", str, where)
+        if not is_digest(digest) or not is_digest(chk.need(entry, "source_sha256", str, where)):
+            raise chk.bad(f"{where}sha256 or source_sha256 is not a sha256 in hex")
+        L = entry["layer"]
+        ts = sorted(specs[L], key=lambda t: t.offset)
+        pos = entry["file_off"]
+        for t in ts:
+            if t.offset != pos:
+                raise chk.bad(f"layer {L}'s tensors leave a gap before {t.name}, which its "
+                              "digest does not cover")
+            pos += t.nbytes
+        out[L] = digest
     return out
 
 
@@ -447,7 +484,7 @@ def plain_copy(checkpoint_dir: str | Path, dest: str | Path) -> dict[str, Any]:
     """The baseline: `cp` + `sync` of the same bytes. Like cp, each trunk run is copied in
     the kernel (`copy_file_range`), then the copy is made durable (fsync), from a cold
     page cache."""
-    index, names, n = _open_checkpoint(Path(checkpoint_dir))
+    index, names, n = open_checkpoint(Path(checkpoint_dir))
     runs = layer_runs(index, names, n)
     drop_cache(index.files())
     t0 = time.perf_counter()
@@ -481,45 +518,3 @@ def drop_cache(files: list[Path]) -> None:
 
 
 # ---- python -m engine pack ----------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", help="checkpoint folder (safetensors shards + config)")
-    parser.add_argument("out", help="folder for trunk.bin + trunk.json (resumes if present)")
-    parser.add_argument("--json", action="store_true", help="print a JSON summary at the end")
-    parser.add_argument("--compact", action="store_true",
-                        help="write the lossless compact trunk (~12 bits/weight, this engine "
-                        "only) instead of the peer-compatible BF16 one")
-
-
-def main(args: argparse.Namespace) -> int:
-    t0 = time.perf_counter()
-    last = [0.0]
-
-    def show(done: int, total: int, layer: int) -> None:
-        now = time.perf_counter()
-        if now - last[0] < 0.5 and done < total:
-            return
-        last[0] = now
-        rate = done / 1e6 / max(now - t0, 1e-9)
-        print(f"\rpacking layer {layer}: {done / 1e9:.2f} / {total / 1e9:.2f} GB "
-              f"({100 * done / max(total, 1):.0f}%), {rate:.0f} MB/s", end="",
-              file=sys.stderr, flush=True)
-
-    try:
-        summary = pack(args.checkpoint, args.out, progress=show,
-                       compact=getattr(args, "compact", False))
-    except EngineError as exc:
-        print(f"\nerror: {exc}", file=sys.stderr)
-        return 1
-    print(file=sys.stderr)
-    if args.json:
-        print(json.dumps(summary))
-    elif summary["already_packed"]:
-        print(f"{args.out} already holds this checkpoint's trunk; nothing to do.")
-    else:
-        kind = (f"compact trunk ({100 * summary['ratio']:.1f}% of its BF16 size)"
-                if "ratio" in summary else "trunk")
-        print(f"packed {summary['total_bytes'] / 1e9:.3f} GB of {kind} into {args.out} "
-              f"({summary['mb_per_s']:.0f} MB/s).")
-    return 0

@@ -39,7 +39,9 @@ from typing import Any
 
 import numpy as np
 
-from engine.weights.planner import GB, Plan
+from engine.core.directio import ALIGN
+from engine.weights.experts import ExpertCache
+from engine.weights.planner import GB, HEAD_CHUNK_BYTES, Plan
 
 KINDS = ("dense", "kda", "mla")
 
@@ -125,9 +127,6 @@ class LayerKinds:
 def expert_hit_rate(plan: Plan, tokens: int = 16, seed: int = 0) -> float:
     """The hit rate of the engine's ExpertCache (its policy, the plan's slots, tiny slots
     of one page) replayed on uniformly random top-k routing, after it has filled."""
-    from engine.weights.experts import ExpertCache
-    from engine.weights.io import ALIGN
-
     g = plan.geometry
     if not g.moe_layers or plan.expert_slots >= g.n_experts * g.moe_layers:
         return 1.0  # every expert is read once, up front
@@ -213,8 +212,6 @@ def _moe_layer(parts: Parts, plan: Plan, disk: _Disk, kind: str, t: float,
 def _head(parts: Parts, plan: Plan, disk: _Disk, t: float) -> float:
     """End of the head's matvec, streamed in chunks through two buffers when the plan
     streams the tables."""
-    from engine.weights.tables import HEAD_CHUNK_BYTES
-
     if not plan.stream_tables:
         return t + parts.head_s
     n = max(1, math.ceil(plan.geometry.table_bytes / 2 / HEAD_CHUNK_BYTES))

@@ -1,7 +1,10 @@
 """Choosing the next token from logits: greedy, or temperature / top-k / top-p with a seed.
 
-Greedy takes the first index on ties (np.argmax). Sampling is reproducible: the same
-seed and the same logits give the same tokens. Filtering works in float64 on a copy.
+Greedy takes the first index on ties (np.argmax). Sampling is reproducible: the draw for
+the token at position i of the sequence depends only on (seed, i) and its logits, never
+on how many draws came before, so an answer continued from its first k tokens (a partial
+turn, a resumed state) draws what the uninterrupted run drew. Filtering works in float64
+on a copy.
 """
 
 from __future__ import annotations
@@ -18,9 +21,9 @@ class Sampler:
         if top_k < 0:
             raise ValueError("top_k must be >= 0")
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
-        self.rng = np.random.default_rng(seed)
+        self.seed = int(seed)
 
-    def __call__(self, logits: np.ndarray) -> int:
+    def __call__(self, logits: np.ndarray, position: int) -> int:
         if self.temperature == 0.0 or self.top_k == 1:
             return int(np.argmax(logits))
         z = np.asarray(logits, np.float64) / self.temperature
@@ -36,4 +39,5 @@ class Sampler:
             mask = np.zeros_like(p)
             mask[keep] = p[keep]
             p = mask / mask.sum()
-        return int(self.rng.choice(p.size, p=p))
+        rng = np.random.default_rng((self.seed, int(position)))
+        return int(rng.choice(p.size, p=p))

@@ -8,7 +8,10 @@ from. Forcing a token = returning logits where only that id is possible.
 but restricts each choice to readable words of the test vocabulary (the model's logits
 still rank them), and scripts the XTML channel structure: a thinking paragraph of about
 `think_tokens`, the tags that open the response channel, an answer of about
-`answer_tokens`, then the closing tags and the end id. Deterministic for a seed.
+`answer_tokens`, then the closing tags and the end id. Its choices depend only on the
+seed, the position in the answer and the ids before it (every draw is keyed by the seed
+and the position), so an answer continued from its first k ids, with the steer primed on
+them (`given`), goes on as the uninterrupted run did.
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ class DemoSteer:
                  think_tokens: int = 24, answer_tokens: int = 40) -> None:
         self.tok, self.parser, self.forced = tok, parser, forced
         self.think_tokens, self.answer_tokens = think_tokens, answer_tokens
-        self.rng = np.random.default_rng(seed)
+        self.seed = int(seed)
         classes: dict[str, list[int]] = {"lower": [], "cap": [], "cap_space": []}
         for i in range(tok.n_ranks):
             b = tok.id_to_bytes(i)
@@ -95,34 +98,42 @@ class DemoSteer:
         self.channel_tokens = 0
         self._channel = ""
         self._sentence_words = 0
-        self._sentence_len = self._new_length()
+        self._sentence_len = 0
         self._recent: deque[int] = deque(maxlen=6)
 
-    def _new_length(self) -> int:
-        return int(self.rng.integers(5, 13))
+    def _draw(self, position: int, what: int) -> np.random.Generator:
+        """The generator of draw `what` at `position` of the answer: never shared, so a
+        continuation draws what the uninterrupted run drew there."""
+        return np.random.default_rng((self.seed, int(position), what))
 
-    def __call__(self, generated: Sequence[int], logits: np.ndarray) -> np.ndarray:
+    def _new_length(self, position: int) -> int:
+        return int(self._draw(position, 0).integers(5, 13))
+
+    def __call__(self, position: int, logits: np.ndarray, given: int | None = None
+                 ) -> np.ndarray:
+        """The logits to sample the id at `position` of the answer from. `given`: prime
+        the steer with the id the answer already has there (a continuation)."""
         forced = self.forced.take(logits)
         if forced is not None:
             return forced
         channel = self.parser.channel
         if channel != self._channel:
             self._channel, self.channel_tokens = channel, 0
-            self._sentence_words, self._sentence_len = 0, self._new_length()
+            self._sentence_words, self._sentence_len = 0, self._new_length(position)
         if channel not in ("think", "response"):
             self.forced.push(tag_ids(self.tok, OPEN, "response"))
             return self.forced.take(logits)
         self.channel_tokens += 1
         limit = self.think_tokens if channel == "think" else self.answer_tokens
         if self._sentence_words >= self._sentence_len:
-            self._sentence_words, self._sentence_len = 0, self._new_length()
+            self._sentence_words, self._sentence_len = 0, self._new_length(position)
             if self.channel_tokens >= limit:  # close the channel after a whole sentence
                 end = think_to_response if channel == "think" else end_of_answer
                 self.forced.push(end(self.tok))
             return only(self.period, logits)
         if (
             self._sentence_words == self._sentence_len // 2
-            and self.rng.random() < 0.25
+            and self._draw(position, 1).random() < 0.25
             and self._sentence_words
         ):
             self._sentence_len += 1
@@ -132,17 +143,17 @@ class DemoSteer:
             pool = self.words["cap"] if self.channel_tokens == 1 else self.words["cap_space"]
         else:
             pool = self.words["lower"]
-        choice = self._pick(pool, logits)
+        choice = given if given is not None else self._pick(pool, logits, position)
         self._sentence_words += 1
         self._recent.append(choice)
         return only(choice, logits)
 
-    def _pick(self, pool: np.ndarray, logits: np.ndarray) -> int:
+    def _pick(self, pool: np.ndarray, logits: np.ndarray, position: int) -> int:
         """The model's logits rank the allowed words; seeded Gumbel noise adds variety
         a random-weight model lacks; recent words are skipped."""
         scores = logits[pool].astype(np.float64)
         spread = scores.std() or 1.0
-        scores = (scores - scores.mean()) / spread + self.rng.gumbel(size=len(pool))
+        scores = (scores - scores.mean()) / spread + self._draw(position, 2).gumbel(size=len(pool))
         for i in np.argsort(-scores):
             if int(pool[i]) not in self._recent:
                 return int(pool[i])

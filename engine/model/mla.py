@@ -17,7 +17,7 @@ import numpy as np
 
 from engine.kernels import linear
 from engine.kernels.reference import to_f32
-from engine.model.config import ModelConfig
+from engine.core.config import ModelConfig
 from engine.model.ops import rmsnorm, sigmoid, softmax
 
 

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
-from engine.kernels import compute_threads, linear, mxfp4_linear
+from engine.kernels import linear, mxfp4_linear
 from engine.kernels.reference import to_f32
-from engine.model.config import ModelConfig
+from engine.core.config import ModelConfig
 from engine.model.ops import rmsnorm, sigmoid, situ_glu
+from engine.weights.schedule import each_expert
 from engine.weights.source import ExpertSet, ExpertWeights
 
 
@@ -38,7 +37,7 @@ def situ_mlp(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
 
 def expert_mlp(z: np.ndarray, ex: Expert, cfg: ModelConfig) -> np.ndarray:
     """w2 · SiTU(w1 z, w3 z) on the latent z [T, latent] → [T, latent]. Each expert runs
-    on one thread (experts are spread over threads by `run_experts`)."""
+    on one thread (`run_experts` may run several side by side)."""
     if isinstance(ex, DenseExpert):
         return situ_mlp(z, ex.w1, ex.w3, ex.w2, cfg)
     g = mxfp4_linear(z, ex.w1_packed, ex.w1_scale, parallel=False)
@@ -51,59 +50,12 @@ def expert_mlp(z: np.ndarray, ex: Expert, cfg: ModelConfig) -> np.ndarray:
     )
 
 
-_POOL: tuple[int, ThreadPoolExecutor] | None = None  # (workers, pool)
-
-
-class _Arrivals:
-    """Hands out the experts of one layer in the order their bytes arrive: any already in
-    memory first, else the one whose read was queued first (reads land roughly in queue
-    order), so a compute thread never blocks on a late read while an earlier one waits."""
-
-    def __init__(self, ids: list[int], experts: ExpertSet):
-        self.left = list(range(len(ids)))
-        self.ids = ids
-        self.experts = experts
-        self.lock = threading.Lock()
-
-    def take(self) -> int:
-        with self.lock:
-            i = min(self.left, key=lambda k: self.experts.arrival(self.ids[k]))
-            self.left.remove(i)
-            return i
-
-
 def run_experts(
     z: np.ndarray, tokens: list[np.ndarray], ids: list[int], experts: ExpertSet, cfg: ModelConfig
 ) -> list[np.ndarray]:
-    """expert_mlp of expert ids[i] over rows z[tokens[i]], for each i.
-
-    A source may hand experts out in groups that stay valid only until a later one is
-    asked for, so by default each expert is fetched and used at once, in order. When the
-    set is `concurrent` (ResidentSource's, or the streaming source's when the whole set
-    fits its cache) experts are taken in the order they arrive and, with several compute
-    threads, run side by side (the fused kernels release the GIL): one fork-join per
-    layer rather than one per matrix. Each expert's result goes to its own place and the
-    same kernels run either way, so results do not depend on the order."""
-    global _POOL
-    if not experts.concurrent or len(ids) <= 1:
-        return [expert_mlp(z[tok], experts[e], cfg) for tok, e in zip(tokens, ids)]
-    outs: list[np.ndarray | None] = [None] * len(ids)
-    arrivals = _Arrivals(ids, experts)
-
-    def one(_: int) -> None:
-        i = arrivals.take()
-        outs[i] = expert_mlp(z[tokens[i]], experts[ids[i]], cfg)
-
-    threads = compute_threads()
-    if threads <= 1:
-        for k in range(len(ids)):
-            one(k)
-    else:
-        if _POOL is None or _POOL[0] != threads:
-            _POOL = (threads, ThreadPoolExecutor(max_workers=threads,
-                                                 thread_name_prefix="k3-expert"))
-        list(_POOL[1].map(one, range(len(ids))))
-    return outs  # type: ignore[return-value]
+    """expert_mlp of expert ids[i] over rows z[tokens[i]], for each i; in which order and on
+    how many threads is the weights' business (`engine.weights.schedule.each_expert`)."""
+    return each_expert(experts, ids, lambda i, ex: expert_mlp(z[tokens[i]], ex, cfg))
 
 
 def route(

@@ -2,7 +2,9 @@
 the final aggregation, norm and head (spec 1.4).
 
 The model asks its `WeightSource` for one layer at a time, in order 0..n−1, and for the
-routed experts a layer needs; it holds no weights itself. Per-sequence state (KDA
+routed experts a layer needs; it holds no weights itself, and when and in what order the
+bytes come (read-ahead, expert guesses, arrival order) is the weights' business
+(`engine.weights.schedule`): the model only hands it its router. Per-sequence state (KDA
 recurrent state + conv history, MLA latent cache) lives in `ModelState`.
 """
 
@@ -21,12 +23,13 @@ from engine.errors import EngineError
 from engine.kernels import linear
 from engine.kernels.reference import to_f32
 from engine.model.attnres import attn_res, fold
-from engine.model.config import ModelConfig
+from engine.core.config import ModelConfig
 from engine.model.kda import KDAState, kda_mixer
 from engine.model.mla import MLAState, mla_mixer
 from engine.model.moe import dense_ffn, distinct, latent_moe, route
 from engine.model.ops import rmsnorm
 from engine.model.state import ModelState
+from engine.weights import schedule
 from engine.weights.resident import ResidentSource
 from engine.weights.source import WeightSource
 
@@ -102,8 +105,7 @@ class Model:
             blocks.append(h)
             prefix = None
         xn = rmsnorm(x, w["input_layernorm.weight"], eps)
-        if len(x) == 1 and cfg.is_moe(layer) and self.source.wants_guesses:
-            self.source.guess(layer, self.likely_experts(w, x))
+        schedule.guess_at_attention(self.source, cfg, layer, w, x, self.routed)
         if cfg.is_mla(layer):
             a = mla_mixer(xn, w, cfg, layer_state)
         else:
@@ -121,25 +123,8 @@ class Model:
         # Entering issues the reads; latent_moe computes the shared experts before it
         # touches a routed one, so that compute overlaps the disk.
         with self.source.experts(layer, distinct(ids)) as experts:
-            if len(x) == 1 and self.source.wants_guesses:
-                self.guess_ahead(layer + 1, x)  # behind this layer's reads in the queue
+            schedule.guess_ahead(self.source, cfg, layer, x, self.routed)
             return latent_moe(x, w, experts, ids, weights, cfg)
-
-    def guess_ahead(self, layer: int, x: np.ndarray) -> None:
-        """Start reading the experts `layer` is surest to route to while the previous
-        layer's are read and computed, judged by `layer`'s router on the previous layer's
-        FFN input: otherwise the disk idles from the previous layer's last read to this
-        layer's guess at its attention. Only the surest half (~70 % right on the bench
-        checkpoint, ~60 % for all top-k); the guess at the attention adds the rest.
-        Only where `layer`'s trunk is resident: it is not waited for."""
-        cfg = self.config
-        if layer >= cfg.num_hidden_layers or not cfg.is_moe(layer):
-            return
-        w = self.source.resident_layer(layer)
-        if w is None:
-            return
-        xn = rmsnorm(x, w["post_attention_layernorm.weight"], cfg.rms_norm_eps)
-        self.source.guess(layer, distinct(self.router(w, xn, cfg.num_experts_per_token // 2)[0]))
 
     def router(self, w: Mapping[str, np.ndarray], x: np.ndarray,
                top_k: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -153,13 +138,12 @@ class Model:
             cfg.routed_scaling_factor,
         )
 
-    def likely_experts(self, w: Mapping[str, np.ndarray], x: np.ndarray) -> list[int]:
-        """The router applied to the attention's input instead of its output: one mixer
-        moves the residual stream little, so this names most of the experts the layer
-        will choose (~90 % on the synthesised checkpoints), early enough for their reads
-        to overlap the attention. Only a hint for the weight source."""
-        xn = rmsnorm(x, w["post_attention_layernorm.weight"], self.config.rms_norm_eps)
-        return distinct(self.router(w, xn)[0])
+    def routed(self, w: Mapping[str, np.ndarray], h: np.ndarray, top_k: int) -> list[int]:
+        """The distinct experts among the top-k that the router of the layer whose tensors
+        are `w` picks for the residual stream `h` (normalised as its FFN input would be):
+        what the weight source may read early (`engine.weights.schedule`)."""
+        xn = rmsnorm(h, w["post_attention_layernorm.weight"], self.config.rms_norm_eps)
+        return distinct(self.router(w, xn, top_k)[0])
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         return to_f32(self.source.model_tensor("embed_tokens.weight")[ids]).astype(np.float32)
@@ -193,7 +177,7 @@ def load_model(checkpoint_dir: str | Path, source: WeightSource | None = None) -
         checkpoint_dir, index if isinstance(index, SafetensorsIndex) else None
     )
     if kernels.FUSED:
-        from engine.kernels import fused
+        from engine.kernels import fused  # numba is optional: only there when FUSED
 
         fused.warm_up()
     return Model(cfg, source or ResidentSource(checkpoint_dir, index=index))

@@ -10,11 +10,14 @@ Each chunk also carries a `k3` object with the engine's per-token statistics.
 Design:
 * The socket is bound first, then the model loads in a background thread; until it is
   ready every route but /health and /metrics answers 503 (/health with load progress).
+* A silent stream (a long prefill) gets an SSE comment every PING_SECONDS, and says so in
+  the PING_HEADER of its response: a client tells a stopped server from a slow one.
 * One generation at a time, in a worker thread (the event loop only moves bytes). A
   second request waits its turn (FIFO, `k3_requests_deferred`); more than
   `MAX_WAITING` waiting requests get 503. Closing the connection sets a cancel event that
   the generator checks between tokens and layers, so generation stops within one token.
-* Binding anything but loopback requires `--api-key`.
+* Binding anything but loopback requires `--api-key`. Several keys are several users:
+  a request resumes only the kept states its own key made (snapshots.py).
 * Hostile input is refused before it costs anything: a body over `--max-body-mb` gets 413
   (from Content-Length, or as soon as a chunked body passes it), a client that stalls
   sending its request head or body is closed after `--read-timeout` (a body dripped in
@@ -62,12 +65,25 @@ from engine.serve.protocol import (
     parse_chat_request,
     parse_json,
 )
-from engine.serve.worker import Job, Loaded, LoadProgress, Metrics, k3_record, load_engine, run_job
-from engine.text.chat_template import EFFORTS, ChatTemplate, TemplateError
+from engine.serve.snapshots import owner_of
+from engine.serve.worker import (
+    Job,
+    Loaded,
+    LoadProgress,
+    LoadSettings,
+    Metrics,
+    k3_record,
+    load_engine,
+    run_job,
+)
+from engine.text.chat_template import EFFORTS, ChatTemplate, Rendered, TemplateError
 
 MAX_WAITING = 8
 DEFAULT_CTX = 8192
-PING_SECONDS = 15.0
+PING_SECONDS = 15.0    # a silent stream gets an SSE comment this often (a long prefill)
+# Announces PING_SECONDS on every stream, so a client can tell a stopped server (no byte
+# for a few pings) from a slow one; a server that sends no such header promises nothing.
+PING_HEADER = "X-K3-Ping-Seconds"
 PUBLIC_PATHS = ("/health", "/v1/health")
 LOADING_PATHS = PUBLIC_PATHS + ("/metrics",)
 MAX_BODY_MB = 4.0      # a long conversation is well under 1 MB of JSON
@@ -75,6 +91,8 @@ READ_TIMEOUT = 10.0    # seconds a client may take for its request head, or stal
 # Past its first READ_TIMEOUT seconds a body must keep up this average rate: a client
 # dripping a byte now and then never stalls, but must not hold a connection for ever.
 MIN_BODY_RATE = 16 * 2**10  # bytes/s: a 4 MiB body may take READ_TIMEOUT + 256 s
+OWNER = "k3.owner"  # the scope key of the request's owner (snapshots.owner_of)
+STATE_GB = 16.0        # on disk: ~20 real-model conversations of a few thousand tokens
 SNAPSHOT_GB = 2.0      # real model: ~3 kept states of ~0.63 GB (KDA state) + their latent cache
 
 
@@ -93,8 +111,10 @@ def error_response(code: int, message: str, kind: str | None = None, *, close: b
 class Service:
     def __init__(self, *, model_name: str, steer_demo: bool, reasoning_budget: int,
                  api_keys: list[str], info: dict[str, Any] | None = None,
-                 max_body_mb: float = MAX_BODY_MB, read_timeout: float = READ_TIMEOUT) -> None:
+                 max_body_mb: float = MAX_BODY_MB, read_timeout: float = READ_TIMEOUT,
+                 ping_seconds: float = PING_SECONDS) -> None:
         self.model_name = model_name
+        self.ping_seconds = ping_seconds
         self.max_body_mb = max_body_mb
         self.read_timeout = read_timeout
         self.steer_demo = steer_demo
@@ -155,7 +175,9 @@ class Service:
                 return await app(scope, receive, send)
             path = scope.get("path", "")
             refusal = None
-            if self.api_keys and path not in PUBLIC_PATHS and not self._authorised(scope):
+            owner = self._owner(scope) if self.api_keys else ""
+            scope[OWNER] = owner
+            if owner is None and path not in PUBLIC_PATHS:
                 refusal = BadRequest("Invalid API Key", 401)
             elif self.loaded is None and path not in LOADING_PATHS:
                 refusal = BadRequest("Loading model", 503)
@@ -220,7 +242,9 @@ class Service:
             more = message.get("more_body", False)
         return b"".join(chunks)
 
-    def _authorised(self, scope: dict) -> bool:
+    def _owner(self, scope: dict) -> str | None:
+        """Whose the request is: the digest of the API key it carries (snapshots.owner_of),
+        None when it carries none of the server's keys."""
         headers = {
             k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])
         }
@@ -228,7 +252,9 @@ class Service:
         auth = headers.get("authorization", "")
         if auth.lower().startswith("bearer "):
             given = auth[7:].strip()
-        return any(hmac.compare_digest(given.encode(), k.encode()) for k in self.api_keys)
+        # every key compared, in constant time, so the time says nothing about which matched
+        matched = [k for k in self.api_keys if hmac.compare_digest(given.encode(), k.encode())]
+        return owner_of(matched[0]) if matched else None
 
     # -- routes -------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
@@ -291,7 +317,11 @@ class Service:
             "end_token_ids": list(self.template.end_ids()),
             "build_info": FINGERPRINT,
             "memory_plan": loaded.info.get("memory_plan"),
-            "prompt_reuse": loaded.info.get("prompt_reuse"),
+            "prompt_reuse": {
+                **(loaded.info.get("prompt_reuse") or {}),
+                "replies_not_round_trip": int(
+                    self.metrics.values["replies_not_round_trip_total"]),
+            },
             "budget_gb": loaded.budget_gb,
             "load_seconds": self.metrics.values["load_seconds"],
             "is_sleeping": False,
@@ -304,16 +334,13 @@ class Service:
         raw = await request.body()
         return await run_in_threadpool(lambda: then(parse_json(raw)))
 
-    def _prompt(self, body: Any) -> tuple[ChatRequest, list[int]]:
-        """The request and its prompt ids (worker thread: tokenising takes seconds for a
-        megabyte)."""
+    def _prompt(self, body: Any) -> tuple[ChatRequest, Rendered]:
+        """The request and its prompt, rendered from the request alone (worker thread:
+        tokenising takes seconds for a megabyte)."""
         req = parse_chat_request(body, self.reasoning_budget)
         try:
-            kept = self.loaded.snapshots if self.loaded is not None else None
-            return req, self.template.render(
-                req.messages, thinking=req.thinking, effort=req.effort,
-                replies=kept.replies() if kept is not None else None,
-            )
+            return req, self.template.render_full(req.messages, thinking=req.thinking,
+                                                  effort=req.effort)
         except TemplateError as exc:
             raise BadRequest(str(exc)) from exc
 
@@ -348,7 +375,7 @@ class Service:
         """The XTML prompt a chat request would be given, as text (llama-server's route)."""
 
         def as_text(body: Any) -> dict[str, Any]:
-            ids = self._prompt(body)[1]
+            ids = self._prompt(body)[1].ids
             return {"prompt": self.loaded.tok.decode(ids), "n_tokens": len(ids)}
 
         try:
@@ -358,8 +385,10 @@ class Service:
 
     async def chat(self, request: Request) -> Response:
         loaded, template = self.loaded, self.template
+        owner = request.scope[OWNER]
         try:
-            req, prompt = await self._json(request, self._prompt)
+            req, rendered = await self._json(request, self._prompt)
+            prompt = rendered.ids
             if len(prompt) >= loaded.n_ctx:
                 raise BadRequest(
                     f"request ({len(prompt)} tokens) exceeds the available context size "
@@ -371,7 +400,8 @@ class Service:
         except BadRequest as exc:
             return error_response(exc.code, str(exc), exc.kind, **exc.extra)
         room = loaded.n_ctx - len(prompt)
-        job = Job(req, prompt, max_new=min(req.max_tokens or room, room))
+        job = Job(req, prompt, max_new=min(req.max_tokens or room, room), owner=owner,
+                  reply_ends=rendered.reply_ends, partial=rendered.partial)
 
         if self.waiting >= MAX_WAITING:
             return error_response(
@@ -415,7 +445,7 @@ class Service:
             lambda last: self._final_k3(job, last),
         )
         if req.stream:
-            return EventStream(self._sse(answer, queue), job.cancel)
+            return EventStream(self._sse(answer, queue), job.cancel, self.ping_seconds)
         return await self._collect(job, answer, queue, request)
 
     async def _acquire(self, request: Request) -> bool:
@@ -446,10 +476,10 @@ class Service:
 
     async def _sse(self, answer: Answer, queue: asyncio.Queue) -> AsyncIterator[str]:
         first = k3_record(None, self.loaded.budget_gb).k3()
-        yield answer.ids.sse({"role": "assistant", "content": None}, k3=first)
+        yield answer.ids.sse({"role": "assistant", "content": None}, k3=answer.k3(first))
         while True:
             try:
-                event = await asyncio.wait_for(queue.get(), timeout=PING_SECONDS)
+                event = await asyncio.wait_for(queue.get(), timeout=self.ping_seconds)
             except TimeoutError:
                 yield ":\n\n"  # keep-alive comment while a long prefill runs
                 continue
@@ -491,12 +521,14 @@ class EventStream(StreamingResponse):
     """SSE body that watches for the client going away while it streams, and then sets
     the generation's cancel event at once (not only at the next write)."""
 
-    def __init__(self, chunks: AsyncIterator[str], cancel: threading.Event) -> None:
+    def __init__(self, chunks: AsyncIterator[str], cancel: threading.Event,
+                 ping_seconds: float) -> None:
         super().__init__(
             chunks,
             status_code=200,
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                     PING_HEADER: f"{ping_seconds:g}"},
         )
         self.chunks, self.cancel = chunks, cancel
 
@@ -600,8 +632,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="GB of conversation states kept between turns, so a follow-up prefills only "
         f"what is new (0 = off; default {SNAPSHOT_GB:g}; the memory plan counts it)",
     )
+    parser.add_argument(
+        "--state-dir",
+        default=None,
+        metavar="DIR",
+        help="folder where conversation states are also kept on disk, so a restarted server "
+        "resumes them (0700, files 0600; default: none, states end with the process)",
+    )
+    parser.add_argument(
+        "--state-gb",
+        type=float,
+        default=STATE_GB,
+        metavar="X",
+        help=f"GB the state folder may hold, least recently used out (default {STATE_GB:g})",
+    )
     parser.add_argument("--debug-load-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--debug-token-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    # tests: mid-answer checkpoints every N tokens, and a generation that stops after N tokens
+    # (as if the server were killed there)
+    parser.add_argument("--debug-checkpoint-every", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--debug-hang-after", type=int, default=0, help=argparse.SUPPRESS)
+    # tests: pings often enough that a client's stall window is short
+    parser.add_argument("--debug-ping-seconds", type=float, default=PING_SECONDS,
+                        help=argparse.SUPPRESS)
     from engine.weights.planner import add_memory_arguments
 
     add_memory_arguments(parser)
@@ -683,6 +736,8 @@ def main(args: argparse.Namespace) -> int:
         return _fail("--ctx-size must be at least 16 tokens", 2)
     if not (0 < args.max_body_mb < 2**20 and 0 < args.read_timeout < 86400):
         return _fail("--max-body-mb and --read-timeout must be positive numbers", 2)
+    if not 0 < args.debug_ping_seconds <= 3600:
+        return _fail("--debug-ping-seconds must be from 0 to 3600 seconds", 2)
     try:
         sock = socket.create_server(
             (args.host.strip("[]"), args.port),
@@ -704,6 +759,7 @@ def main(args: argparse.Namespace) -> int:
         api_keys=api_keys,
         max_body_mb=args.max_body_mb,
         read_timeout=args.read_timeout,
+        ping_seconds=args.debug_ping_seconds,
     )
 
     import uvicorn
@@ -734,7 +790,8 @@ def main(args: argparse.Namespace) -> int:
             if args.debug_load_delay:
                 service.progress.phase = "debug-delay"
                 time.sleep(args.debug_load_delay)
-            loaded = load_engine(checkpoint, tok_dir, args, service.progress, args.ctx_size)
+            settings = LoadSettings.from_args(args)
+            loaded = load_engine(checkpoint, tok_dir, settings, service.progress, args.ctx_size)
             service.set_loaded(loaded)
             print(
                 f"model ready in {service.metrics.values['load_seconds']:.1f} s",

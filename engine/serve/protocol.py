@@ -303,31 +303,43 @@ class Answer:
     last: TokenStats | None = None  # the latest token's statistics
     reasoning: list[str] = field(default_factory=list)
     content: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # generated, not yet in a chunk (SSE)
+
+    def k3(self, k3: dict[str, Any] | None) -> dict[str, Any]:
+        """A chunk's `k3`, with the ids generated since the previous chunk."""
+        ids, self.token_ids = self.token_ids, []
+        return {**(k3 or {}), "token_ids": ids}
 
 
 @dataclass(frozen=True)
 class Token:
-    """New text of a token (either part may be empty; `stats` None for the held-back tail)."""
+    """New text of a token (either part may be empty; `stats` None for the held-back tail)
+    and its id (none for the tail). Every id reaches the client, in order, in the `k3`
+    of the next chunk written, text or not (the final chunk has the last ones)."""
 
     stats: TokenStats | None
     reasoning: str
     content: str
+    ids: tuple[int, ...] = ()
     ends = False
 
     def sse(self, a: Answer) -> str:
         a.last = self.stats or a.last
-        extra: dict[str, Any] = {"k3": a.last.k3() if a.last else None}
-        if a.req.timings_per_token:
-            extra["timings"] = a.timings()
-        out = a.ids.sse({"reasoning_content": self.reasoning}, **extra) if self.reasoning else ""
-        if self.content:
-            out += a.ids.sse({"content": self.content}, **extra)
+        a.token_ids += self.ids
+        out = ""
+        for key, text in (("reasoning_content", self.reasoning), ("content", self.content)):
+            if text:
+                extra: dict[str, Any] = {"k3": a.k3(a.last.k3() if a.last else None)}
+                if a.req.timings_per_token:
+                    extra["timings"] = a.timings()
+                out += a.ids.sse({key: text}, **extra)
         return out
 
     def collect(self, a: Answer) -> None:
         a.last = self.stats or a.last
         a.reasoning.append(self.reasoning)
         a.content.append(self.content)
+        a.token_ids += self.ids
 
 
 @dataclass(frozen=True)
@@ -338,12 +350,12 @@ class End:
     ends = True
 
     def sse(self, a: Answer) -> str:
-        final: dict[str, Any] = {"k3": a.final_k3(a.last)}
+        final: dict[str, Any] = {"k3": a.k3(a.final_k3(a.last))}
         if not a.req.include_usage or a.req.timings_per_token:
             final["timings"] = a.timings()
         out = a.ids.sse({}, finish_reason=self.finish, **final)
         if a.req.include_usage:
-            out += a.ids.sse(None, usage=a.usage(), timings=a.timings(), k3=final["k3"])
+            out += a.ids.sse(None, usage=a.usage(), timings=a.timings(), k3=a.k3(final["k3"]))
         return out + "data: [DONE]\n\n"
 
     def collect(self, a: Answer) -> tuple[int, dict[str, Any]]:
@@ -355,7 +367,7 @@ class End:
             choices=[{"finish_reason": self.finish, "index": 0, "message": message}],
             usage=a.usage(),
             timings=a.timings(),
-            k3=a.final_k3(a.last),
+            k3={**a.final_k3(a.last), "token_ids": a.token_ids},
         )
         return 200, body
 

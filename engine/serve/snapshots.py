@@ -2,45 +2,55 @@
 
 Every chat request carries the whole conversation, so the next turn's prompt ids start
 with the ids of the previous prompt and reply. The worker keeps the model state right
-after each prompt and right after each reply (ids as generated, not re-tokenised text);
-a new request resumes from the longest kept state whose ids are a prefix of its prompt and
-prefills only the rest. Least recently used states go first when the budget is full.
+after each prompt, right after each reply (the ids as generated), and at the end of the
+last earlier reply in a prompt (the ids its text renders to); a new request resumes from
+the longest kept state whose ids are a prefix of its prompt and prefills only the rest.
+Least recently used states go first when the budget is full.
 
-A client sends earlier replies back as text, and encoding that text again may split it
-into other ids than the model generated; so the store also remembers each reply's ids by
-the shape of its text, and the template renders a history turn that matches as those ids.
+What is kept only makes an answer faster, never different: the prompt is rendered from
+the request alone. A reply whose text does not encode back to the ids the model generated
+(a `\\xNN` escape of bytes that formed no character, a split BPE would not make) misses
+its generated end state; the next turn resumes after the prompt before it and prefills the
+reply once, and the state kept at its rendered end serves every turn after.
+
+States belong to their owner, the API key of the request that made them (by
+`owner_of`, a digest: the key itself is never kept): a request only ever resumes its own
+key's states, so another key's prompt is as cold as on a fresh server (cache_n 0, the
+same answer) and a guess at it learns nothing. The budget is shared: one key's states can
+push another's out, which says that the other key is busy, not what it sent.
+
+With a state folder (engine/serve/durable.py) every kept state is also written to disk
+before the answer that made it goes on, and a request resumes from disk when the folder
+holds a longer prefix than memory: a restarted server resumes where the last one stopped.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict
 
 from engine.model.state import ModelState
-from engine.text.chat_template import ReplyKey
+from engine.serve.durable import StateDir
 
-MAX_REPLIES = 64  # generated replies remembered by their text (a few kB each)
+OWNER_DOMAIN = b"k3-engine kept-state owner\0"
+
+
+def owner_of(api_key: str | None) -> str:
+    """The owner of what a request with `api_key` keeps: "" without a key (one user), else
+    a digest of the key, stable across restarts so kept states on disk can stay owned."""
+    if not api_key:
+        return ""
+    return hashlib.sha256(OWNER_DOMAIN + api_key.encode()).hexdigest()
 
 
 class SnapshotStore:
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, disk: StateDir | None = None):
         self.budget = max(0, int(budget_bytes))
-        self._kept: OrderedDict[tuple[int, ...], ModelState] = OrderedDict()  # oldest first
+        self.disk = disk
+        # (owner, ids) -> state, least recently used first, all owners in one order
+        self._kept: OrderedDict[tuple[str, tuple[int, ...]], ModelState] = OrderedDict()
         self._lock = threading.Lock()
-        self._replies: OrderedDict[ReplyKey, tuple[int, ...]] = OrderedDict()
-
-    def remember_reply(self, key: ReplyKey, ids: tuple[int, ...]) -> None:
-        if not ids:
-            return
-        with self._lock:
-            self._replies.pop(key, None)
-            self._replies[key] = ids
-            while len(self._replies) > MAX_REPLIES:
-                self._replies.popitem(last=False)
-
-    def replies(self) -> dict[ReplyKey, tuple[int, ...]]:
-        with self._lock:
-            return dict(self._replies)
 
     @property
     def used_bytes(self) -> int:
@@ -49,13 +59,25 @@ class SnapshotStore:
     def __len__(self) -> int:
         return len(self._kept)
 
-    def put(self, state: ModelState) -> bool:
-        """Keep `state` (the store owns it from now on); evict the least recently used
-        ones to make room. False when it alone is larger than the budget."""
-        size = state.nbytes()
-        if not state.ids or size > self.budget:
+    def put(self, state: ModelState, *, owner: str = "") -> bool:
+        """Keep `state` for `owner` (the store owns it from now on), in memory when it fits
+        the budget (the least recently used go to make room) and in the state folder.
+        False when it was kept nowhere."""
+        if not state.ids:
             return False
-        key = tuple(state.ids)
+        key = (owner, tuple(state.ids))
+        kept = self._remember(key, state)
+        if self.disk is not None:
+            if self.disk.has(*key):
+                self.disk.touch(*key)
+                kept = True
+            else:
+                kept = self.disk.save(state, owner) or kept
+        return kept
+
+    def _remember(self, key: tuple[str, tuple[int, ...]], state: ModelState) -> bool:
+        if state.nbytes() > self.budget:
+            return False
         with self._lock:
             self._kept.pop(key, None)
             self._kept[key] = state
@@ -63,18 +85,35 @@ class SnapshotStore:
                 self._kept.popitem(last=False)
         return True
 
-    def take(self, prompt_ids: list[int]) -> ModelState | None:
-        """A copy of the kept state covering the longest prefix of `prompt_ids` (all of
-        them only if it kept the logits to sample from), marked recently used; the kept
-        one is never handed out, so whatever the caller does to the copy leaves it intact."""
-        best: tuple[int, ...] | None = None
+    def drop(self, ids: list[int], *, owner: str = "") -> None:
+        """Forget `owner`'s state for exactly `ids` (a superseded mid-answer checkpoint)."""
+        key = (owner, tuple(ids))
+        with self._lock:
+            self._kept.pop(key, None)
+        if self.disk is not None:
+            self.disk.drop(*key)
+
+    def take(self, prompt_ids: list[int], *, owner: str = "") -> ModelState | None:
+        """A copy of `owner`'s kept state covering the longest prefix of `prompt_ids` (all
+        of them only if it kept the logits to sample from), marked recently used; the kept
+        one is never handed out, so whatever the caller does to the copy leaves it intact.
+        From the state folder when it holds a longer one than memory (checked as read; a
+        refused file falls back to what memory has)."""
+        best: tuple[str, tuple[int, ...]] | None = None
         with self._lock:
             for key, state in self._kept.items():
-                n = len(key)
+                who, ids = key
+                n = len(ids)
                 fits = n < len(prompt_ids) or (n == len(prompt_ids) and state.logits is not None)
-                if fits and (best is None or n > len(best)) and list(key) == prompt_ids[:n]:
+                if (who == owner and fits and (best is None or n > len(best[1]))
+                        and list(ids) == prompt_ids[:n]):
                     best = key
-            if best is None:
-                return None
-            self._kept.move_to_end(best)
-            return self._kept[best].snapshot()
+            if best is not None:
+                self._kept.move_to_end(best)
+                found = self._kept[best].snapshot()
+        if self.disk is not None:
+            ids = self.disk.best(prompt_ids, owner, len(best[1]) if best else 0)
+            state = self.disk.load(owner, ids) if ids is not None else None
+            if state is not None:  # kept in memory too when it fits, handed out as a copy
+                return state.snapshot() if self._remember((owner, ids), state) else state
+        return found if best is not None else None

@@ -26,16 +26,20 @@ import psutil
 from engine.decode.stats import TokenStats
 from engine.decode.steer import NEG, DemoSteer, Forced, think_to_response
 from engine.errors import EngineError
+from engine.serve.durable import StateDir, checkpoint_fingerprint
 from engine.serve.protocol import ChatRequest, End, Event, Failed, Stopped, Token
 from engine.serve.snapshots import SnapshotStore
 from engine.text.chat_template import ChatTemplate, OutputParser
 from engine.text.tokenizer import Tokenizer
+from engine.weights.planner import MemorySettings
 
 
 @dataclass
 class Loaded:
-    """The model side: `generate(prompt_ids, params, cancel, logits_hook)` yields
-    engine.generate.GenToken-like objects (`id, seconds, index, prefill_seconds, stats`)."""
+    """The model side: `generate(prompt_ids, params, cancel, logits_hook, owner, keep_at)`
+    yields engine.generate.GenToken-like objects (`id, seconds, index, prefill_seconds,
+    stats`), resuming and keeping states of `owner` only (engine/serve/snapshots.py), also
+    at the prompt positions `keep_at`."""
 
     tok: Tokenizer
     generate: Callable[..., Iterator[Any]]
@@ -90,6 +94,8 @@ class Metrics:
         "requests_failed_total": "generations that ended with an error",
         "prompt_tokens_total": "prompt tokens prefilled",
         "prompt_tokens_reused_total": "prompt tokens resumed from a kept conversation state",
+        "replies_not_round_trip_total": "replies whose text renders to other ids than the "
+        "model generated (the next turn prefills them again)",
         "prompt_seconds_total": "seconds spent in prefill",
         "tokens_predicted_total": "tokens generated (reasoning included)",
         "tokens_predicted_seconds_total": "seconds spent generating tokens",
@@ -162,6 +168,9 @@ class Job:
     req: ChatRequest
     prompt_ids: list[int]
     max_new: int
+    owner: str = ""  # whose kept states it may resume and keeps (snapshots.owner_of)
+    reply_ends: tuple[int, ...] = ()  # where earlier replies end in the prompt (kept there)
+    partial: list[int] | None = None  # a partial answer's ids so far, which this continues
     cancel: threading.Event = field(default_factory=threading.Event)
     # filled by the worker
     completion_tokens: int = 0
@@ -171,6 +180,8 @@ class Job:
     content_chars: int = 0
     finish: str | None = None
     generated: list[int] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)  # the text sent, as the client got it
+    content: list[str] = field(default_factory=list)
     cache_n: int = 0  # prompt ids resumed from a kept state (llama-server's cache_n)
     gb_read_prefill: float | None = None
 
@@ -251,34 +262,47 @@ class _Text:
         )
 
 
-def _logits_hook(
-    job: Job, tok: Tokenizer, parser: OutputParser, end_ids: list[int], steer_demo: bool
-) -> Callable:
+class _Hook:
     """What the worker does to each step's logits: forced tokens first (the reasoning
-    budget's close-think), `ignore_eos`, then the demo steering."""
-    req = job.req
-    forced = Forced()
-    steer = DemoSteer(tok, parser, forced, seed=req.seed) if steer_demo else None
-    budget = req.reasoning_budget
+    budget's close-think), `ignore_eos`, then the demo steering. Its choices depend only on
+    the request, the position in the answer and the ids before it, so a continued answer
+    (`job.partial`) primes it with the ids so far (`prime`) and goes on as the
+    uninterrupted run did, also when the cut fell inside a forced tag."""
 
-    def hook(generated, logits):
-        f = forced.take(logits)
+    def __init__(self, job: Job, tok: Tokenizer, parser: OutputParser, end_ids: list[int],
+                 steer_demo: bool):
+        self.req, self.tok, self.parser, self.end_ids = job.req, tok, parser, end_ids
+        self.forced = Forced()
+        self.steer = DemoSteer(tok, parser, self.forced, seed=job.req.seed) if steer_demo else None
+        self.offset = len(job.partial or ())
+
+    def __call__(self, generated, logits):
+        return self._decide(self.offset + len(generated), logits)
+
+    def prime(self, ids: list[int]) -> None:
+        """Walk the answer so far as the uninterrupted run did (`parser` fed alongside)."""
+        dummy = np.zeros(self.tok.vocab_size, np.float32)
+        for position, i in enumerate(ids):
+            self._decide(position, dummy, given=int(i))
+            self.parser.feed(int(i))
+
+    def _decide(self, position: int, logits: np.ndarray, given: int | None = None):
+        f = self.forced.take(logits)
         if f is not None:
             return f
-        if req.ignore_eos:  # llama-server's knob: keep generating to max_tokens
+        if self.req.ignore_eos:  # llama-server's knob: keep generating to max_tokens
             logits = logits.copy()
-            logits[end_ids] = NEG
+            logits[self.end_ids] = NEG
+        budget, parser = self.req.reasoning_budget, self.parser
         if (
             budget >= 0
             and parser.in_reasoning
             and not parser.in_tag
             and parser.reasoning_tokens >= budget
         ):
-            forced.push(think_to_response(tok))
-            return forced.take(logits)
-        return steer(generated, logits) if steer else logits
-
-    return hook
+            self.forced.push(think_to_response(self.tok))
+            return self.forced.take(logits)
+        return self.steer(position, logits, given) if self.steer else logits
 
 
 def _count(job: Job, t: Any, loaded: Loaded, metrics: Metrics) -> TokenStats:
@@ -327,8 +351,8 @@ def _decode(
         reasoning, content, hit = text.feed(int(t.id))
         if was_reasoning:
             job.reasoning_tokens += 1
-        job.content_chars += len(content)
-        emit(Token(k3, reasoning, content))
+        _sent(job, reasoning, content)
+        emit(Token(k3, reasoning, content, (int(t.id),)))
         if text.parser.done or hit:
             finish = "stop"
             break
@@ -338,9 +362,15 @@ def _decode(
         return "cancelled"
     reasoning, content = text.flush()
     if reasoning or content:
-        job.content_chars += len(content)
+        _sent(job, reasoning, content)
         emit(Token(None, reasoning, content))
     return finish
+
+
+def _sent(job: Job, reasoning: str, content: str) -> None:
+    job.reasoning.append(reasoning)
+    job.content.append(content)
+    job.content_chars += len(content)
 
 
 def run_job(
@@ -355,7 +385,8 @@ def run_job(
     Runs in a worker thread."""
     text = _Text(template, job.req)
     end_ids = list(template.end_ids())
-    hook = _logits_hook(job, loaded.tok, text.parser, end_ids, steer_demo)
+    hook = _Hook(job, loaded.tok, text.parser, end_ids, steer_demo)
+    hook.prime(job.partial or [])  # where the answer so far left parser and hook; no text again
     metrics.set("requests_processing", 1)
     gen = None
     try:
@@ -368,7 +399,8 @@ def run_job(
             seed=req.seed,
             stop_ids=tuple(end_ids),
         )
-        gen = loaded.generate(job.prompt_ids, params, cancel=job.cancel, logits_hook=hook)
+        gen = loaded.generate(job.prompt_ids, params, cancel=job.cancel, logits_hook=hook,
+                              owner=job.owner, keep_at=job.reply_ends[-1:])
         job.finish = _decode(job, gen, text, loaded, metrics, emit)
         # Closed before the client hears the end: closing keeps the reply's state, and a
         # streamed response that ends sets the cancel, which keeps nothing.
@@ -377,9 +409,10 @@ def run_job(
             metrics.add("requests_cancelled_total")
             emit(Stopped())
         else:
-            if loaded.snapshots is not None:  # its next turn renders this reply as these ids
-                cut_in = text.parser.channel if job.finish == "length" else ""
-                loaded.snapshots.remember_reply(*template.reply(job.generated, cut_in))
+            reply = "".join(job.reasoning), "".join(job.content)
+            if job.partial is None and not template.round_trips(
+                    job.generated, *reply, thinking=job.req.thinking):
+                metrics.add("replies_not_round_trip_total")
             emit(End(job.finish))
     except Exception as exc:  # noqa: BLE001 - reported to the client as an error chunk
         if job.cancel.is_set():
@@ -408,10 +441,28 @@ def _close(gen: Any) -> None:
             pass
 
 
+@dataclass(frozen=True)
+class LoadSettings:
+    """What loading the engine takes from serve's command line, read once (`from_args`)."""
+
+    memory: MemorySettings  # the memory flags, and --snapshot-gb which the plan counts
+    debug_token_delay: float = 0.0  # tests: seconds slept after each token
+    state_dir: str = ""  # --state-dir: kept states also on disk ("" = in memory only)
+    state_gb: float = 0.0  # --state-gb: the state folder's disk budget
+    debug_checkpoint_every: int = 0  # tests: a mid-answer checkpoint every N tokens
+    debug_hang_after: int = 0  # tests: hold the answer after this many tokens
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> LoadSettings:
+        return cls(MemorySettings.from_args(args, snapshot_gb=args.snapshot_gb),
+                   args.debug_token_delay, args.state_dir or "", args.state_gb,
+                   args.debug_checkpoint_every, args.debug_hang_after)
+
+
 def load_engine(
     checkpoint: Path,
     tokenizer_dir: Path,
-    args: argparse.Namespace,
+    settings: LoadSettings,
     progress: LoadProgress,
     n_ctx: int,
 ) -> Loaded:
@@ -424,8 +475,7 @@ def load_engine(
     progress.checkpoint_bytes = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
     tok = Tokenizer.from_dir(tokenizer_dir)
     progress.phase = "weights"
-    args.context_tokens = n_ctx
-    source = open_source(checkpoint, args)
+    source = open_source(checkpoint, settings.memory, context=n_ctx)
     progress.phase = "model"
     model = load_model(checkpoint, source)
     source.warm()  # the pinned layers and tables now, not in the first request's time
@@ -447,19 +497,46 @@ def load_engine(
     )
     max_pos = getattr(cfg, "max_position_embeddings", None) or n_ctx
 
-    delay = getattr(args, "debug_token_delay", 0.0)
-    snapshots, note = _snapshot_store(model, getattr(args, "snapshot_gb", 0.0) or 0.0, n_ctx)
+    delay = settings.debug_token_delay
+    disk, disk_note = _state_dir(model, checkpoint, settings, n_ctx)
+    snapshots, note = _snapshot_store(model, settings.memory.snapshot_gb, n_ctx, disk)
 
-    def gen(prompt_ids, params, cancel=None, logits_hook=None):
-        resume = snapshots.take(prompt_ids) if snapshots is not None else None
-        keep = snapshots.put if snapshots is not None else None
+    every = settings.debug_checkpoint_every
+    hang = settings.debug_hang_after
+
+    def gen(prompt_ids, params, cancel=None, logits_hook=None, owner="", keep_at=()):
+        resume = snapshots.take(prompt_ids, owner=owner) if snapshots is not None else None
+        mids: list[list[int]] = []  # this answer's mid-answer checkpoints, the last two kept
+        kept: list[list[int]] = []  # the ids of the states kept by `keep`
+
+        def keep(state):
+            kept.append(list(state.ids))
+            snapshots.put(state, owner=owner)
+
+        def checkpoint(state):
+            if snapshots.put(state, owner=owner):
+                mids.append(list(state.ids))
+                while len(mids) > 2:  # two: the client may be a token behind the newest
+                    snapshots.drop(mids.pop(0), owner=owner)
+
         run = generate(model, prompt_ids, params, cancel=cancel, logits_hook=logits_hook,
-                       resume=resume, keep=keep)
-        with contextlib.closing(run):  # closed now, not when collected: it keeps the state
-            for token in run:
-                if delay:  # tests: a reply slow enough to stop or kill half-way on any machine
-                    time.sleep(delay)
-                yield token
+                       resume=resume, keep=keep if snapshots is not None else None,
+                       keep_at=keep_at,
+                       checkpoint=checkpoint if snapshots is not None else None,
+                       checkpoint_every=every)
+        try:
+            with contextlib.closing(run):  # closed now, not when collected: it keeps the state
+                for token in run:
+                    if delay:  # tests: a reply slow enough to stop or kill half-way
+                        time.sleep(delay)
+                    yield token
+                    if hang and token.index + 1 >= hang and cancel is not None:
+                        cancel.wait()  # tests: a server killed at a known token
+        finally:
+            if not (cancel is not None and cancel.is_set()):
+                for ids in mids:  # the answer ended and its end state is kept (which may
+                    if ids not in kept[-1:]:  # be the last checkpoint's ids: not dropped)
+                        snapshots.drop(ids, owner=owner)
 
     return Loaded(
         tok=tok,
@@ -474,6 +551,9 @@ def load_engine(
                 "on": snapshots is not None,
                 "snapshot_gb": snapshots.budget / 1e9 if snapshots is not None else 0.0,
                 "note": note,
+                "state_dir": str(disk.root) if disk is not None else None,
+                "state_gb": disk.budget / 1e9 if disk is not None else 0.0,
+                "state_note": disk_note,
             },
         },
         budget_gb=budget,
@@ -482,14 +562,18 @@ def load_engine(
     )
 
 
-def _snapshot_store(model: Any, snapshot_gb: float, n_ctx: int) -> tuple[SnapshotStore | None, str]:
-    """The kept conversation states under `--snapshot-gb`, or None (reuse off) when the
-    budget cannot hold the state of even an empty conversation; and a sentence saying so."""
+def _snapshot_store(model: Any, snapshot_gb: float, n_ctx: int, disk: StateDir | None = None
+                    ) -> tuple[SnapshotStore | None, str]:
+    """The kept conversation states under `--snapshot-gb` (and in the state folder), or None
+    (reuse off) when neither can hold the state of even an empty conversation; and a
+    sentence saying so."""
     empty = model.new_state()
     empty.logits = np.zeros(model.config.vocab_size, np.float32)
     smallest = empty.nbytes()
     budget = int(max(snapshot_gb, 0.0) * 1e9)
     if budget < smallest:
+        if disk is not None:
+            return SnapshotStore(0, disk), "keeps conversation states in the state folder only"
         return None, (
             f"prompt reuse is off: --snapshot-gb {snapshot_gb:g} cannot hold one conversation "
             f"state ({smallest / 1e9:.3g} GB before its latent cache), so every turn is "
@@ -498,11 +582,34 @@ def _snapshot_store(model: Any, snapshot_gb: float, n_ctx: int) -> tuple[Snapsho
     cfg = model.config
     per_token = sum(cfg.mla_latent_width * 4 for i in range(cfg.num_hidden_layers) if cfg.is_mla(i))
     full = smallest + per_token * n_ctx
-    return SnapshotStore(budget), (
+    return SnapshotStore(budget, disk), (
         f"keeps up to {budget // smallest} conversation states "
         f"({budget // full} at the full {n_ctx}-token context) in {budget / 1e9:.3g} GB, "
         "least recently used dropped first"
     )
+
+
+def _state_dir(model: Any, checkpoint: Path, settings: LoadSettings, n_ctx: int
+               ) -> tuple[StateDir | None, str]:
+    """The state folder of `--state-dir` under `--state-gb`, or None and why not."""
+    where = settings.state_dir
+    if not where:
+        return None, "no state folder (--state-dir): kept states end with the process"
+    gb = settings.state_gb
+    if gb <= 0:
+        return None, "--state-gb 0: kept states end with the process"
+    fingerprint = checkpoint_fingerprint(checkpoint)
+    if fingerprint is None:
+        return None, ("the checkpoint has no fingerprint (its trunk layout cannot be "
+                      "packed), so states are not kept on disk")
+    try:
+        disk = StateDir(Path(where).expanduser().absolute(), int(gb * 1e9), fingerprint,
+                        model.new_state(), model.config.vocab_size, n_ctx)
+    except OSError as exc:
+        return None, (f"the state folder {where} cannot be used ({exc.strerror or exc}); "
+                      "states are not kept on disk: pass another --state-dir")
+    print(f"state folder: {disk.root}, up to {gb:g} GB", file=sys.stderr, flush=True)
+    return disk, f"states also kept in {disk.root} (up to {gb:g} GB, least recently used out)"
 
 
 def _jsonable(value: Any) -> Any:

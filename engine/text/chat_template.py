@@ -38,21 +38,33 @@ class Control:
 
 
 @dataclass(frozen=True)
-class Generated:
-    """An assistant turn's ids as the model generated them, used as they are: encoding the
-    same text again can split it differently, which would end the prefix a kept state
-    covers (engine/serve/snapshots.py)."""
-
-    ids: tuple[int, ...]
+class ReplyEnd:
+    """Where an assistant message's rendering ends (no id): the worker keeps the state
+    there, so a reply whose text does not encode back to the ids the model generated
+    costs the next turn only its own prefill, once."""
 
 
-Segment = Union[str, Control, Generated]
-# A reply's shape without ids: its text runs and control tokens, in order.
-ReplyKey = tuple[tuple[str, str], ...]
+@dataclass(frozen=True)
+class Opened:
+    """Where a partial assistant turn (the last message, `"partial": true`) opened: what
+    follows is the answer so far, which generation continues."""
 
 
-def _key(segments: Iterable[Segment]) -> ReplyKey:
-    return tuple(("c", s.name) if isinstance(s, Control) else ("t", s) for s in segments)
+@dataclass(frozen=True)
+class Given:
+    """An assistant turn's ids as the server sent them (`k3_token_ids`), rendered as they
+    are once `ChatTemplate` has checked that they parse to the message's text."""
+
+    ids: tuple[Any, ...]
+    reasoning: str
+    content: str
+    what: str
+    partial: bool
+    thinking: bool
+
+
+Segment = Union[str, Control, ReplyEnd, Opened, Given]
+MAX_GIVEN_IDS = 1 << 20  # k3_token_ids of one message (a longer one exceeds any context)
 
 
 def _attr(value: str) -> str:
@@ -105,17 +117,56 @@ def _text(value: Any, what: str) -> str:
     raise TemplateError(f"{what} content must be a string or a list of text parts")
 
 
+def _channels(reasoning: str, content: str, thinking: bool) -> list[Segment]:
+    """An assistant turn's channels: think (when thinking), then response."""
+    out: list[Segment] = []
+    if thinking:
+        out += _open("think") + ([reasoning] if reasoning.strip() else []) + _close("think")
+    return out + _open("response") + ([content] if content else []) + _close("response")
+
+
+def _assistant(msg: Mapping[str, Any], what: str, content: str,
+               attrs: Sequence[tuple[str, str]], thinking: bool,
+               last: bool) -> tuple[list[Segment], bool]:
+    """An assistant message: from its text, or from its `k3_token_ids`; whole, or (when
+    `"partial": true`, the last message only) opened and left open. And whether partial."""
+    partial = msg.get("partial", False)
+    if partial not in (True, False):
+        raise TemplateError(f"{what}: 'partial' must be true or false")
+    if partial and not last:
+        raise TemplateError(f"{what} is partial: only the last message may be")
+    reasoning = _text(msg.get("reasoning_content"), what)
+    given = msg.get("k3_token_ids")
+    out = _open("message", [("role", "assistant"), *attrs])
+    out += _open("think" if thinking else "response")
+    if partial:
+        out.append(Opened())
+    if given is not None:
+        if not isinstance(given, list) or len(given) > MAX_GIVEN_IDS:
+            raise TemplateError(
+                f"{what}: 'k3_token_ids' must be an array of at most {MAX_GIVEN_IDS} token ids")
+        out.append(Given(tuple(given), reasoning, content, what, partial, thinking))
+        if not partial:
+            out.append(Control(END_OF_MSG))  # the ids hold the rest of the closing
+    else:
+        rest = _channels(reasoning if thinking else "", content, thinking)[3:]
+        if partial and thinking and not content:  # still thinking, as far as it went
+            rest = [reasoning] if reasoning else []
+        elif partial:  # the response has begun
+            rest = rest[:-3]
+        out += rest if partial else rest + _CLOSING
+    return out + ([] if partial else [ReplyEnd()]), partial
+
+
 def render_segments(
     messages: Sequence[Mapping[str, Any]],
     *,
     thinking: bool = True,
     effort: str = "max",
     add_generation_prompt: bool = True,
-    replies: Mapping[ReplyKey, Sequence[int]] | None = None,
 ) -> list[Segment]:
-    """The conversation as text segments and control tokens, in order. An assistant turn
-    whose text is one of `replies` (what this model generated, by shape) is rendered
-    as those ids from the channel its generation prompt opened."""
+    """The conversation as text segments and control tokens, in order: a function of
+    the messages alone (earlier replies are rendered from their text)."""
     if thinking and effort not in EFFORTS:
         raise TemplateError(
             f"thinking effort {effort!r} is not supported by Kimi-K3; "
@@ -140,18 +191,11 @@ def render_segments(
             out += _message(role, body, attrs)
         elif role == "assistant":
             tool_index = 0
-            inner: list[Segment] = []
-            if thinking:
-                reasoning = _text(msg.get("reasoning_content"), what)
-                inner += (
-                    _open("think") + ([reasoning] if reasoning.strip() else []) + _close("think")
-                )
-            inner += _open("response") + body + _close("response")
-            turn = _message("assistant", inner, attrs)
-            opened = len(_open("message", [("role", role), *attrs])) + 3  # + the first channel
-            closing = len(turn) - len(_CLOSING)
-            known = (replies or {}).get(_key(turn[opened:closing]))
-            out += turn[:opened] + [Generated(tuple(known))] + turn[closing:] if known else turn
+            turn, partial = _assistant(msg, what, content, attrs, thinking,
+                                       last=n == len(messages) - 1)
+            out += turn
+            if partial:
+                return out
         elif role == "tool":
             tool_index += 1
             tool = msg.get("name") or msg.get("tool_name")
@@ -170,10 +214,21 @@ def render_segments(
 def segments_to_text(segments: Iterable[Segment]) -> str:
     """Readable XTML (diagnostics only; token ids come from `ChatTemplate.render`)."""
     return "".join(
-        s.name if isinstance(s, Control) else f"<{len(s.ids)} ids>" if isinstance(s, Generated)
+        s.name if isinstance(s, Control) else f"<{len(s.ids)} ids>" if isinstance(s, Given)
         else s
         for s in segments
+        if not isinstance(s, (ReplyEnd, Opened))
     )
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A prompt's ids, where each assistant message in it ends (ReplyEnd), and the ids of
+    a partial last answer so far (after its generation prompt), or None."""
+
+    ids: list[int]
+    reply_ends: tuple[int, ...] = ()
+    partial: list[int] | None = None
 
 
 class ChatTemplate:
@@ -181,78 +236,94 @@ class ChatTemplate:
         self.tok = tokenizer
         self.control_ids = {name: tokenizer.special(name) for name in CONTROL}
 
-    def render(
+    def render(self, messages: Sequence[Mapping[str, Any]], **kw: Any) -> list[int]:
+        return self.render_full(messages, **kw).ids
+
+    def render_full(
         self,
         messages: Sequence[Mapping[str, Any]],
         *,
         thinking: bool = True,
         effort: str = "max",
         add_generation_prompt: bool = True,
-        replies: Mapping[ReplyKey, Sequence[int]] | None = None,
-    ) -> list[int]:
+    ) -> Rendered:
         segments = render_segments(
             messages, thinking=thinking, effort=effort,
-            add_generation_prompt=add_generation_prompt, replies=replies,
+            add_generation_prompt=add_generation_prompt,
         )
+        return self._ids(segments)
+
+    def _ids(self, segments: Sequence[Segment]) -> Rendered:
         texts = [s for s in segments if isinstance(s, str)]
         encoded = iter(self.tok.encode_batch(texts))
         ids: list[int] = []
+        ends: list[int] = []
+        opened = None
         for s in segments:
             if isinstance(s, Control):
                 ids.append(self.control_ids[s.name])
-            elif isinstance(s, Generated):
-                ids += s.ids
+            elif isinstance(s, ReplyEnd):
+                ends.append(len(ids))
+            elif isinstance(s, Opened):
+                opened = len(ids)
+            elif isinstance(s, Given):
+                ids += self._given(s)
             else:
                 ids += next(encoded)
-        return ids
+        return Rendered(ids, tuple(ends), None if opened is None else ids[opened:])
 
-    def reply(self, ids: Sequence[int], cut_in: str = "") -> tuple[ReplyKey, tuple[int, ...]]:
-        """A generated reply as `render(replies=…)` takes it: the shape of its text (text
-        runs as the client got them, control tokens apart, so text that merely spells a
-        control token never matches one) and its ids, both without the end the template
-        renders for itself. `cut_in`: the channel the reply stopped in without closing it
-        (the token limit), whose closing tags the template renders after it."""
-        ends = set(self.end_ids())
-        ids = [int(i) for i in ids]
-        while ids and ids[-1] in ends:
+    def _given(self, g: Given) -> list[int]:
+        """A message's `k3_token_ids`, checked: token ids, no end id but the last, and parsed
+        as the server parsed them (the text streamed, or with the held-back tail) they give
+        exactly the message's reasoning_content and content. A whole message gets the
+        closing tags of the channel the ids stopped in (as the template renders a reply
+        the limit cut); a partial one is left open."""
+        vocab, ends = self.tok.vocab_size, set(self.end_ids())
+        ids = list(g.ids)
+        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab
+                   for i in ids):
+            raise TemplateError(f"{g.what}: 'k3_token_ids' must hold token ids from 0 to "
+                                f"{vocab - 1}")
+        body = ids[:-1] if ids and ids[-1] in ends and not g.partial else ids
+        if ends.intersection(body):
+            raise TemplateError(f"{g.what}: 'k3_token_ids' holds an end id before its last id"
+                                if not g.partial else
+                                f"{g.what} is partial but its 'k3_token_ids' end the message")
+        parser = self.parser(thinking=g.thinking)
+        streamed = ParsedDelta()
+        for i in body:
+            d = parser.feed(i)
+            streamed.reasoning += d.reasoning
+            streamed.content += d.content
+        channel = parser.channel
+        tail = parser.finish()
+        whole = (streamed.reasoning + tail.reasoning, streamed.content + tail.content)
+        if (g.reasoning, g.content) not in ((streamed.reasoning, streamed.content), whole):
+            raise TemplateError(
+                f"{g.what}: its 'k3_token_ids' do not give its reasoning_content and content; "
+                "send the ids the server sent for this message, or leave k3_token_ids out")
+        if g.partial:
+            return body
+        closed = [self.control_ids[CLOSE], *self.tok.encode("message"), self.control_ids[SEP]]
+        if body[-len(closed):] == closed:  # the model closed the message itself
+            return body
+        tail_segments = {"think": _close("think") + _open("response") + _close("response"),
+                         "response": _close("response")}.get(channel, [])
+        return body + self._ids(tail_segments + _close("message")).ids
+
+    def text_turn(self, reasoning: str, content: str, *, thinking: bool = True) -> list[int]:
+        """A reply as its next turn renders it from the text the client got: the ids after
+        the generation prompt (which opened the message and its first channel)."""
+        return self._ids(_channels(reasoning, content, thinking)[3:] + _CLOSING).ids
+
+    def round_trips(self, generated: Sequence[int], reasoning: str, content: str, *,
+                    thinking: bool = True) -> bool:
+        """Whether the reply's text renders back to the ids the model generated (all but an
+        end id, which is never fed), so that its kept end state serves the next turn."""
+        ids = [int(i) for i in generated]
+        if ids and ids[-1] in self.end_ids():
             ids.pop()
-        key = self._shape(ids)
-        if key[-3:] == _key(_close("message")):  # the model closed the message itself
-            close = self.control_ids[CLOSE]
-            ids, key = ids[: len(ids) - 1 - ids[::-1].index(close)], key[:-3]
-        tail = {"think": _close("think") + _open("response"), "response": []}.get(cut_in)
-        if tail is not None:
-            tail += _close("response")
-            ids += self._ids(tail)
-            key += _key(tail)
-        return key, tuple(ids)
-
-    def _ids(self, segments: Iterable[Segment]) -> list[int]:
-        out: list[int] = []
-        for s in segments:
-            out += [self.control_ids[s.name]] if isinstance(s, Control) else self.tok.encode(s)
-        return out
-
-    def _text(self, ids: Sequence[int]) -> str:
-        """Text as the output parser gives it to the client: invalid bytes and controls
-        escaped, stray special ids dropped."""
-        dec = self.tok.stream_decoder()
-        return "".join(dec.add(i) for i in ids if not self.tok.is_special(i)) + dec.flush()
-
-    def _shape(self, ids: Sequence[int]) -> ReplyKey:
-        names = {i: name for name, i in self.control_ids.items()}
-        parts: list[Segment] = []
-        run: list[int] = []
-        for i in [*ids, None]:
-            if i is None or i in names:
-                if run:
-                    parts.append(self._text(run))
-                    run = []
-                if i is not None:
-                    parts.append(Control(names[i]))
-            else:
-                run.append(int(i))
-        return _key(parts)
+        return self.text_turn(reasoning, content, thinking=thinking)[: len(ids)] == ids
 
     def parser(self, *, thinking: bool = True) -> OutputParser:
         return OutputParser(self.tok, thinking=thinking)
@@ -288,7 +359,9 @@ class OutputParser:
     The generation prompt already opened the think (or response) channel. Control tokens
     switch channels (`<|close|>think<|sep|><|open|>response<|sep|>`) and never appear in
     the text; either end id finishes the message. Text outside both channels (between
-    tags) counts as content so nothing the model writes is dropped silently."""
+    tags) counts as content so nothing the model writes is dropped silently. A tag is
+    held back until its `<|sep|>`: one that proves not to be a tag (another opens first,
+    or it runs past MAX_TAG_CHARS) is given back as text, one the end cuts is dropped."""
 
     tok: Tokenizer
     thinking: bool = True
@@ -376,10 +449,11 @@ class OutputParser:
             self._emit(out, i)
 
     def finish(self) -> ParsedDelta:
-        """Flush what is pending (a partial tag, an incomplete UTF-8 tail) at the end."""
+        """Flush an incomplete UTF-8 tail at the end. A tag still open (the token limit or
+        an end id cut it before its `<|sep|>`) is dropped: a control token and half a
+        tag name are not text the model wrote."""
         out = ParsedDelta()
-        if self._tag is not None:
-            self._tag_as_text(out)
+        self._tag = None
         for key in list(self._decoders):
             piece = self._decoders.pop(key).flush()
             if key == "think":

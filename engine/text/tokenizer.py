@@ -26,7 +26,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from engine.errors import CheckpointError
 from engine.jsonfile import load_json
-from engine.model.config import MAX_TOKEN_ID
+from engine.core.config import MAX_TOKEN_ID
 
 MAX_TOKENIZER_CONFIG = 64 << 20  # the release's (256 added tokens + chat template) is ~100 KB
 

@@ -24,7 +24,7 @@ from typing import Protocol
 import numpy as np
 
 from engine.errors import PlanError
-from engine.weights.io import aligned_buffer
+from engine.core.directio import aligned_buffer
 
 Key = Hashable
 

@@ -23,6 +23,7 @@ from typing import Any
 from engine.errors import PlanError
 from engine.weights.sysmem import MemoryFacts, read_memory_facts
 
+HEAD_CHUNK_BYTES = 64_000_000  # a streamed head's read buffer (tables.py); two are resident
 GB = 1e9
 # Per-preset (trunk GB, expert cache GB), as the peer's `--list-presets` for the real model.
 PRESETS: dict[str, tuple[float, float]] = {
@@ -114,8 +115,6 @@ class Plan:
         g = self.geometry
         if not self.stream_tables:
             return g.model_bytes
-        from engine.weights.tables import HEAD_CHUNK_BYTES
-
         return g.model_bytes - g.table_bytes + 2 * HEAD_CHUNK_BYTES
 
     def terms(self) -> dict[str, int]:
@@ -531,36 +530,45 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-MEMORY_FLAGS = ("budget_gb", "preset", "trunk_gb", "cache_gb", "trunk")
+@dataclass(frozen=True)
+class MemorySettings:
+    """The memory flags of `add_memory_arguments`, read once from the command line
+    (`from_args`); the library takes these, never the argparse namespace."""
 
+    budget_gb: float | None = None
+    preset: str | None = None
+    trunk_gb: float | None = None
+    cache_gb: float | None = None
+    trunk: str | None = None  # a packed trunk's folder
+    threads: int = 0  # reader threads; 0 = automatic
+    guess_experts: str = "auto"
+    snapshot_gb: float = 0.0  # serve's kept conversation states, counted by the plan
 
-def wants_streaming(args: argparse.Namespace) -> bool:
-    return any(getattr(args, k, None) is not None for k in MEMORY_FLAGS)
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, snapshot_gb: float = 0.0) -> MemorySettings:
+        """From a namespace parsed by a parser that `add_memory_arguments` filled."""
+        return cls(args.budget_gb, args.preset, args.trunk_gb, args.cache_gb, args.trunk,
+                   args.threads or 0, args.guess_experts or "auto", snapshot_gb or 0.0)
 
+    @property
+    def streams(self) -> bool:
+        """Any memory flag given: stream under a plan (else everything is resident)."""
+        return any(v is not None for v in
+                   (self.budget_gb, self.preset, self.trunk_gb, self.cache_gb, self.trunk))
 
-def plan_from_args(
-    geometry: Geometry, args: argparse.Namespace, context: int = DEFAULT_CONTEXT
-) -> Plan:
-    trunk_gb = getattr(args, "trunk_gb", None)
-    cache_gb = getattr(args, "cache_gb", None)
-    if (
-        getattr(args, "trunk", None)
-        and trunk_gb is None
-        and cache_gb is None
-        and getattr(args, "budget_gb", None) is None
-        and getattr(args, "preset", None) is None
-    ):
-        preset = "auto"  # --trunk alone: stream under what the machine can give
-    else:
-        preset = getattr(args, "preset", None)
-    return make_plan(
-        geometry,
-        budget_gb=getattr(args, "budget_gb", None),
-        preset=preset,
-        trunk_gb=trunk_gb,
-        cache_gb=cache_gb,
-        threads=getattr(args, "threads", 0) or 0,
-        context=context,
-        guess_experts=getattr(args, "guess_experts", "auto") or "auto",
-        snapshot_gb=getattr(args, "snapshot_gb", None) or 0.0,
-    )
+    def plan(self, geometry: Geometry, context: int = DEFAULT_CONTEXT) -> Plan:
+        preset = self.preset
+        if self.trunk and preset is None and self.budget_gb is None \
+                and self.trunk_gb is None and self.cache_gb is None:
+            preset = "auto"  # --trunk alone: stream under what the machine can give
+        return make_plan(
+            geometry,
+            budget_gb=self.budget_gb,
+            preset=preset,
+            trunk_gb=self.trunk_gb,
+            cache_gb=self.cache_gb,
+            threads=self.threads,
+            context=context,
+            guess_experts=self.guess_experts,
+            snapshot_gb=self.snapshot_gb,
+        )

@@ -12,7 +12,7 @@ import numpy as np
 from engine.checkpoint.safetensors import SafetensorsIndex
 from engine.checkpoint.schema import TensorNames
 from engine.errors import CheckpointError, ReadError
-from engine.weights.io import FileTable, Read, ReadPool, align_down, aligned_buffer
+from engine.core.directio import FileTable, Read, ReadPool, align_down, aligned_buffer
 from engine.weights.source import ExpertTable, ExpertWeights, expert_from_arrays
 
 LOAD_THREADS = 8  # requests in flight: a virtual disk is bound by requests per second

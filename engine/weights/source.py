@@ -15,19 +15,21 @@ Contract (everything the model asks of a source is declared in `WeightSource`):
   expert `e` of layer `L` for each `e` in `ids` (the whole set a layer needs for a step or a
   prefill chunk, asked for at once so the reads can be issued together), valid inside the
   block. `ex.concurrent` says whether every expert stays valid for the whole block and may
-  be fetched from several threads in any order (the MoE then runs them side by side); when
-  false, fetch them in the order of `ids` and use each at once. `ex.arrival(e)` says which
-  experts are in memory and in what order the others' reads will land.
+  be fetched from several threads in any order (schedule.each_expert then runs them side
+  by side); when false, fetch them in the order of `ids` and use each at once.
+  `ex.arrival(e)` says which experts are in memory and in what order the others' reads
+  will land.
 * `source.model_tensor(name)` — model-level tensors by short name (`"embed_tokens.weight"`,
   `"lm_head.weight"`, `"norm.weight"`, `"output_attn_res_norm.weight"`,
   `"output_attn_res_proj.weight"`), kept resident. `TensorNames` maps short names to the
   checkpoint's full names.
-* `source.wants_guesses` / `source.guess(L, ids)` — when `wants_guesses` is true the model
-  calls `guess` before layer L's attention in a one-token step with the experts L will
-  probably route to, so their reads can start early. A hint only; `experts()` still
-  receives the router's choice. The model also guesses a layer ahead, from the previous
-  layer's FFN input, with `source.resident_layer(L)`: layer L's tensors if they are in
-  memory for good and already read (pinned), else None; never waits.
+* `source.wants_guesses` / `source.guess(L, ids)` — when `wants_guesses` is true,
+  schedule.py calls `guess` (from the points where the model hands it its router) with the
+  experts L will probably route to, so their reads can start early: before layer L's
+  attention in a one-token step, and a layer ahead, from the previous layer's FFN input,
+  with `source.resident_layer(L)`: layer L's tensors if they are in memory for good and
+  already read (pinned), else None; never waits. A hint only; `experts()` still receives
+  the router's choice.
 * `source.stats()` — a flat dict of numbers. Keys in `CUMULATIVE_STATS` are running totals
   since the source opened; generate turns them into each token's `compute_s`, waits, GB
   read, `mb_per_s`, `true_hit_rate` (hits / (hits + misses)) and `evictions`, and passes

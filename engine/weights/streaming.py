@@ -20,29 +20,31 @@
   (pinned layers once, streamed layers each pass, experts on a miss), waits as wall time
   the model spent blocked on reads.
 
-`open_source(checkpoint_dir, args)` is what run/serve/bench call: the resident source when
+`open_source(checkpoint_dir, memory)` is what run/serve/bench call: the resident source when
 no memory flag was given, else a plan (printed to stderr as a forecast) and this source.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from engine.checkpoint.binding import new_digest
+from engine.checkpoint.compact import CompactSpec
 from engine.checkpoint.safetensors import SafetensorsIndex, TensorInfo
-from engine.errors import CheckpointError, ReadError
-from engine.model.config import ModelConfig
-from engine.weights.experts import EvictionPolicy, ExpertCache
-from engine.weights.io import (
+from engine.checkpoint.schema import open_checked
+from engine.checkpoint.trunk import layer_mismatch, trunk_specs
+from engine.core.config import ModelConfig
+from engine.core.directio import (
     ALIGN,
     Batch,
     FileTable,
@@ -52,16 +54,19 @@ from engine.weights.io import (
     align_up,
     aligned_buffer,
 )
+from engine.kernels import FUSED
+from engine.errors import CheckpointError, ReadError
+from engine.weights.experts import EvictionPolicy, ExpertCache
 from engine.weights.planner import (
     DEFAULT_CONTEXT,
     GB,
     Geometry,
     Plan,
-    plan_from_args,
-    wants_streaming,
+    MemorySettings,
 )
 from engine.weights.resident import ResidentSource
 from engine.weights.source import ExpertSet, ExpertWeights, expert_from_arrays
+from engine.weights.tables import RowTable, StreamedMatrix
 from engine.weights.sysmem import current_rss, peak_rss
 
 MODEL_TENSORS = ("embed_tokens.weight", "lm_head.weight", "norm.weight",
@@ -84,8 +89,6 @@ class CheckpointMap:
 
     def __init__(self, checkpoint_dir: str | Path, trunk_dir: str | Path | None = None,
                  index: SafetensorsIndex | None = None):
-        from engine.checkpoint.schema import open_checked
-
         self.root = Path(checkpoint_dir)
         self.config, self.index, self.names = open_checked(self.root, index)
         n = self.config.num_hidden_layers
@@ -103,13 +106,13 @@ class CheckpointMap:
                 f"layer {empty[0]} has no trunk tensors in {self.root}; the download is "
                 "incomplete."
             )
-        if trunk_dir is not None:
-            from engine.checkpoint.trunk import (  # the packed trunk replaces the shard runs
-                trunk_specs,
-            )
-
-            per_layer = trunk_specs(Path(trunk_dir), self.index, self.names, n, self.root)
-        self.trunk_kind = _trunk_kind(per_layer, trunk_dir)
+        self.trunk_dir = None if trunk_dir is None else Path(trunk_dir)
+        # layer -> the sha256 of its bytes in trunk.bin, checked on its first read
+        self.trunk_digests: dict[int, str] = {}
+        if self.trunk_dir is not None:
+            packed = trunk_specs(self.trunk_dir, self.index, self.names, n, self.root)
+            per_layer, self.trunk_digests = packed.layers, packed.digests
+        self.trunk_kind = _trunk_kind(per_layer, trunk_dir, bool(self.trunk_digests))
         self.layers = [Layout(per_layer[i]) for i in range(n)]
         self._expert_layouts: dict[tuple[int, int], tuple[Layout, int]] = {}
         self._forms: dict[tuple, int] = {}
@@ -168,29 +171,29 @@ class CheckpointMap:
             checkpoint_bytes=sum(Path(f).stat().st_size for f in files),
             kv_bytes_per_token=n_mla * (c.kv_lora_rank + c.qk_rope_head_dim) * 4,
             state_bytes=kda_state + conv,
-            scratch_bytes=_scratch_bytes(biggest, c),
+            scratch_bytes=scratch_bytes(biggest, c),
         )
 
 
-def _trunk_kind(per_layer: dict[int, list[TensorSpec]], trunk_dir: str | Path | None) -> str:
+def _trunk_kind(per_layer: dict[int, list[TensorSpec]], trunk_dir: str | Path | None,
+                digests: bool) -> str:
     """What the trunk streams from, for the forecast line."""
-    from engine.checkpoint.compact import CompactSpec
-
     if trunk_dir is None:
         return "the checkpoint's shards (BF16)"
+    checked = ("each layer checked against its digest on its first read" if digests else
+               "not checked: packed without per-layer digests")
     specs = [s for layer in per_layer.values() for s in layer]
     if not any(isinstance(s, CompactSpec) for s in specs):
-        return f"the packed BF16 trunk in {trunk_dir}"
+        return f"the packed BF16 trunk in {trunk_dir} ({checked})"
     bf16 = sum(int(np.prod(s.shape)) * s.dtype.itemsize for s in specs)
     return (f"the compact trunk in {trunk_dir} "
-            f"({100 * sum(s.nbytes for s in specs) / max(bf16, 1):.1f}% of BF16, lossless)")
+            f"({100 * sum(s.nbytes for s in specs) / max(bf16, 1):.1f}% of BF16, lossless; "
+            f"{checked})")
 
 
-def _scratch_bytes(biggest: int, c: ModelConfig) -> int:
+def scratch_bytes(biggest: int, c: ModelConfig) -> int:
     """Compute temporaries: activations, plus a widened copy (u32 + f32) of the largest
     matrix when the numpy reference kernels run instead of the fused ones."""
-    from engine.kernels import FUSED
-
     acts = 16 * 4 * max(c.vocab_size, c.intermediate_size, c.hidden_size * 4) + (32 << 20)
     return acts if FUSED else acts + 8 * biggest
 
@@ -257,11 +260,12 @@ class StreamingSource:
         self._pinned: dict[int, _Pinned] = {}
         self._closed = False
         # Pinned layers stream in at once, in layer order, behind any urgent read.
+        # Layers whose trunk bytes matched their digest (checked once, on the first read).
+        self._verified: set[int] = set()
+        self.verify_s = 0.0  # reader time spent on those checks
         for i in plan.pinned:
-            lay = cmap.layers[i]
-            buf = aligned_buffer(lay.nbytes)
-            batch = self.pool.submit(lay.reads(self.files, buf), (TRUNK_PRIORITY, i))
-            self._pinned[i] = _Pinned(buf, batch)
+            buf = aligned_buffer(cmap.layers[i].nbytes)
+            self._pinned[i] = _Pinned(buf, self._read_layer(i, buf, (TRUNK_PRIORITY, i)))
         self._schedule(0, in_use=False, first=True)
         # When the plan holds every expert, read them all once up front, each layer's in
         # file order right behind its trunk layer, instead of on the critical path after
@@ -306,7 +310,7 @@ class StreamingSource:
             try:
                 p.batch.wait()
             except ReadError:  # read it again next time rather than fail for ever
-                p.batch = self.pool.submit(lay.reads(self.files, p.buf), (TRUNK_PRIORITY, -1))
+                p.batch = self._read_layer(index, p.buf, (TRUNK_PRIORITY, -1))
                 raise
             finally:
                 self._c["wait_trunk_s"] += time.perf_counter() - t0
@@ -357,9 +361,31 @@ class StreamingSource:
         if slot.batch is not None and not slot.batch.done():
             slot.batch.cancel()
             slot.batch.finished()  # no read may still be writing into this buffer
-        lay = self.map.layers[index]
         slot.layer, slot.views = index, None
-        slot.batch = self.pool.submit(lay.reads(self.files, slot.buf), priority)
+        slot.batch = self._read_layer(index, slot.buf, priority)
+
+    def _read_layer(self, index: int, buf: np.ndarray, priority: tuple) -> Batch:
+        """Queue layer `index`'s read into `buf`; until its bytes have once matched their
+        digest, the reader that lands them checks them (off the compute's thread), and a
+        mismatch fails the read: those bytes never reach the model."""
+        lay = self.map.layers[index]
+        want = self.map.trunk_digests.get(index)
+        check = None
+        if want is not None and index not in self._verified:
+            check = partial(self._check_layer, index, buf, want)
+        return self.pool.submit(lay.reads(self.files, buf), priority, then=check)
+
+    def _check_layer(self, index: int, buf: np.ndarray, want: str) -> None:
+        t0 = time.perf_counter()
+        (run,) = self.map.layers[index].runs  # trunk_specs: a digest's layer is one run
+        digest = new_digest()
+        digest.update(buf[run.payload_pos:run.payload_pos + run.end - run.start])
+        with self._wait_lock:
+            self.verify_s += time.perf_counter() - t0
+        if digest.hexdigest() != want:
+            assert self.map.trunk_dir is not None
+            raise ReadError(layer_mismatch(self.map.root, self.map.trunk_dir, index))
+        self._verified.add(index)
 
     def _schedule(self, current: int, in_use: bool, first: bool = False) -> None:
         """Fill free slots with the streamed layers that come after `current`, in cyclic
@@ -589,8 +615,6 @@ class StreamingSource:
     def model_tensor(self, name: str) -> np.ndarray:
         arr = self._model.get(name)
         if arr is None and self.plan.stream_tables and name in MODEL_TENSORS[:2]:
-            from engine.weights.tables import RowTable, StreamedMatrix
-
             kind = RowTable if name == "embed_tokens.weight" else StreamedMatrix
             arr = self._model[name] = kind(self.map.model_spec(name), self.pool, self.files,
                                            (EXPERT_PRIORITY, -1))
@@ -786,17 +810,14 @@ class _ExpertGroups(Mapping[int, ExpertWeights]):
             self.group = None
 
 
-def open_source(checkpoint_dir: str | Path, args: argparse.Namespace | None = None,
-                *, context: int | None = None, quiet: bool = False):
-    """The resident source when no memory flag was given, else a planned StreamingSource."""
-    if args is None or not wants_streaming(args):
-        from engine.checkpoint.schema import open_checked
-
+def open_source(checkpoint_dir: str | Path, memory: MemorySettings | None = None,
+                *, context: int = DEFAULT_CONTEXT, quiet: bool = False):
+    """The resident source when no memory flag was given, else a planned StreamingSource
+    (its plan printed to stderr as a forecast unless `quiet`)."""
+    if memory is None or not memory.streams:
         return ResidentSource(checkpoint_dir, index=open_checked(checkpoint_dir)[1])
-    cmap = CheckpointMap(checkpoint_dir, getattr(args, "trunk", None))
-    ctx = context or getattr(args, "context_tokens", None) or DEFAULT_CONTEXT
-    plan = plan_from_args(cmap.geometry(), args, context=ctx)
+    cmap = CheckpointMap(checkpoint_dir, memory.trunk)
+    plan = memory.plan(cmap.geometry(), context=context)
     if not quiet:
         print(f"trunk: {cmap.trunk_kind}\n{plan.describe()}", file=sys.stderr, flush=True)
     return StreamingSource(cmap, plan)
-

@@ -14,9 +14,10 @@ from dataclasses import replace
 
 import numpy as np
 
-from engine.weights.io import FileTable, Layout, ReadPool, TensorSpec, aligned_buffer
+from engine.core.directio import FileTable, Layout, ReadPool, TensorSpec, aligned_buffer
+from engine.kernels import linear
+from engine.weights.planner import HEAD_CHUNK_BYTES
 
-HEAD_CHUNK_BYTES = 64_000_000  # per buffer; two buffers are resident
 
 
 def _rows(spec: TensorSpec, r0: int, r1: int) -> Layout:
@@ -62,8 +63,6 @@ class StreamedMatrix:
         return lay, self.pool.submit(lay.reads(self.files, self._bufs[k]), self.priority)
 
     def linear(self, x: np.ndarray) -> np.ndarray:
-        from engine.kernels import linear
-
         n = self.shape[0]
         out = np.empty((*x.shape[:-1], n), np.float32)
         pending = self._start(0, 0)

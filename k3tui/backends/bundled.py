@@ -40,6 +40,11 @@ def memory_flags(engine_cfg: Any) -> list[str]:
     return args
 
 
+def state_flags() -> list[str]:
+    """Where the engine keeps conversation states on disk, so a restart resumes them."""
+    return ["--state-dir", str(get_paths().states_dir)]
+
+
 def start_engine(checkpoint: Path | str, *, args: Sequence[str] = (), host: str = "127.0.0.1",
                  port: int = 0, api_key: str | None = None, model_name: str | None = None,
                  on_progress: ProgressCallback | None = None,

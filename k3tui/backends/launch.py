@@ -64,9 +64,11 @@ def _model_path(cfg: Any, model: str | Path | None) -> Path:
 
 def prepare_launch(cfg: Any, *, kind: str | None = None, model: str | Path | None = None,
                    port: int | None = None, force: bool = False, report: Any = None,
-                   machine: str | None = None, **seams: Any) -> Launchable:
+                   machine: str | None = None, rpc: list[str] | None = None,
+                   **seams: Any) -> Launchable:
     """Decide the launch for `cfg` (overridden by the arguments). `machine` names a machine
-    profile (e.g. "dgx-spark") to show what would run there. Raises K3Error."""
+    profile (e.g. "dgx-spark") to show what would run there; `rpc`: the pool's workers
+    (default: [llama_server] rpc). Raises K3Error."""
     kind = kind or cfg.backend.kind
     if machine:
         from k3tui.probe import load_report
@@ -78,7 +80,9 @@ def prepare_launch(cfg: Any, *, kind: str | None = None, model: str | Path | Non
     if kind == "remote":
         return _prepare_remote(cfg)
     if kind == "llama-server":
-        return _prepare_llama(cfg, _model_path(cfg, model), host, port, force, report, seams)
+        workers = list(cfg.llama_server.rpc if rpc is None else rpc)
+        return _prepare_llama(cfg, _model_path(cfg, model), host, port, force, report, seams,
+                              workers)
     if kind == "bundled":
         return _prepare_bundled(cfg, _model_path(cfg, model), host, port)
     raise K3Error(f"Unknown backend kind {kind!r}.",
@@ -102,7 +106,7 @@ def _prepare_remote(cfg: Any) -> Launchable:
 
 
 def _prepare_llama(cfg: Any, model: Path, host: str, port: int, force: bool, report: Any,
-                   seams: dict[str, Any]) -> Launchable:
+                   seams: dict[str, Any], rpc: list[str]) -> Launchable:
     from k3tui.planning.plan import make_plan
 
     ls = cfg.llama_server
@@ -111,7 +115,8 @@ def _prepare_llama(cfg: Any, model: Path, host: str, port: int, force: bool, rep
 
         report = probe_machine(target_dir=model if model.is_dir() else model.parent,
                                check_isolation=False)  # the launch checks isolation itself
-    plan = make_plan(report, "gguf", ctx_size=ls.ctx_size, reasoning_budget=ls.reasoning_budget)
+    plan = make_plan(report, "gguf", ctx_size=ls.ctx_size, reasoning_budget=ls.reasoning_budget,
+                     rpc=rpc)
     own_limit = ls.memory_limit_gb > 0
     limit = int(ls.memory_limit_gb * GiB) if own_limit else plan.memory_limit_bytes
     # plan's blockers, less what the launch decides itself: the user's own limit replaces
@@ -119,13 +124,15 @@ def _prepare_llama(cfg: Any, model: Path, host: str, port: int, force: bool, rep
     # busy-GPU refusal is server.gpu_guard itself
     skip = {"no_isolation", "gpu_busy"} | ({"memory_limit_too_small"} if own_limit else set())
     notes = refuse_or_warn([f for f in plan.launch_blockers if f.code not in skip], force)
-    if seams.pop("profile", False):
+    profile = seams.pop("profile", False)
+    if profile:
         seams["limit"] = server.assumed_limit(report, limit)
     gpu_present = bool(getattr(getattr(report, "gpu", None), "present", False))
     prepared = server.prepare(
         model, binary=ls.binary, plan_args=plan.llama_server_args, memory_limit_bytes=limit,
         ctx_size=ls.ctx_size, reasoning_budget=ls.reasoning_budget,
-        n_gpu_layers=ls.n_gpu_layers if gpu_present else None,
+        n_gpu_layers=ls.n_gpu_layers if gpu_present or rpc else None, rpc=rpc,
+        probe_pool=not profile,
         threads=cfg.engine.threads or None, extra_args=ls.extra_args, host=host, port=port,
         alias="kimi-k3", api_key=_api_key(host), report=report, force=force, notes=notes,
         plan_reasons={fr[0].split()[0]: fr[1] for fr in plan.flag_reasons if fr}, **seams)
@@ -164,7 +171,7 @@ def _prepare_bundled(cfg: Any, checkpoint: Path, host: str, port: int) -> Launch
                       "run `k3tui download`, or point the config at the folder it filled "
                       "(`k3tui config set model.dir FOLDER`); `k3tui chat --demo` works "
                       "meanwhile")
-    args = bundled.memory_flags(cfg.engine)
+    args = bundled.memory_flags(cfg.engine) + bundled.state_flags()
     if cfg.model.trunk_dir:
         args += ["--trunk", cfg.model.trunk_dir]
     key = _api_key(host)
@@ -200,4 +207,6 @@ def launch_engine(checkpoint: str | Path, *, budget_gb: float | None = None,
     if steer_demo:
         args.append("--steer-demo")
     args += list(extra_args)
+    if "--state-dir" not in args:
+        args += bundled.state_flags()
     return bundled.start_engine(checkpoint, args=args, on_progress=on_progress)

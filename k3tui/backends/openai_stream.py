@@ -7,20 +7,30 @@ repeated role chunks, several keys in one delta, `timings` on every chunk when
 `timings_per_token` is asked for, usage in a trailing `choices: []` chunk, and errors
 mid-stream as `data: {"error": …}` without `[DONE]`.
 
-Cancelling = closing the async generator (`aclose()`): that exits the `client.stream`
-context, which closes the connection, which makes llama-server cancel the task.
+Cancelling = closing the async generator (`aclose()`): that closes the response, which
+closes the connection, which makes llama-server cancel the task.
+
+A backend can go silent without closing the connection (its process stopped by SIGSTOP
+or Ctrl+Z, a frozen host): the read timeout is long, because a token may take minutes.
+So silence is judged by what a backend promises: the bundled engine announces its
+keep-alive interval (PING_HEADER) and is stalled after STALL_PINGS of them without a
+byte. llama-server announces nothing (whether it pings through a long prefill depends on
+its build and flags), so a silence there is never judged by time: only the state of a
+process k3tui started (stopped) tells. A request queued behind another one gets no
+response head, and no pings, until its turn: that wait too is judged by the process only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import httpx
 
@@ -49,6 +59,10 @@ MAX_ERROR_CHARS = 500  # of a server's error message shown to the user
 MAX_FIGURE = 1e15  # a count, a time in ms, a size in GB: anything larger is not one
 MAX_TOKENS_PER_CHUNK = 4096  # what one chunk's cumulative predicted_n may add
 MAX_MODELS_BYTES = 16 * MiB  # /v1/models of a hosted API with hundreds of models
+PING_HEADER = "x-k3-ping-seconds"  # the engine's keep-alive interval (engine/serve/app.py)
+STALL_PINGS = 3  # keep-alives missed in a row before an announcing backend counts as stalled
+MAX_PING_S = 3600.0  # an announced interval longer than this is not believed
+PROCESS_CHECK_S = 5.0  # silence after which (and as often as) a local process's state is read
 
 
 def parse_json(raw: str | bytes) -> Any:
@@ -361,15 +375,96 @@ def error_event(err: Any, status: int | None = None) -> BackendError:
     return BackendError(f"The backend reported an error: {message}", step, retry=retry)
 
 
+_T = TypeVar("_T")
+
+
+class Stalled(Exception):
+    """The backend went silent; `event` says so."""
+
+    def __init__(self, event: BackendError) -> None:
+        super().__init__(event.message)
+        self.event = event
+
+
+@dataclass
+class Silence:
+    """How long one answer may stay silent. `stopped_pid`: for a backend process k3tui
+    started, the pid of its process (or of one under it) that is stopped, else None;
+    `window_s`: STALL_PINGS keep-alives, once the response announced its interval."""
+
+    stopped_pid: Callable[[], int | None] | None = None
+    check_s: float = PROCESS_CHECK_S
+    ping_s: float | None = None
+    last: float = field(default_factory=time.monotonic)
+
+    @property
+    def window_s(self) -> float | None:
+        return STALL_PINGS * self.ping_s if self.ping_s is not None else None
+
+    def announced(self, resp: httpx.Response) -> None:
+        try:
+            ping = float(resp.headers.get(PING_HEADER, ""))
+        except ValueError:
+            return
+        if 0 < ping <= MAX_PING_S:  # NaN fails this too
+            self.ping_s = ping
+
+    def wait_s(self) -> float | None:
+        """How long to wait for the next bytes before judging; None: for ever."""
+        waits = [self.check_s] if self.stopped_pid is not None else []
+        if self.window_s is not None:
+            waits.append(max(0.0, self.last + self.window_s - time.monotonic()))
+        return min(waits) if waits else None
+
+    def judge(self) -> None:
+        """Raise Stalled when the silence so far means the backend stopped answering."""
+        pid = self.stopped_pid() if self.stopped_pid is not None else None
+        kept = "the answer so far is kept"
+        if pid is not None:
+            raise Stalled(BackendError(
+                f"The backend stopped answering: its process (pid {pid}) is stopped, "
+                "suspended by SIGSTOP or Ctrl+Z.",
+                f"resume it with `kill -CONT {pid}` (or `fg` in the terminal that suspended "
+                f"it) and press ctrl+r to ask again; {kept}"))
+        window = self.window_s
+        if window is not None and time.monotonic() - self.last >= window:
+            raise Stalled(BackendError(
+                f"The backend stopped answering: nothing came for {window:g} s although it "
+                f"sends a keep-alive every {self.ping_s:g} s.",
+                "check that it still runs (a suspended process, a frozen machine or a broken "
+                f"network), then press ctrl+r to ask again; {kept}"))
+
+    async def wait(self, step: Awaitable[_T]) -> _T:
+        """`step`'s result; Stalled when the backend goes silent first (`step` is then
+        cancelled). Silence is judged while waiting, without cancelling the read."""
+        task = asyncio.ensure_future(step)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.wait_s())
+                if done:
+                    self.last = time.monotonic()
+                    return task.result()
+                self.judge()
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
+
 async def stream_chat(base_url: str, messages: list[dict[str, Any]], *,
                       api_key: str | None = None, model: str | None = None,
                       max_tokens: int | None = None, temperature: float | None = None,
                       extra: dict[str, Any] | None = None, client: httpx.AsyncClient | None = None,
                       verify: bool | ssl.SSLContext = True,
-                      clock: Callable[[], float] = time.monotonic) -> AsyncIterator[StreamEvent]:
+                      clock: Callable[[], float] = time.monotonic,
+                      stopped_pid: Callable[[], int | None] | None = None,
+                      check_s: float = PROCESS_CHECK_S) -> AsyncIterator[StreamEvent]:
     """Stream one answer as events; the last event is `Finished` or `BackendError`.
 
     `verify` is the TLS policy of the client made here (ignored when `client` is given).
+    `stopped_pid`: for a backend process k3tui started, which of its processes is stopped
+    (None: none), read after `check_s` s of silence and as often while it lasts.
     """
     url = api_base(base_url) + "/chat/completions"
     body = build_request(messages, model=model, max_tokens=max_tokens,
@@ -381,14 +476,20 @@ async def stream_chat(base_url: str, messages: list[dict[str, Any]], *,
     try:
         try:
             while True:
-                async with http.stream("POST", url, json=body, headers=_headers(api_key)) as resp:
+                silence = Silence(stopped_pid, check_s)
+                request = http.build_request("POST", url, json=body, headers=_headers(api_key))
+                resp = await silence.wait(http.send(request, stream=True))
+                try:
                     if resp.status_code == 200:
-                        async for event in _read_answer(resp, interp):
+                        silence.announced(resp)
+                        async for event in _read_answer(resp, interp, silence):
                             yield event
                             if isinstance(event, BackendError):
                                 return
                         break
                     raw = await _read_error_body(resp)
+                finally:
+                    await resp.aclose()
                 if resp.status_code != 503 or not _is_loading(raw):
                     yield _http_error(resp.status_code, raw)
                     return
@@ -412,6 +513,9 @@ async def stream_chat(base_url: str, messages: list[dict[str, Any]], *,
             yield BackendError(f"Could not connect to the backend at {server_root(base_url)}.",
                                "start it with `k3tui serve`, or check the URL in the config")
             return
+        except Stalled as stalled:
+            yield stalled.event
+            return
         except httpx.TimeoutException:
             yield BackendError(
                 f"The backend did not answer within {READ_TIMEOUT_S:.0f} s.",
@@ -431,13 +535,19 @@ async def stream_chat(base_url: str, messages: list[dict[str, Any]], *,
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 
 
-async def sse_lines(resp: httpx.Response) -> AsyncIterator[str]:
+async def sse_lines(resp: httpx.Response, silence: Silence | None = None) -> AsyncIterator[str]:
     """The lines of an SSE body as the SSE spec reads them: UTF-8 whatever the charset
     says (bytes that are not become U+FFFD), split at CR, LF or CRLF only. httpx's
     `aiter_lines` splits like `str.splitlines`, also at U+2028, U+0085, \\x1c … which JSON
-    carries unescaped inside a string: a model writing one would cut its chunk in two."""
+    carries unescaped inside a string: a model writing one would cut its chunk in two.
+    With `silence`, Stalled when the backend goes silent (keep-alive comments count)."""
     buf = bytearray()
-    async for chunk in resp.aiter_bytes():
+    chunks = resp.aiter_bytes()
+    while True:
+        try:
+            chunk = await (silence.wait(anext(chunks)) if silence else anext(chunks))
+        except StopAsyncIteration:
+            break
         buf += chunk
         start = 0
         while (end := _LINE_END.search(buf, start)) is not None:
@@ -454,12 +564,12 @@ async def sse_lines(resp: httpx.Response) -> AsyncIterator[str]:
         yield bytes(buf).removesuffix(b"\r").decode("utf-8", "replace")
 
 
-async def _read_answer(resp: httpx.Response,
-                       interp: ChunkInterpreter) -> AsyncIterator[StreamEvent]:
+async def _read_answer(resp: httpx.Response, interp: ChunkInterpreter,
+                       silence: Silence) -> AsyncIterator[StreamEvent]:
     """The SSE body of a 200 answer as events, until the turn is done."""
     parser = SSEParser()
     try:
-        async for line in sse_lines(resp):
+        async for line in sse_lines(resp, silence):
             payload = parser.feed(line)
             if payload is None:
                 continue

@@ -99,11 +99,30 @@ class RunningBackend:
     notes: list[str] = field(default_factory=list)  # warnings shown before use
     memory_limit_bytes: int | None = None
     cgroup_dir: Path | None = None  # the cgroup k3tui made for it: its OOM count is there
+    rpc_workers: list[str] = field(default_factory=list)  # a pool's workers, host:port each
     process: subprocess.Popen | None = field(default=None, repr=False)
     on_stop: list[Callable[[], None]] = field(default_factory=list, repr=False)
+    _story: str = field(default="", repr=False)  # exit_reason of a process that has ended
 
     def alive(self) -> bool:
         return self.process is None or self.process.poll() is None
+
+    def stopped_pid(self) -> int | None:
+        """The pid of the backend's process, or of one under it (a wrapper may fork the
+        server), that is stopped (SIGSTOP, Ctrl+Z): alive, but silent until continued."""
+        import psutil
+
+        if self.process is None or self.process.poll() is not None:
+            return None
+        try:
+            top = psutil.Process(self.process.pid)
+            for proc in (top, *top.children(recursive=True)):
+                with contextlib.suppress(psutil.Error):
+                    if proc.status() == psutil.STATUS_STOPPED:
+                        return proc.pid
+        except psutil.Error:  # it ended meanwhile: the connection says so
+            pass
+        return None
 
     def log_tail(self, n: int = 20) -> str:
         return tail_lines(self.log_path, n)
@@ -113,20 +132,31 @@ class RunningBackend:
         if self.process is None or self.process.poll() is None:
             return None
         why = self.exit_reason()
-        return BackendError(f"The {self.kind} backend {why}.",
-                            f"read its log ({self.log_path}) and start it again with "
-                            "`k3tui serve`" if self.log_path else "start it again",
-                            log_tail=self.log_tail())
+        step = f"read its log ({self.log_path}) and start it again with `k3tui serve`" \
+            if self.log_path else "start it again"
+        if self.rpc_workers and "; worker " in why:
+            step = "start that worker again (`k3tui worker` on its machine), then " + step
+        return BackendError(f"The {self.kind} backend {why}.", step, log_tail=self.log_tail())
 
     def exit_reason(self) -> str:
-        """Why the process ended; an OOM kill only when the kernel or the cgroup says so."""
+        """Why the process ended; an OOM kill only when the kernel or the cgroup says so;
+        the head of a pool names the workers it lost (asked once, when it has ended)."""
+        if self._story:
+            return self._story
         code = self.process.returncode if self.process is not None else 0
         oom = None
         if code == -signal.SIGKILL:
             from k3tui.probe.limits import oom_kill_seen
 
             oom = oom_kill_seen(self.pid, self.cgroup_dir)
-        return describe_exit(code, memory_limit_bytes=self.memory_limit_bytes, oom_killed=oom)
+        story = describe_exit(code, memory_limit_bytes=self.memory_limit_bytes, oom_killed=oom)
+        if self.rpc_workers:
+            from k3tui.backends.llama.rpc import pool_story
+
+            story += pool_story(self.rpc_workers, self.log_tail(50))
+        if self.process is not None and self.process.poll() is not None:
+            self._story = story
+        return story
 
     def wait(self, timeout: float | None = None) -> int | None:
         if self.process is None:
@@ -170,6 +200,8 @@ class RunningBackend:
 
         kwargs.setdefault("api_key", self.api_key)
         kwargs.setdefault("model", self.model)
+        if self.process is not None:  # a silent answer: is the process stopped?
+            kwargs.setdefault("stopped_pid", self.stopped_pid)
         if self.kind == "llama-server":  # its prompt cache: a follow-up prefills what is new
             kwargs["extra"] = {"cache_prompt": True, **(kwargs.get("extra") or {})}
         async for event in stream_chat(self.base_url, messages, **kwargs):
@@ -179,10 +211,11 @@ class RunningBackend:
 
     async def _explain(self, event: BackendError) -> BackendError:
         # The connection usually breaks a moment before the exit status is visible (longer
-        # on a loaded machine). A server still alive after 5 s is reported as it is.
+        # on a loaded machine). A server still alive after 5 s, or stopped, is reported as
+        # it is.
         deadline = time.monotonic() + 5.0
         while self.process is not None and self.process.poll() is None \
-                and time.monotonic() < deadline:
+                and self.stopped_pid() is None and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         dead = self.failure()
         if dead is None:

@@ -79,6 +79,7 @@ class Session:
         self.info.url = running.base_url
         self.info.pid = running.pid
         self.info.log_path = str(running.log_path or "")
+        self.info.pool = list(getattr(running, "rpc_workers", []))
         limit = getattr(running, "memory_limit_bytes", None)
         if limit and not self.info.budget_gb:
             self.info.budget_gb = limit / GB  # llama-server's enforced memory limit
@@ -86,12 +87,11 @@ class Session:
     def use_demo(self) -> Callable[[Callable[[Any], None]], Any]:
         """Become the demo session in place (the app holds this session's info and stream);
         returns its starter."""
-        from k3tui import demo
-
-        d = demo.demo_session(Session)
+        d = _demo_session()
         self.info.__dict__.update(d.info.__dict__)
         d.info = self.info  # the demo's starter records its budget on the info shown
-        self.starter, self.chat_kwargs, self.system_prompt = d.starter, d.chat_kwargs, ""
+        self.starter, self.chat_kwargs, self.system_prompt = (d.starter, d.chat_kwargs,
+                                                              d.system_prompt)
         return d.starter
 
     def alive(self) -> bool:
@@ -115,6 +115,14 @@ def _url_session(url: str, api_key_env: str | None, model: str | None) -> Sessio
             raise K3Error(f"The environment variable {api_key_env} is empty or not set.",
                           f"export {api_key_env}=<your key>, then run this again", 2)
     return _point_at(_chat_settings(Session(), load_config().chat), url, api_key, model)
+
+
+def _demo_session() -> Session:
+    """The demo model with the [chat] settings every chat sends (defaults without a config)."""
+    from k3tui import demo
+    from k3tui.config import load_config
+
+    return demo.demo_session(_chat_settings(Session(), load_config().chat))
 
 
 def _chat_settings(s: Session, chat: Any) -> Session:
@@ -192,18 +200,14 @@ def _offer_demo() -> bool:
 
 def build_session(args: argparse.Namespace) -> Session:
     if args.demo:
-        from k3tui import demo
-
-        return demo.demo_session(Session)
+        return _demo_session()
     if args.url:
         return _url_session(args.url, args.api_key_env, args.model)
     from k3tui.config import config_exists, load_config
 
     if not config_exists():
         if not args.smoke and _offer_demo():
-            from k3tui import demo
-
-            return demo.demo_session(Session)
+            return _demo_session()
         raise K3Error("There is no configuration yet.",
                       "run `k3tui setup`, or try `k3tui chat --demo`", 2)
     return _config_session(load_config())

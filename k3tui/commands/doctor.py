@@ -79,7 +79,8 @@ def run_checks(target: str | None, measure: bool,
     report.description = f"this machine ({report.hostname})"
     have = _model_bytes_present(model_dir, cfg.model.kind) if model_dir.is_dir() else 0
     plan = make_plan(report, cfg.model.kind, ctx_size=cfg.llama_server.ctx_size,
-                     reasoning_budget=cfg.llama_server.reasoning_budget, have_bytes=have)
+                     reasoning_budget=cfg.llama_server.reasoning_budget, have_bytes=have,
+                     rpc=cfg.llama_server.rpc)
 
     lines = {line.split()[0].lower(): line.split(None, 1)[1] for line in describe_machine(report)}
     checks.append(Check("cpu", "ok", lines["cpu"]))
@@ -184,12 +185,7 @@ def _model_checks(cfg, model_dir: Path, have: int, explicit_dir: bool = False,
             step = f"`k3tui setup` (it chooses the checkpoint), then `{step}`"
         out.append(Check("model", "warn", detail, step))
     if kind == "safetensors" and cfg.backend.kind == "bundled":
-        trunk = Path(cfg.model.trunk_dir or (model_dir / "trunk")).expanduser()
-        if (trunk / "trunk.json").is_file():
-            out.append(Check("trunk", "ok", f"packed trunk in {trunk}"))
-        elif have >= need * 0.999:
-            out.append(Check("trunk", "warn", "the trunk is not packed yet (streaming needs it)",
-                             "k3tui pack"))
+        out += _trunk_check(cfg, model_dir, have >= need * 0.999)
     if cfg.backend.kind == "llama-server":
         from k3tui.backends.llama.binary import find_binary
 
@@ -199,7 +195,84 @@ def _model_checks(cfg, model_dir: Path, have: int, explicit_dir: bool = False,
         except K3Error as exc:
             out.append(Check("llama-server", "fail", exc.message,
                              exc.next_step or "k3tui setup"))
+        if cfg.llama_server.rpc:
+            out += _pool_checks(cfg, have if have >= need * 0.999 else need)
     return out
+
+
+def _pool_checks(cfg, model_bytes: int) -> list[Check]:
+    """One line for each worker of the pool (asked all at once, so the doctor answers
+    within one timeout however many are down), then whether they hold the model."""
+    from k3tui.backends.llama import rpc
+    from k3tui.planning.pool import Member, need_text, shortfall
+
+    try:
+        head = rpc.server_protocol(rpc.find_rpc_server(cfg.llama_server.binary))
+    except K3Error:
+        head = None
+    out = []
+    statuses = rpc.probe_all(cfg.llama_server.rpc)
+    for s in statuses:
+        version = f"RPC protocol {rpc.version_text(s.version)}"
+        if not s.ok:
+            status, detail = ("warn" if s.state == "busy" else "fail"), s.detail
+            step = "" if s.state == "busy" else \
+                "start it on that machine: `k3tui worker --host {} --port {}`".format(
+                    *s.endpoint.split(":"))
+        elif s.mismatch(head):
+            status, detail = "fail", s.mismatch(head)
+            step = "install the same llama.cpp build on the head and the worker"
+        else:
+            same = "the head's" if head else "the head's is unknown"
+            status, detail, step = "ok", f"{version} ({same}), {s.memory()}", ""
+        out.append(Check("worker", status, f"{s.endpoint}: {detail}", step))
+    answered = [Member(s.endpoint, s.free_bytes) for s in statuses if s.ok]
+    short = shortfall(answered, model_bytes, cfg.llama_server.ctx_size)
+    if len(answered) < len(statuses):
+        out.append(Check("pool", "warn", f"{len(answered)} of {len(statuses)} workers answered; "
+                         "the head refuses to start without all of them"))
+    elif short:
+        out.append(Check("pool", "fail", short, "start more workers and add them to "
+                         "[llama_server] rpc"))
+    else:
+        out.append(Check("pool", "ok", f"{len(statuses)} workers hold the model's "
+                         f"{need_text(model_bytes, cfg.llama_server.ctx_size)}"))
+    return out
+
+
+def _trunk_check(cfg, model_dir: Path, downloaded: bool) -> list[Check]:
+    """The packed trunk checked against the checkpoint as the engine checks it before use
+    (its layout, and each shard still the file it was packed from); its bytes are checked
+    on first read, or all at once by `k3tui pack --verify`."""
+    from k3tui.commands.pack import default_trunk_dir
+
+    trunk = Path(cfg.model.trunk_dir).expanduser() if cfg.model.trunk_dir else \
+        default_trunk_dir(model_dir)
+    if not (trunk / "trunk.json").is_file():
+        if (trunk / "trunk.progress.json").is_file():
+            return [Check("trunk", "warn", f"packing into {trunk} is not finished",
+                          "k3tui pack (it resumes)")]
+        return [Check("trunk", "warn", "the trunk is not packed yet (streaming needs it)",
+                      "k3tui pack")] if downloaded else []
+    if not (model_dir / "config.json").is_file():
+        return [Check("trunk", "warn", f"packed trunk in {trunk}, but no checkpoint in "
+                      f"{model_dir} to check it against", "k3tui download")]
+    try:
+        from engine.checkpoint.trunk import check
+        from engine.errors import EngineError
+    except ImportError as exc:
+        return [Check("trunk", "warn", f"the bundled engine cannot check the trunk ({exc})",
+                      "reinstall k3tui (`pip install -e .`)")]
+    try:
+        packed = check(model_dir, trunk)
+    except (EngineError, OSError) as exc:
+        return [Check("trunk", "fail", str(exc), "k3tui pack")]
+    if not packed.digests:
+        return [Check("trunk", "warn", f"packed trunk in {trunk} has no per-layer digests "
+                      "(packed by the C peer): its bytes are not checked",
+                      "k3tui pack (re-packs it with digests)")]
+    return [Check("trunk", "ok", f"packed trunk in {trunk} matches the checkpoint; each layer "
+                  "is checked on its first read (`k3tui pack --verify` checks every byte now)")]
 
 
 def format_checks(checks: list[Check], title: str) -> str:

@@ -139,9 +139,14 @@ def run(args: argparse.Namespace) -> int:
     print(plan.describe())
     plan.refuse_if_short()
     if not plan.missing and not plan.to_check:
+        if plan.update:             # the same files under a new commit: it holds that one now
+            _claim(snap, target, resume_command(repo, revision, target, include, args))
         print(f"All {len(snap.files)} files are already here and verified.")
         return 0
     check_access(snap)
+    # before the job, which asks for the commit by its hash: the folder records the revision
+    # the user named, and another repo is refused here rather than in the job
+    _claim(snap, target, resume_command(repo, revision, target, include, args))
     if args.foreground:
         return _run_here(snap, target, args, check,
                          resume_command(repo, revision, target, include, args, foreground=True))
@@ -167,6 +172,23 @@ def run(args: argparse.Namespace) -> int:
     from k3tui.commands.jobs import attach
 
     return attach(job_id)
+
+
+def _claim(snap, target: Path, command: str) -> None:
+    """Record the commit the folder holds, under the folder's lock (its one writer)."""
+    import os
+
+    from k3tui import jobs
+    from k3tui.hub.store import LocalStore
+
+    lock = jobs.lock_target(str(target), command, path=_lock_file(target))
+    store = LocalStore(target)
+    try:
+        store.ensure()
+        store.claim(snap)
+    finally:
+        store.close()
+        os.close(lock)
 
 
 def _lock_file(target: Path) -> Path:
@@ -215,15 +237,17 @@ def _run_here(snap, target: Path, args: argparse.Namespace, check: str, resume: 
 def _event_fields(ev) -> dict:
     return {"total_bytes": ev.total_bytes, "done_bytes": ev.done_bytes,
             "rate_bps": ev.rate_bps, "eta_s": ev.eta_s, "stalled": ev.stalled,
-            "files": ev.files, "retries": ev.retries, "errors": ev.errors}
+            "files": ev.files, "file_counts": ev.counts, "retries": ev.retries,
+            "errors": ev.errors}
 
 
 def _conclude(result, target: Path, say, resume: str = "") -> int:
     if result.verified_now:
         say(f"Verified {len(result.verified_now)} files already on disk.")
     if result.replaced:
-        say(f"Refetched {len(result.replaced)} files that did not match: "
-            + ", ".join(result.replaced))
+        n = len(result.replaced)
+        say(f"Refetched {n} files that did not match: " + ", ".join(result.replaced[:10])
+            + (f" and {n - 10} more" if n > 10 else ""))
     if result.ok:
         say(f"Done: every file in {target} is verified (size and sha256).")
         return 0

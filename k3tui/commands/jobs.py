@@ -7,6 +7,7 @@ import sys
 import time
 
 from k3tui import units
+from k3tui.hub.progress import file_counts
 from k3tui.jobs import resume_hint
 
 
@@ -84,6 +85,9 @@ def _eta(s: float | None) -> str:
 def summary_line(state: dict) -> str:
     from k3tui.jobs import layer_progress
 
+    if state.get("kind") == "rpc-worker":  # a service, not a transfer: nothing to count
+        return "RPC worker" + (": serves a head until `k3tui worker stop`"
+                               if state.get("status") == "running" else "")
     total, done = state.get("total_bytes") or 0, state.get("done_bytes") or 0
     pct = f"{100 * done / total:.1f}%" if total else "--"
     rate = state.get("rate_bps") or 0.0
@@ -149,9 +153,9 @@ def render_state(state: dict, width: int = 80):
             done_of = units.transfer_progress(f["done"], f["size"])
             table.add_row(f["name"], f"{pct:5.1f}%", done_of, f["status"])
         parts.append(table)
-    if files:
-        n_done = sum(f["status"] == "done" for f in files)
-        parts.append(Text(f"{n_done}/{len(files)} files verified"
+    counts = file_counts(state)
+    if counts:
+        parts.append(Text(f"{counts.get('done', 0)}/{sum(counts.values())} files verified"
                           + (f", {state['retries']} retries" if state.get("retries") else ""),
                           style="dim"))
     for err in (state.get("errors") or [])[-2:]:

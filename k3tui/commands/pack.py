@@ -3,6 +3,8 @@
 Runs `engine.checkpoint.trunk.pack` (resumable) in a job process; the state file carries the same
 keys as a download plus `layer`. Defaults: the configured checkpoint (`model.dir`) and
 `model.trunk_dir`, else `<checkpoint>-trunk` beside it (then saved as `model.trunk_dir`).
+A finished trunk is checked again (each layer against its digest and its shard) and what
+changed is re-packed; `--verify` only checks, in this process, and changes nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compact", action="store_true",
                         help="lossless compact trunk (~12 bits/weight, fewer bytes per token; "
                         "this engine only, not the C peer)")
+    parser.add_argument("--verify", action="store_true",
+                        help="check every layer of the packed trunk against its digest and the "
+                        "checkpoint, in this process; change nothing")
 
 
 def _config():
@@ -45,15 +50,21 @@ def _defaults(args: argparse.Namespace) -> tuple[Path, Path, bool]:
                       "download it first with `k3tui download`, or pass the right folder", 2)
     out = args.out or (cfg.model.trunk_dir if cfg is not None else "")
     remember = not out and cfg is not None
-    out_path = Path(out).expanduser().resolve() if out else \
-        ckpt_path.with_name(ckpt_path.name + "-trunk")
+    out_path = Path(out).expanduser().resolve() if out else default_trunk_dir(ckpt_path)
     return ckpt_path, out_path, remember
+
+
+def default_trunk_dir(checkpoint: Path) -> Path:
+    """Where `k3tui pack` puts a trunk when neither OUT nor model.trunk_dir says."""
+    return checkpoint.with_name(checkpoint.name + "-trunk")
 
 
 def run(args: argparse.Namespace) -> int:
     from k3tui import jobs
 
     ckpt, out, remember = _defaults(args)
+    if args.verify:
+        return _verify(ckpt, out)
     reporter = jobs.JobReporter.from_env()
     if reporter is not None:
         return _run_in_job(reporter, ckpt, out, remember, args.compact)
@@ -78,21 +89,42 @@ def run(args: argparse.Namespace) -> int:
     return attach(job_id)
 
 
-def _pack(ckpt: Path, out: Path, on_progress, compact: bool = False) -> dict:
+def _engine_trunk():
+    """The engine's trunk module and its error type."""
     try:
+        from engine.checkpoint import trunk
         from engine.errors import EngineError
-        from engine.checkpoint.trunk import pack
     except ImportError as exc:
         raise K3Error(f"The bundled engine cannot pack here ({exc}).",
                       "reinstall k3tui (`pip install -e .`) and rerun") from None
+    return trunk, EngineError
+
+
+def _verify(ckpt: Path, out: Path) -> int:
+    from k3tui.units import transfer_size
+
+    trunk, EngineError = _engine_trunk()
     try:
-        return pack(ckpt, out, progress=on_progress, compact=compact)
+        summary = trunk.verify(ckpt, out, progress=_printer(_layer_count(ckpt)))
+    except EngineError as exc:
+        raise K3Error(str(exc), f"k3tui pack {ckpt} {out}") from None
+    print()
+    if summary["bad"]:
+        layer, why = summary["bad"][0]
+        more = f" (and {len(summary['bad']) - 1} more layers)" if len(summary["bad"]) > 1 else ""
+        raise K3Error(f"Layer {layer} of the trunk in {out} does not match: {why}{more}.",
+                      f"`k3tui pack {ckpt} {out}` re-packs what changed")
+    print(f"Every layer of the trunk in {out} matches its digest and the checkpoint "
+          f"({transfer_size(summary['bytes'])} read).")
+    return 0
+
+
+def _pack(ckpt: Path, out: Path, on_progress, compact: bool = False) -> dict:
+    trunk, EngineError = _engine_trunk()
+    try:
+        return trunk.pack(ckpt, out, progress=on_progress, compact=compact)
     except EngineError as exc:
         raise K3Error(str(exc), "fix the cause above and rerun `k3tui pack` (it resumes)") \
-            from None
-    except OSError as exc:
-        raise K3Error(f"Packing failed: {exc.strerror or exc} ({exc.filename or out}).",
-                      "free space or choose another OUT, then rerun `k3tui pack` (it resumes)") \
             from None
 
 
@@ -128,7 +160,7 @@ def _layer_count(ckpt: Path) -> int | None:
     config, so None here."""
     try:
         from engine.errors import EngineError
-        from engine.model.config import ModelConfig
+        from engine.core.config import ModelConfig
 
         return ModelConfig.from_dir(ckpt).num_hidden_layers
     except (ImportError, EngineError, OSError, ValueError):
@@ -145,7 +177,7 @@ def _printer(layers: int | None):
 
 def _conclude(summary: dict, out: Path, remember: bool, say) -> int:
     if summary.get("already_packed"):
-        say(f"{out} already holds this checkpoint's trunk; nothing to do.")
+        say(f"{out} already holds this checkpoint's trunk (every layer checked); nothing to do.")
     else:
         from k3tui.units import transfer_size
 

@@ -52,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
     kwargs = {}
     if cfg is not None:
         kwargs = {"ctx_size": cfg.llama_server.ctx_size,
-                  "reasoning_budget": cfg.llama_server.reasoning_budget}
+                  "reasoning_budget": cfg.llama_server.reasoning_budget,
+                  "rpc": [] if args.machine else cfg.llama_server.rpc}
     plan = make_plan(report, kind, **kwargs)
     # a stored forecast measured this machine: not a profile's, and not llama-server's
     here = not args.machine and plan.backend == "bundled"
@@ -76,5 +77,32 @@ def run(args: argparse.Namespace) -> int:
             from k3tui.planning.forecast import plan_lines
 
             lines = plan_lines(plan.preset)
-        print(fit_to_width(format_plan(plan, report, forecast=lines), width))
+        text = format_plan(plan, report, forecast=lines)
+        if plan.backend == "llama-server":
+            text += "\n" + "\n".join(_pool_lines(cfg, report, probe=not args.machine))
+        print(fit_to_width(text, width))
     return 0
+
+
+def _pool_lines(cfg, report, *, probe: bool) -> list[str]:
+    """The pool section: the configured workers, asked at once (a few seconds at most,
+    however many are down), or how many workers this model would need."""
+    from k3tui.planning.plan import DEFAULT_CTX, GGUF_BYTES
+    from k3tui.planning.pool import Member, plan_lines
+
+    endpoints = list(cfg.llama_server.rpc) if cfg is not None and probe else []
+    workers = []
+    if endpoints:
+        from k3tui.backends.llama.rpc import probe_all
+
+        workers = [Member(s.endpoint, s.free_bytes if s.ok else None, s.detail)
+                   for s in probe_all(endpoints)]
+    gpu = report.gpu
+    head = None
+    if gpu.present:
+        free = report.memory.available_bytes if gpu.unified_memory else \
+            gpu.discrete_memory_bytes
+        head = Member("this machine's GPU", free)
+    ctx = cfg.llama_server.ctx_size if cfg is not None else DEFAULT_CTX
+    return plan_lines(workers, model_bytes=GGUF_BYTES, ctx=ctx,
+                      node_bytes=report.memory.effective_total_bytes, head=head)

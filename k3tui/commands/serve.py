@@ -24,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="checkpoint folder (bundled) or .gguf file / folder (llama-server)")
     old_spelling(parser, "--model", "--model-path", dest="model_path", metavar="PATH")
     parser.add_argument("--port", type=int, help="port to listen on (default: a free one)")
+    parser.add_argument("--rpc", metavar="HOST:PORT,…",
+                        help="pool these llama.cpp RPC workers (`k3tui worker` on each) for "
+                             "llama-server (default: [llama_server] rpc; '' for none)")
     parser.add_argument("--force", action="store_true",
                         help="start despite a refusal: other processes holding GPU memory "
                              "on a unified-memory machine, a memory limit that leaves too "
@@ -45,12 +48,16 @@ def _config():
 def run(args: argparse.Namespace) -> int:
     from k3tui.backends.launch import prepare_launch
     from k3tui.backends.llama.server import exit_story
+    from k3tui.config import parse_rpc
 
     cfg = _config()
     kind = args.backend or _kind_of(args.model_path) or cfg.backend.kind
     if kind == "remote":
         raise K3Error("The configured backend is a remote endpoint; there is nothing to serve "
                       "here.", "use `k3tui chat`, or pass --backend bundled|llama-server", 2)
+    if args.rpc and kind != "llama-server":
+        raise K3Error(f"--rpc pools workers for llama-server, and the backend here is {kind}.",
+                      "serve a GGUF (`--backend llama-server --model-path FILE.gguf`)", 2)
     if args.machine and not args.dry_run:
         raise K3Error("--machine only describes another machine; it cannot start a server "
                       "here.", "add --dry-run", 2)
@@ -61,8 +68,9 @@ def run(args: argparse.Namespace) -> int:
         chosen = args.backend or _kind_of(args.model_path) \
             or (cfg.backend.kind if config_exists() else None)
         return _plan_without_model(args, chosen, configured=cfg.model.dir)
+    workers = None if args.rpc is None else parse_rpc(args.rpc)
     ready = prepare_launch(cfg, kind=kind, model=args.model_path, port=args.port,
-                           force=args.force, machine=args.machine)
+                           force=args.force, machine=args.machine, rpc=workers)
     shown = ready.describe()
     print(shown, flush=True)
     if args.dry_run:
@@ -86,7 +94,10 @@ def run(args: argparse.Namespace) -> int:
                 print(note, file=sys.stderr)
         key = " (API key: see credentials.toml, `server_api_key`)" if backend.api_key else ""
         print(f"{backend.kind} ready: {backend.base_url}/v1 (model {backend.model}){key}\n"
-              f"log: {backend.log_path}\nCtrl-C stops it.", flush=True)
+              f"log: {backend.log_path}", flush=True)
+        if backend.rpc_workers:
+            print(_pool_loaded(backend), flush=True)
+        print("Ctrl-C stops it.", flush=True)
         backend.wait()
         raise K3Error(f"The {backend.kind} backend {exit_story(backend)}.\n"
                       f"last log lines ({backend.log_path}):\n{backend.log_tail(15)}",
@@ -98,6 +109,17 @@ def run(args: argparse.Namespace) -> int:
         backend.stop()
         if backend.process is not None and backend.process.returncode is not None:
             print(f"{backend.kind} stopped.", file=sys.stderr)
+
+
+def _pool_loaded(backend) -> str:
+    """What each worker holds now that the head has loaded (from the head's log)."""
+    from k3tui.backends.llama.rpc import placement_in_log
+    from k3tui.units import memory_size
+
+    held = placement_in_log(backend.log_path)
+    return "pool: " + ", ".join(
+        f"{w} holds {memory_size(held[w])}" if w in held else f"{w} (its share is not in "
+        "the log)" for w in backend.rpc_workers)
 
 
 def _kind_of(model: str | None) -> str | None:

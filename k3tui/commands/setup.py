@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--remote-url", metavar="URL", help="remote endpoint (with --yes)")
     parser.add_argument("--api-key-env", metavar="NAME",
                         help="environment variable holding the remote API key (with --yes)")
+    parser.add_argument("--rpc", metavar="HOST:PORT,…",
+                        help="with --yes: pool these llama.cpp RPC workers (`k3tui worker` on "
+                             "each) for the GGUF; '' for none")
     parser.add_argument("--force", action="store_true",
                         help="with --yes: save even when the plan has blockers (e.g. disk) "
                              "or the remote endpoint's test fails")
@@ -40,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from k3tui.config import config_exists, load_config
+    from k3tui.config import config_exists, load_config, parse_rpc
     from k3tui.paths import get_paths
     from k3tui.probe import probe_machine
 
@@ -64,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     result = wizard.answers_from_flags(
         report, base, model=args.kind, backend=args.backend, preset=args.preset,
         model_dir=args.model_dir, remote_url=args.remote_url, api_key_env=args.api_key_env,
-        force=args.force)
+        force=args.force, rpc=None if args.rpc is None else parse_rpc(args.rpc))
     if result.config.model.kind == "safetensors":
         result.notes += forecast_notes(result.config, measure=args.forecast)
     wizard.apply(result)

@@ -3,16 +3,23 @@
 Bytes already on disk when the download starts (complete files, resumed prefixes) are
 *initial* bytes: they count towards `done_bytes` but never towards the rate, so a resume
 shows no fake burst. The rate is a windowed rate of the aggregate counter.
+
+The totals and the count of files per status are kept as they change, and an event lists
+only the files being worked on (and the first few that failed): a snapshot costs the same
+for a listing of 100,000 files as for 4.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
+from itertools import islice
 from dataclasses import dataclass, field
 
 RATE_WINDOW_S = 10.0
+WORKING = ("verifying", "downloading", "retrying")   # listed in every event
+FAILED_LISTED = 8                                    # failed files listed by name, at most
 
 
 @dataclass
@@ -38,12 +45,22 @@ class ProgressEvent:
     eta_s: float | None
     stalled: bool
     retries: int
-    files: list[dict] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
+    files: list[dict] = field(default_factory=list)    # the files being worked on, then
+    errors: list[str] = field(default_factory=list)   # the first FAILED_LISTED failed ones
+    counts: dict[str, int] = field(default_factory=dict)   # files per status, all of them
 
     @property
     def fraction(self) -> float:
         return self.done_bytes / self.total_bytes if self.total_bytes else 1.0
+
+
+def file_counts(state: dict) -> dict[str, int]:
+    """Files per status in a download job's state file (`file_counts`, from the events'
+    `counts`); {} when it holds none or a damaged one."""
+    counts = state.get("file_counts")
+    ok = isinstance(counts, dict) and all(
+        isinstance(k, str) and type(n) is int and n >= 0 for k, n in counts.items())
+    return counts if ok else {}
 
 
 class Progress:
@@ -52,6 +69,11 @@ class Progress:
         self._lock = threading.Lock()
         self._clock = clock
         self.files = {name: FileProgress(name, size) for name, size in files}
+        self.total = sum(f.size for f in self.files.values())
+        self.done = 0                  # sum of min(done, size) over the files
+        self.counts = Counter(f.status for f in self.files.values())
+        self._working: dict[str, FileProgress] = {}   # status in WORKING
+        self._failed: dict[str, FileProgress] = {}    # in the order they failed
         self.initial = 0
         self.received = 0              # bytes fetched in this run (drives the rate)
         self.retries = 0
@@ -60,11 +82,17 @@ class Progress:
         self._samples: deque[tuple[float, int]] = deque()
         self._last_byte = clock()
 
+    def _count(self, f: FileProgress, n: int) -> None:
+        """Under the lock: `n` more (or fewer) bytes of `f` are done."""
+        before = min(f.done, f.size)
+        f.done += n
+        self.done += min(f.done, f.size) - before
+
     def initial_bytes(self, name: str, n: int) -> None:
         """Bytes found on disk (not fetched now): counted as done, never as rate."""
         with self._lock:
             f = self.files[name]
-            f.done += n
+            self._count(f, n)
             f.initial += n
             self.initial += n
             self._last_byte = self._clock()
@@ -74,11 +102,12 @@ class Progress:
         with self._lock:
             f = self.files[name]
             self.initial -= f.initial
-            f.done = f.initial = 0
+            self._count(f, -f.done)
+            f.initial = 0
 
     def add(self, name: str, n: int) -> None:
         with self._lock:
-            self.files[name].done += n
+            self._count(self.files[name], n)
             self.received += n
             self._last_byte = self._clock()
 
@@ -90,6 +119,18 @@ class Progress:
             if status in ("downloading", "verifying") and f.status not in ("downloading",
                                                                             "retrying"):
                 self._last_byte = max(self._last_byte, self._clock() - 1.0)
+            if status == f.status:
+                return
+            self.counts[f.status] -= 1
+            self.counts[status] += 1
+            if status not in WORKING:
+                self._working.pop(name, None)
+            elif name not in self._working:       # in the order they started
+                self._working[name] = f
+            if status == "failed":
+                self._failed[name] = f
+            else:
+                self._failed.pop(name, None)
             f.status = status
 
     def error(self, text: str, retry: bool = True) -> None:
@@ -105,13 +146,13 @@ class Progress:
                 self._samples.popleft()
             t0, b0 = self._samples[0]
             rate = (self.received - b0) / (now - t0) if now - t0 >= 0.5 else 0.0
-            total = sum(f.size for f in self.files.values())
-            done = sum(min(f.done, f.size) for f in self.files.values())
-            active = any(f.status in ("downloading", "retrying") for f in self.files.values())
+            active = any(f.status != "verifying" for f in self._working.values())
             stalled = active and now - self._last_byte >= self.stall_after_s
-            eta = (total - done) / rate if rate > 0 and not stalled else None
-            return ProgressEvent(total, done, self.initial, rate, eta, stalled, self.retries,
-                                 [f.as_dict() for f in self.files.values()], list(self.errors))
+            eta = (self.total - self.done) / rate if rate > 0 and not stalled else None
+            listed = [*self._working.values(), *islice(self._failed.values(), FAILED_LISTED)]
+            return ProgressEvent(self.total, self.done, self.initial, rate, eta, stalled,
+                                 self.retries, [f.as_dict() for f in listed],
+                                 list(self.errors), {k: n for k, n in self.counts.items() if n})
 
 
 class Ticker:

@@ -8,6 +8,7 @@ import contextlib
 import shutil
 import threading
 import traceback
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +52,7 @@ class DownloadPlan:
     partial: dict[str, int] = field(default_factory=dict)   # resumable bytes per file
     missing: list[str] = field(default_factory=list)
     free: int = 0
+    update: str | None = None     # the folder holds another revision of this repo: the words
 
     @property
     def remaining_bytes(self) -> int:
@@ -75,6 +77,8 @@ class DownloadPlan:
                  f"missing: {len(self.missing) - len(self.partial)}",  # partials are in missing
                  f"  to download: {transfer_size(self.remaining_bytes)}   "
                  f"free: {transfer_size(self.free)}"]
+        if self.update:
+            lines.append(f"  {self.update}")
         return "\n".join(lines)
 
     def refuse_if_short(self) -> None:
@@ -90,27 +94,31 @@ class DownloadPlan:
 CHECKS = ("size", "stat", "hash")
 
 
-def plan_download(snapshot: RepoSnapshot, target: Path, *, check: str = "size") -> DownloadPlan:
-    """Sort files into complete / to check / partial / missing.
+def plan_download(snapshot: RepoSnapshot, target: Path, *, check: str = "size",
+                  store: LocalStore | None = None) -> DownloadPlan:
+    """Sort files into complete / to check / partial / missing. K3Error when the folder
+    holds another repo.
 
     `check`: "size" trusts a verification record whose size still matches; "stat" (used
     by --verify) also wants the same mtime, else the file is re-hashed; "hash" re-hashes
     every file on disk. A file on disk without a record is always hashed before use.
     """
     assert check in CHECKS
-    store = LocalStore(target)
-    store.check_names(f.name for f in snapshot.files)   # one bad name refuses them all
-    plan = DownloadPlan(snapshot, Path(target), free=free_bytes(target))
-    for rf in snapshot.files:
-        final = store.final(rf.name)
-        if check != "hash" and store.recorded_ok(rf, mtime=check == "stat"):
-            plan.complete.append(rf.name)
-        elif final.exists():
-            plan.to_check.append(rf.name)
-        else:
-            plan.missing.append(rf.name)
-            if have := store.resumable_bytes(rf):
-                plan.partial[rf.name] = have
+    store = store or LocalStore(target)
+    plan = DownloadPlan(snapshot, Path(target), free=free_bytes(target),
+                        update=store.check_origin(snapshot))
+    with store.resolving_once():
+        store.check_names(f.name for f in snapshot.files)   # one bad name refuses them all
+        for rf in snapshot.files:
+            final = store.final(rf.name)
+            if check != "hash" and store.recorded_ok(rf, final, mtime=check == "stat"):
+                plan.complete.append(rf.name)
+            elif final.exists():
+                plan.to_check.append(rf.name)
+            else:
+                plan.missing.append(rf.name)
+                if have := store.resumable_bytes(rf):
+                    plan.partial[rf.name] = have
     return plan
 
 
@@ -165,8 +173,10 @@ class Sync:
         self.snapshot, self.target, self.opts, self.stop = snapshot, target, opts, stop
         self.log, self.resume = log, resume
         self.store = LocalStore(target)
-        self.plan = plan_download(snapshot, target, check=check)   # checks every name first
+        # checks every name and the repo the folder holds first
+        self.plan = plan_download(snapshot, target, check=check, store=self.store)
         self.store.ensure()
+        self.store.claim(snapshot)
         self.by_name = {f.name: f for f in snapshot.files}
         self.progress = Progress([(f.name, f.size) for f in snapshot.files],
                                  stall_after_s=max(10.0, opts.timeout_s / 2))
@@ -175,7 +185,8 @@ class Sync:
             self.progress.status(name, "done")
         for name, have in self.plan.partial.items():
             self.progress.initial_bytes(name, have)
-        self.todo = [self.by_name[n] for n in self.plan.to_check + self.plan.missing]
+        self.todo = deque(self.by_name[n] for n in self.plan.to_check + self.plan.missing)
+        self.to_check = set(self.plan.to_check)
         self.result = DownloadResult(ok=False)
         self.lock = threading.Lock()
         self.cv = threading.Condition(self.lock)
@@ -201,6 +212,7 @@ class Sync:
             for fetch in self.open:
                 fetch.close()
             self.client.close()
+            self.store.close()
         return self._finish()
 
     def _run_workers(self, workers: int) -> None:
@@ -255,7 +267,7 @@ class Sync:
                         return fetch, span
                     continue
                 if self.todo:
-                    rf = self.todo.pop(0)
+                    rf = self.todo.popleft()
                     self.opening += 1
                     break
                 if not self.open and not self.opening:
@@ -265,7 +277,7 @@ class Sync:
                 return None
         fetch = None
         try:
-            if rf.name in self.plan.to_check and self._check_on_disk(rf):
+            if rf.name in self.to_check and self._check_on_disk(rf):
                 return self._next_after(None)
             fetch = FileFetch(rf, self.snapshot, self.store, self.progress, self.client,
                               self.opts, self.stop, self.log, self.connections)

@@ -6,6 +6,7 @@ peer engine's measured peak RSS per preset, so a preset is picked only when that
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -87,6 +88,7 @@ class Plan:
     download_bytes: int = 0
     disk_needed_bytes: int = 0
     findings: list[Finding] = field(default_factory=list)
+    rpc_workers: list[str] = field(default_factory=list)  # llama-server as a pool's head
 
     @property
     def blockers(self) -> list[Finding]:
@@ -257,7 +259,8 @@ def _plan_bundled(report: MachineReport, plan: Plan) -> None:
             "the page cache that the GPU shares"))
 
 
-def _plan_llama(report: MachineReport, plan: Plan, ctx: int, budget: int) -> None:
+def _plan_llama(report: MachineReport, plan: Plan, ctx: int, budget: int,
+                pooled: bool = False) -> None:
     gpu, mem = report.gpu, report.memory
     threads = report.cpu.usable
     plan.threads = threads
@@ -268,7 +271,14 @@ def _plan_llama(report: MachineReport, plan: Plan, ctx: int, budget: int) -> Non
         args.extend(flag)
         why.append([" ".join(flag), reason])
 
-    if gpu.present:
+    if pooled:
+        add(["--n-gpu-layers", "99"], "every layer on a device: the pool's workers (and this "
+                                      "machine's GPU, if any) hold them all")
+        add(["--verbosity", "4"], "the log names what the head puts on each worker (the "
+                                  "chat's I/O pane shows it)")
+        if gpu.unified_memory:
+            add(["--no-host"], "unified memory: no separate pinned host copy of the weights")
+    elif gpu.present:
         add(["--n-gpu-layers", "99"], "attention and the dense trunk on the GPU")
         add(["--cpu-moe"], f"the {GGUF_BYTES / GB:.0f} GB of experts stay in host memory, "
                            "paged from the SSD through mmap")
@@ -303,7 +313,7 @@ def _plan_llama(report: MachineReport, plan: Plan, ctx: int, budget: int) -> Non
         reserve = max(2 * GiB, int(0.1 * mem.effective_total_bytes))
         limit = mem.effective_total_bytes - reserve
         reason = f"{gib(mem.effective_total_bytes)} RAM minus {gib(reserve)} for the system"
-        if not gpu.present:
+        if not gpu.present and not pooled:
             plan.findings.append(Finding(
                 "warn", "no_gpu",
                 "no GPU: llama-server runs the GGUF on the CPU through mmap (expect well under "
@@ -335,8 +345,9 @@ def _plan_llama(report: MachineReport, plan: Plan, ctx: int, budget: int) -> Non
 
 def make_plan(report: MachineReport, model_kind: str, *, ctx_size: int = DEFAULT_CTX,
               reasoning_budget: int = DEFAULT_REASONING_BUDGET, have_bytes: int = 0,
-              trunk_on_same_disk: bool = True) -> Plan:
-    """What k3tui would do with `model_kind` on the machine `report` describes."""
+              trunk_on_same_disk: bool = True, rpc: Sequence[str] = ()) -> Plan:
+    """What k3tui would do with `model_kind` on the machine `report` describes; `rpc`:
+    as the head of a pool of these RPC workers (llama-server only)."""
     if model_kind not in MODEL_LABELS:
         raise ValueError(f"unknown model kind {model_kind!r}")
     if model_kind == "remote":
@@ -349,7 +360,8 @@ def make_plan(report: MachineReport, model_kind: str, *, ctx_size: int = DEFAULT
                     "a GGUF runs in llama.cpp's llama-server"
                     + (" with the GPU taking the trunk" if report.gpu.present else ""))
         need, extra = GGUF_BYTES, 0
-        _plan_llama(report, plan, ctx_size, reasoning_budget)
+        plan.rpc_workers = list(rpc)
+        _plan_llama(report, plan, ctx_size, reasoning_budget, pooled=bool(rpc))
     else:
         plan = Plan(model_kind, MODEL_LABELS[model_kind], "bundled",
                     "the bundled engine streams the safetensors from disk under a memory "
@@ -407,7 +419,8 @@ def format_plan(plan: Plan, report: MachineReport, model_path: str | None = None
         method = getattr(iso, "method", "none") or "none"
         limit = plan.memory_limit_bytes
         shown = {"model": model_path} if model_path else {}
-        cmd = planned_command(plan.llama_server_args, limit_bytes=limit, method=method, **shown)
+        cmd = planned_command(plan.llama_server_args, limit_bytes=limit, method=method,
+                              rpc=plan.rpc_workers, **shown)
         out.append("Command: " + " ".join(cmd))
         if limit is not None:
             out.append(f"Memory limit: {gib(limit)} ({limit} bytes) = "

@@ -28,6 +28,32 @@ KV_BYTES_PER_POS_F16 = MLA_LAYERS * (512 + 64) * 2
 KDA_STATE_BYTES_F32 = KDA_LAYERS * 96 * 128 * 128 * 4
 SAFETENSORS_GB = 1560.0
 H200_GB = 141.0
+KIMI_K3_LAYERS = MLA_LAYERS + KDA_LAYERS
+RESERVE_GIB = 8.0  # what each pooled machine keeps for the OS and compute buffers
+
+
+def cache_gib(ctx: int) -> float:
+    """The KV cache (MLA latents) and the KDA recurrent state for `ctx` tokens."""
+    return (ctx * KV_BYTES_PER_POS_F16 + KDA_STATE_BYTES_F32) / GiB
+
+
+def split_layers(n_layers: int, shares: list[float]) -> list[int]:
+    """How many of `n_layers` repeating layers each device gets, the way llama.cpp's layer
+    split deals them: of the n + 1 layers (the output layer last), layer i goes to the first
+    device whose cumulative share of the total exceeds i / (n + 1). The shares are what
+    llama.cpp weighs the devices by: their free memory, unless --tensor-split is given."""
+    total = sum(max(x, 0) for x in shares)
+    counts = [0] * len(shares)
+    if total <= 0:
+        return counts
+    bounds, running = [], 0.0
+    for x in shares:
+        running += max(x, 0) / total
+        bounds.append(running)
+    for i in range(n_layers):
+        at = i / (n_layers + 1)
+        counts[next((d for d, b in enumerate(bounds) if b > at), len(shares) - 1)] += 1
+    return counts
 
 
 @dataclass(frozen=True)
@@ -76,13 +102,13 @@ class RpcSizing:
 
 
 def rpc_sizing(
-    gguf_gib: float = 539.0, node_gib: float = 121.0, reserve_gib: float = 8.0, ctx: int = 8192
+    gguf_gib: float = 539.0, node_gib: float = 121.0, reserve_gib: float = RESERVE_GIB,
+    ctx: int = 8192
 ) -> RpcSizing:
     """How many `node_gib` machines hold a `gguf_gib` GGUF resident (weights + cache)."""
     if gguf_gib <= 0 or node_gib <= reserve_gib or reserve_gib < 0 or ctx <= 0:
         raise ValueError("need gguf_gib > 0, node_gib > reserve_gib >= 0 and ctx > 0")
-    cache_gib = (ctx * KV_BYTES_PER_POS_F16 + KDA_STATE_BYTES_F32) / GiB
-    need = gguf_gib + cache_gib
+    need = gguf_gib + cache_gib(ctx)
     usable = node_gib - reserve_gib
     return RpcSizing(
         nodes=math.ceil(need / usable),
@@ -95,7 +121,7 @@ def rpc_sizing(
 def _rpc(
     gguf_gib: float = 539.0,
     node_gib: float = 121.0,
-    reserve_gib: float = 8.0,
+    reserve_gib: float = RESERVE_GIB,
     ctx: int = 8192,
     port: int = 50052,
 ) -> Recipe:

@@ -6,6 +6,7 @@ so the same pixels come out on every run.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -104,11 +105,14 @@ def write_jobs(jobs_dir: Path) -> Iterator[None]:
               "status": "done" if i < 31 else ("pending" if i > 34 else "downloading")}
              for i in range(1, 97)]
     files[40]["status"] = "failed"
+    counts = dict(collections.Counter(f["status"] for f in files))
+    files = [f for f in files if f["status"] not in ("done", "pending")]   # as events list them
     common = {"status": "running", "updated": now}
     download = dict(common, id="dl-7f3a", kind="download", started=now - 3600,
                     message="moonshotai/Kimi-K3@main → /data/kimi-k3",
                     total_bytes=1_560_900_000_000, done_bytes=536_400_000_000,
-                    rate_bps=412_000_000.0, eta_s=2487.0, stalled=False, files=files)
+                    rate_bps=412_000_000.0, eta_s=2487.0, stalled=False, files=files,
+                    file_counts=counts)
     pack = dict(common, id="pk-19c2", kind="pack", started=now - 120,
                 message="packing the trunk into /data/kimi-k3-trunk",
                 total_bytes=41_200_000_000, done_bytes=17_900_000_000, rate_bps=905_000_000.0,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rich.text import Text
@@ -56,6 +56,7 @@ class BackendInfo:
     pid: int | None = None
     log_path: str = ""
     label: str = ""                 # e.g. the demo's "random weights" warning
+    pool: list[str] = field(default_factory=list)  # a pool head's workers, host:port each
 
     def header(self) -> Text:
         """The label (the demo's warning) first, so 80 columns never cut it off."""
@@ -160,10 +161,6 @@ class ChatScreen(Screen):
     def conversation_id(self) -> int | None:
         return self.session.conversation_id
 
-    @conversation_id.setter
-    def conversation_id(self, value: int | None) -> None:
-        self.session.conversation_id = value
-
     @property
     def k3app(self) -> ChatApp:
         return self.app  # type: ignore[return-value]
@@ -183,7 +180,7 @@ class ChatScreen(Screen):
         app = self.k3app
         self._fit_layout()
         if not self.new:
-            await self.load_conversation(self.conversation_id)
+            await self._open_at_start()
         await self._hint()
         if app.sample_hz > 0:
             self.set_interval(1 / app.sample_hz, self.sample_now)
@@ -201,20 +198,52 @@ class ChatScreen(Screen):
         self.set_class(width < NARROW, "narrow")
         self.set_class(width < NARROW and height < SHORT, "short")
 
+    def on_unmount(self) -> None:
+        self.session.close()
+
     # conversation ----------------------------------------------------------------------
-    async def load_conversation(self, conversation_id: int | None) -> None:
+    async def _open_at_start(self) -> None:
+        """The conversation named (`--conversation`), else the most recent one that no
+        other window shows: two windows on one home never share a conversation unasked."""
         history = self.k3app.history
-        if conversation_id is None:
-            convs = history.list_conversations()
-            conversation_id = convs[0].id if convs else None
-        self.conversation_id = conversation_id
+        asked = self.session.asked
+        if asked is not None:
+            if history.get_conversation(asked) is None:
+                self._tell(f"There is no conversation {asked}; this window starts a new one "
+                           "(Ctrl+O lists them).", severity="warning")
+                return
+            await self.load_conversation(asked)
+            return
+        conversation_id, passed = self.session.first_free()
+        if passed:
+            now = (f"opened “{clean(history.get_conversation(conversation_id).title)}”"
+                   if conversation_id is not None else "starts a new one")
+            self._tell(f"Your most recent conversation, “{clean(passed[0].title)}”, is open "
+                       f"in another k3tui window, so this window {now} (Ctrl+O opens any).")
+        if conversation_id is not None:
+            await self.load_conversation(conversation_id)
+
+    async def load_conversation(self, conversation_id: int) -> None:
+        shared = conversation_id != self.conversation_id and \
+            self.k3app.history.shown_elsewhere(conversation_id)
+        messages = self.session.open(conversation_id)
+        await self._show_messages(messages)
+        if shared:
+            self._tell("This conversation is open in another k3tui window too; each window "
+                       "sends only the turns it shows.")
+
+    def _tell(self, message: str, severity: str = "information") -> None:
+        """A notice that may come while the screen mounts: shown once it is drawn (a toast
+        posted before then never appears)."""
+        self.call_after_refresh(self.notify, message, severity=severity,  # type: ignore[arg-type]
+                                timeout=10, markup=False)
+
+    async def _show_messages(self, messages: list[Any]) -> None:
         self.clear_pick()
         chat = self.query_one("#chat", ChatLog)
         await chat.remove_children()
-        if conversation_id is None:
-            return
         widgets = []
-        for m in history.messages(conversation_id):
+        for m in messages:
             if m.role == "user":
                 widgets.append(UserMessage(m.content, classes="user"))
             elif m.role == "assistant":
@@ -239,6 +268,23 @@ class ChatScreen(Screen):
         return self._gen is not None and self._gen.state in (WorkerState.PENDING,
                                                              WorkerState.RUNNING)
 
+    async def _changed_elsewhere(self, kept: str) -> bool:
+        """Another window changed this conversation since this one showed it: show it as
+        it is now and say so (`kept`: what happened to the user's action) instead of
+        sending turns this window never showed."""
+        if not self.session.changed_elsewhere():
+            return False
+        conversation_id = self.conversation_id
+        assert conversation_id is not None
+        if self.k3app.history.get_conversation(conversation_id) is None:
+            await self.action_new_chat()
+            what = "was deleted in another k3tui window; this window starts a new one"
+        else:
+            await self._show_messages(self.session.open(conversation_id))
+            what = "was changed in another k3tui window and is shown as it is now"
+        self.notify(f"This conversation {what}: {kept}.", severity="warning", timeout=12)
+        return True
+
     @on(Prompt.Submitted)
     async def send(self, event: Prompt.Submitted) -> None:
         text = event.text.strip()
@@ -246,6 +292,8 @@ class ChatScreen(Screen):
             return
         if self.generating:
             self.notify("Still answering: press Esc to stop first.", severity="warning")
+            return
+        if await self._changed_elsewhere("nothing was sent, your message is still in the box"):
             return
         backend = self.k3app.backend
         self.session.add_prompt(text, backend=backend.kind, model=backend.model)
@@ -308,13 +356,10 @@ class ChatScreen(Screen):
         self.clear_pick(follow=True)
 
     async def _drop_last_answer(self) -> bool:
-        """Remove the last assistant message (history and screen); False if there is none."""
-        if self.conversation_id is None:
-            return False
-        msgs = self.k3app.history.messages(self.conversation_id)
-        if not msgs or msgs[-1].role != "assistant":
-            return bool(msgs) and msgs[-1].role == "user"
-        self.k3app.history.delete_message(msgs[-1].id)
+        """Remove the last assistant message (history and screen); False if the turn has
+        no prompt to answer again."""
+        if self.session.drop_last("assistant") is None:
+            return bool(self.session.shown) and self.session.shown[-1].role == "user"
         answers = self.query("#chat > AssistantMessage")
         if answers:
             await answers.last().remove()
@@ -328,6 +373,8 @@ class ChatScreen(Screen):
         if app.starter is not None and not app.backend_alive():
             app.start_backend(then=self.action_regenerate)  # the backend died: restart it
             return
+        if await self._changed_elsewhere("nothing was regenerated"):
+            return
         if not await self._drop_last_answer():
             self.notify("Nothing to regenerate yet.")
             return
@@ -337,17 +384,18 @@ class ChatScreen(Screen):
         """Put the last prompt back in the box and forget that turn, to edit and resend."""
         if self.generating or self.conversation_id is None:
             return
+        if await self._changed_elsewhere("nothing was taken back to edit"):
+            return
         await self._drop_last_answer()
-        msgs = self.k3app.history.messages(self.conversation_id)
-        if not msgs or msgs[-1].role != "user":
+        last = self.session.drop_last("user")
+        if last is None:
             self.notify("Nothing to edit yet.")
             return
-        self.k3app.history.delete_message(msgs[-1].id)
         users = self.query("#chat > UserMessage")
         if users:
             await users.last().remove()
         prompt = self.query_one(Prompt)
-        prompt.text = msgs[-1].content
+        prompt.text = last.content
         prompt.move_cursor(prompt.document.end)
         prompt.focus()
         await self._hint()
@@ -483,7 +531,7 @@ class ChatScreen(Screen):
         if self.generating:
             self.notify("Press Esc to stop the current answer first.", severity="warning")
             return
-        self.conversation_id = None
+        self.session.open(None)
         self.clear_pick(follow=True)
         await self.query_one("#chat").remove_children()
         await self._hint()
@@ -649,6 +697,8 @@ class ChatApp(App):
             chat.query_one("#header", Static).update(self.backend.header())
             if self.monitor is not None:
                 self.monitor.set_pid(self.backend.pid)
+                if self.backend.pool:
+                    self.monitor.set_pool(self.backend.pool, self.backend.log_path)
             if screen.typed:  # typed while the start-up screen covered the chat: kept
                 chat.query_one(Prompt).insert(screen.typed)
             if then is not None:

@@ -1,14 +1,22 @@
-"""One conversation's history and the consuming of one answer's stream. No Textual here.
+"""One window's conversation and the consuming of one answer's stream. No Textual here.
 
 The screen gives `consume` an `AnswerView` (its handler for the stream's events: the
-answer widget and the panes) and the session does the rest: which history messages go
-into a request, committing the prompt before the request goes out, saving a streaming
-answer every `SAVE_EVERY_S`, and the turn's final status and note.
+answer widget and the panes) and the session does the rest: which messages go into a
+request, committing the prompt before the request goes out, saving a streaming answer
+every `SAVE_EVERY_S`, and the turn's final status and note.
+
+Several windows can share one history. The session keeps `shown`, the conversation as
+this window shows it, and a request is built from that, never from the store: a window
+never sends turns it has not shown. Before acting on the conversation the screen asks
+`changed_elsewhere` and, when another window added to it, shows it again instead. While
+a window shows a conversation it marks it (`History.show`), so a window started without
+naming one opens the most recent conversation no other window shows.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Any, Protocol
 
@@ -20,7 +28,7 @@ from k3tui.backends.events import (
     TokenStats,
     Waiting,
 )
-from k3tui.history import History
+from k3tui.history import Conversation, History, Message
 
 SAVE_EVERY_S = 1.0  # how often a streaming answer is written to the history
 
@@ -42,18 +50,64 @@ class AnswerView(Protocol):
     async def done(self, status: str, note: str) -> None: ...
 
 
+def _seen(m: Message) -> tuple:
+    """What a window shows of a message: a row whose id came back (SQLite reuses the
+    largest id after a delete) with other text is another message."""
+    return m.id, m.role, m.content, m.reasoning, m.status
+
+
 class ChatSession:
     def __init__(self, history: History, conversation_id: int | None = None,
                  system_prompt: str = "") -> None:
         self.history = history
-        self.conversation_id = conversation_id
+        self.asked = conversation_id  # the one the user named (`chat --conversation ID`)
         self.system_prompt = system_prompt
+        self.conversation_id: int | None = None
+        self.shown: list[Message] = []  # the conversation as this window shows it
+        self._mark: int | None = None
+
+    def open(self, conversation_id: int | None) -> list[Message]:
+        """Show `conversation_id` (None: a new conversation, stored with its first prompt);
+        returns its messages."""
+        self._set_conversation(conversation_id)
+        self.shown = [] if conversation_id is None else self.history.messages(conversation_id)
+        return list(self.shown)
+
+    def _set_conversation(self, conversation_id: int | None) -> None:
+        if conversation_id != self.conversation_id or self._mark is None:
+            self.history.hide(self._mark)
+            self._mark = None if conversation_id is None else self.history.show(conversation_id)
+        self.conversation_id = conversation_id
+
+    def close(self) -> None:
+        self.history.hide(self._mark)
+        self._mark = None
+
+    def first_free(self) -> tuple[int | None, list[Conversation]]:
+        """The conversation a window opens when none was named: the most recent one no
+        other window shows (None: a new one), and the more recent ones it passed over."""
+        passed: list[Conversation] = []
+        for conv in self.history.list_conversations():
+            if not self.history.shown_elsewhere(conv.id):
+                return conv.id, passed
+            passed.append(conv)
+        return None, passed
+
+    def changed_elsewhere(self) -> bool:
+        """Whether the stored conversation is no longer exactly what this window shows
+        (another window added to it, edited it or deleted it)."""
+        if self.conversation_id is None:
+            return False
+        stored = self.history.messages(self.conversation_id)
+        if not stored and self.history.get_conversation(self.conversation_id) is None:
+            return True
+        return [_seen(m) for m in stored] != [_seen(m) for m in self.shown]
 
     def request_messages(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         if self.system_prompt:
             out.append({"role": "system", "content": self.system_prompt})
-        for m in self.history.messages(self.conversation_id or -1):
+        for m in self.shown:
             if m.role == "assistant" and (m.status in ("streaming", "error") or not m.content):
                 continue
             msg = {"role": m.role, "content": m.content}
@@ -64,18 +118,37 @@ class ChatSession:
             out.append(msg)
         return out
 
+    def _add(self, role: str, content: str, status: str = "done") -> int:
+        assert self.conversation_id is not None
+        message_id = self.history.add_message(self.conversation_id, role, content,
+                                              status=status)
+        self.shown.append(Message(message_id, self.conversation_id, role, content,
+                                  status=status))
+        return message_id
+
     def add_prompt(self, text: str, *, backend: str, model: str) -> None:
         """Committed before the request goes out: a crash from here on loses nothing typed."""
         if self.conversation_id is None:
             title = " ".join(text.split())[:48]
-            self.conversation_id = self.history.new_conversation(title, backend=backend,
-                                                                 model=model)
-        self.history.add_message(self.conversation_id, "user", text)
+            self._set_conversation(self.history.new_conversation(title, backend=backend,
+                                                                 model=model))
+        self._add("user", text)
 
     def start_answer(self) -> int:
-        assert self.conversation_id is not None
-        return self.history.add_message(self.conversation_id, "assistant", "",
-                                        status="streaming")
+        return self._add("assistant", "", status="streaming")
+
+    def drop_last(self, role: str) -> Message | None:
+        """Delete the last message if it is `role`'s (history and `shown`); it, or None."""
+        if not self.shown or self.shown[-1].role != role:
+            return None
+        message = self.shown.pop()
+        self.history.delete_message(message.id)
+        return message
+
+    def _saved(self, message_id: int, **fields: Any) -> None:
+        self.history.update_message(message_id, **fields)
+        self.shown = [dataclasses.replace(m, **fields) if m.id == message_id else m
+                      for m in self.shown]
 
     async def consume(self, stream: Any, view: AnswerView,
                       message_id: int) -> None:
@@ -118,7 +191,6 @@ class ChatSession:
                 await stream.aclose()  # closes the HTTP stream, which stops the server
             except Exception:
                 pass
-            self.history.update_message(message_id, content=view.content,
-                                        reasoning=view.reasoning, status=status,
-                                        meta=view.turn_meta())
+            self._saved(message_id, content=view.content, reasoning=view.reasoning,
+                        status=status, meta=view.turn_meta())
             await view.done(status, note)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import stat
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
 from k3tui.config import (Config, config_exists, load_config, load_credentials, save_config,
-                          save_credential, set_value)
+                          save_credential, set_in_file, set_value)
 from k3tui.errors import K3Error
 from k3tui.paths import get_paths
 
@@ -34,7 +38,7 @@ def test_every_documented_key_exists():
         "backend": {"kind", "host", "port"},
         "engine": {"preset", "trunk_gb", "cache_gb", "threads"},
         "llama_server": {"binary", "ctx_size", "reasoning_budget", "memory_limit_gb",
-                         "n_gpu_layers", "extra_args"},
+                         "n_gpu_layers", "extra_args", "rpc"},
         "remote": {"url", "model", "api_key_env", "verify_tls"},
         "chat": {"thinking", "thinking_effort", "max_tokens", "temperature", "system_prompt"},
     }
@@ -49,6 +53,12 @@ def test_every_documented_key_exists():
     ("[engine]\npreset = \"huge\"\n", 2, "not one of"),
     ("[llama_server]\nextra_args = [1, 2]\n", 2, "a list of strings"),
     ("[engine]\ntrunk_gb = -3\n", 2, "must not be negative"),
+    ("[llama_server]\nrpc = [\"10.0.0.2\"]\n", 2, "'10.0.0.2' is not host:port"),
+    ("[llama_server]\nrpc = [\"[::1]:50052\"]\n", 2, "cannot take an IPv6 address"),
+    ("[llama_server]\nrpc = [\"a:1\", \"b:70000\"]\n", 2, "'b:70000' is not host:port"),
+    ("[llama_server]\nrpc = [\"a:1\", \"a:1\"]\n", 2, "a:1 is listed twice"),
+    ("[llama_server]\nrpc = [" + ", ".join(f'\"h{i}:1\"' for i in range(17)) + "]\n", 2,
+     "at most 16 RPC workers"),
 ])
 def test_bad_input_names_file_and_line(text, line, words):
     path = get_paths().config_file
@@ -155,3 +165,92 @@ def test_config_set_repairs_the_value_that_stops_the_file_loading():
     path.write_text('[engine]\npreset = "turbo"\nnokey = 1\n')
     res = _cli("set", "engine.preset", "laptop")  # a second fault is still reported by line
     assert res.returncode == 2 and "line 3: unknown key `nokey`" in res.stderr, res.stderr
+
+
+def test_rpc_workers_are_a_checked_list_of_host_port():
+    cfg = set_value(Config(), "llama_server.rpc", '["192.168.1.20:50052", "node-2.lan:50053"]')
+    assert cfg.llama_server.rpc == ["192.168.1.20:50052", "node-2.lan:50053"]
+    assert set_value(Config(), "llama_server.rpc", "10.0.0.2:50052").llama_server.rpc == \
+        ["10.0.0.2:50052"]  # one worker, as a plain word
+    res = _cli("set", "llama_server.rpc", "10.0.0.2")
+    assert res.returncode == 2 and "'10.0.0.2' is not host:port" in res.stderr
+    assert "next: e.g. `k3tui config set llama_server.rpc '[\"192.168.1.20:50052\"]'`" \
+        in res.stderr
+
+
+# -- hostile files: bounded before they are parsed ----------------------------------------------
+
+DEEP = "[model]\ninclude = " + "[" * 100_000 + "]" * 100_000 + "\n"
+DOTTED = "[model]\n" + ".".join(["a"] * 50_000) + " = 1\n"          # 100 KB of key
+
+
+@pytest.mark.parametrize("text, words", [
+    (DEEP, "line 2: arrays or tables are nested more than 32 deep"),
+    ("[chat]\nx = " + "{a = " * 100_000 + "1" + "}" * 100_000 + "\n",
+     "line 2: arrays or tables are nested more than 32 deep"),
+    (DOTTED, "line 2: a key (or a bare value) is longer than 256 characters"),
+    ("[model]\n" + " . ".join(["a"] * 50_000) + " = 1\n", "line 2: a key (or a bare value)"),
+    ("[" + ".".join(["a"] * 50_000) + "]\n", "line 1: a key (or a bare value)"),
+    ("# k3tui\n[model]\nrepo = \"" + "x" * 2_000_000 + "\"\n", "is larger than 1,024 KiB"),
+])
+def test_config_a_hostile_file_is_one_sentence(text, words):
+    """Nested 100k deep was a RecursionError; a 100 KB dotted key cost ~10 GB of memory
+    before it was refused."""
+    path = get_paths().config_file
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    for load in (load_config, lambda: set_in_file("chat.max_tokens", "10")):
+        with pytest.raises(K3Error) as info:
+            load()
+        message = info.value.message
+        assert words in message and message.startswith(str(path)), message[:300]
+        assert len(message) < 300 and "\n" not in message
+
+
+def test_config_bounds_leave_real_files_alone():
+    """Strings (any length, any brackets or dots inside), comments and multi-line strings are
+    skipped by the bound; only what is outside quotes counts."""
+    text = ('# a comment with [[[[ and a.b.c.d ' + "x" * 500 + '\n'
+            '[model]\nrepo = "moonshotai/Kimi-K3"\ninclude = ["*IQ1_S*", "[[[{{{"]\n'
+            '[chat]\nsystem_prompt = """' + "Be brief. [{" * 400 + '\n"quoted" ""x\\""""\n'
+            "[llama_server]\nextra_args = ['--x', '" + "a." * 300 + "']\n"
+            '"ctx_size" = 4096\n')
+    path = get_paths().config_file
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    cfg = load_config()
+    assert cfg.chat.system_prompt.startswith("Be brief. [{") and cfg.llama_server.ctx_size == 4096
+    assert cfg.model.include == ["*IQ1_S*", "[[[{{{"]
+
+
+def test_config_set_takes_a_long_sentence_as_text():
+    """`config set` parses its value as TOML when it is one: a long sentence with dots is
+    text, and a value nested 100k deep never reaches the parser."""
+    sentence = "Answer briefly. Cite sources. " * 40
+    assert set_value(Config(), "chat.system_prompt", sentence).chat.system_prompt == sentence
+    with pytest.raises(K3Error, match="must be a list of strings|must be an integer"):
+        set_value(Config(), "chat.max_tokens", "[" * 100_000)
+
+
+def test_config_a_100kb_dotted_key_is_refused_without_allocating(tmp_path):
+    """Peak memory of a process that loads the file: well under 200 MB (it was ~10 GB; the
+    address-space limit turns that into a MemoryError instead of swapping the machine)."""
+    path = tmp_path / "config.toml"
+    path.write_text(DOTTED)
+    code = textwrap.dedent(f"""
+        import resource
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+        from k3tui.config import load_config
+        from k3tui.errors import K3Error
+        try:
+            load_config({str(path)!r})
+        except K3Error as exc:
+            print(exc.message)
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ))
+    assert p.returncode == 0, p.stderr[-2000:]
+    said, peak_kib = p.stdout.splitlines()[-2], int(p.stdout.splitlines()[-1])
+    assert "a key (or a bare value) is longer than 256 characters" in said
+    assert peak_kib < 200 * 1024, peak_kib

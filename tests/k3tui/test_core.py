@@ -73,6 +73,25 @@ def test_tui_monitor_missing_files_are_none(tmp_path):
     assert (s.psi_some_avg10, s.page_cache_gb, s.cgroup_current_gb) == (None, None, None)
 
 
+def test_tui_monitor_follows_a_pool_heads_connections_and_log(tmp_path):
+    """Which workers the head (here: this process) holds a connection to, and what its
+    log says the load put on each."""
+    import os
+    import socket
+
+    up, down = socket.create_server(("127.0.0.1", 0)), socket.create_server(("127.0.0.1", 0))
+    workers = [f"127.0.0.1:{s.getsockname()[1]}" for s in (up, down)]
+    log = tmp_path / "head.log"
+    log.write_text(f"0.00.129.084 I load_tensors: RPC0[{workers[0]}] model buffer size =  "
+                   "  75.00 MiB\n")
+    m = Monitor(os.getpid(), proc_root=tmp_path, sys_root=tmp_path, disk_read_bytes=lambda: None)
+    assert m.sample().pool == ()  # not a pool head
+    m.set_pool(workers, str(log))
+    with up, down, socket.create_connection(up.getsockname()):
+        pool = m.sample().pool
+    assert pool == ((workers[0], True, 75 * 2**20), (workers[1], False, None))
+
+
 def test_tui_core_modules_do_not_import_ui():
     code = ("import sys, k3tui.history, k3tui.monitor, k3tui.clipboard; "
             "bad = [m for m in ('textual', 'rich', 'questionary', 'prompt_toolkit', 'engine') "

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sqlite3
+import subprocess
+import sys
 
 import pytest
 
@@ -56,3 +58,45 @@ def test_tui_history_export_includes_reasoning_and_status(tmp_path):
     assert "## Assistant (stopped)" in md
     assert "<details><summary>Reasoning</summary>" in md and "step 2" in md
     assert md.index("step 2") < md.index("because")
+
+
+def test_tui_history_a_fresh_file_opened_by_another_process_between_version_and_migration(
+        tmp_path, monkeypatch):
+    """The race of three chats starting at once, forced: this process has read the schema
+    version of a fresh file (0) when another process opens the same file and migrates it.
+    Reading the version outside the migration's transaction made this one then fail with
+    'table conversations already exists'."""
+    path = tmp_path / "h.db"
+    read = History.schema_version.fget
+    others: list[subprocess.CompletedProcess] = []
+
+    def version_then_another_process(self):
+        version = read(self)
+        if not others:  # once: right after this connection's first read
+            code = f"from k3tui.history import History; History({str(path)!r})"
+            others.append(subprocess.run([sys.executable, "-c", code], capture_output=True,
+                                         text=True, timeout=120))
+        return version
+
+    monkeypatch.setattr(History, "schema_version", property(version_then_another_process))
+    h = History(path)
+    assert others[0].returncode == 0, others[0].stderr
+    assert read(h) == len(MIGRATIONS)
+    h.new_conversation("works")
+    assert [c.title for c in h.list_conversations()] == ["works"]
+
+
+def test_tui_history_window_marks_are_seen_across_connections_and_go_with_the_conversation(
+        tmp_path):
+    a, b = History(tmp_path / "h.db"), History(tmp_path / "h.db")
+    cid = a.new_conversation("shown")
+    assert not b.shown_elsewhere(cid)
+    mark = a.show(cid)
+    assert b.shown_elsewhere(cid) and a.shown_elsewhere(cid)  # any other look: shown
+    second = b.show(cid)  # two windows may show one conversation (asked for by name)
+    a.hide(mark)
+    assert a.shown_elsewhere(cid)
+    b.hide(second)
+    assert not a.shown_elsewhere(cid)
+    a.delete(cid)
+    assert not (tmp_path / "h.db.windows" / str(cid)).exists()

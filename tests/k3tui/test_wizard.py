@@ -219,6 +219,24 @@ def test_yes_uses_flags_and_refuses_blockers(tmp_path):
         ("remote", "http://127.0.0.1:8000/v1", "MY_KEY")
 
 
+def test_yes_with_rpc_saves_the_pool_for_the_gguf(tmp_path):
+    base = [sys.executable, "-m", "k3tui", "setup", "--yes", "--model-dir", str(tmp_path),
+            "--force"]
+    res = subprocess.run(base + ["--checkpoint-kind", "gguf", "--rpc",
+                                 "10.0.0.2:50052,10.0.0.3:50052"],
+                         capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, res.stderr
+    assert load_config().llama_server.rpc == ["10.0.0.2:50052", "10.0.0.3:50052"]
+    assert "pool: llama-server will use 2 RPC worker(s)" in res.stdout
+    refused = subprocess.run(base + ["--checkpoint-kind", "safetensors", "--rpc", "a:1"],
+                             capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    assert refused.returncode == 2 and "--rpc pools workers for llama-server" in refused.stderr
+    bad = subprocess.run(base + ["--checkpoint-kind", "gguf", "--rpc", "10.0.0.2"],
+                         capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    assert bad.returncode == 2 and "--rpc: '10.0.0.2' is not host:port" in bad.stderr
+    assert load_config().llama_server.rpc == ["10.0.0.2:50052", "10.0.0.3:50052"]
+
+
 @pytest.mark.skipif(not RMT_ENDPOINT.is_file(), reason="the remote area's test endpoint is absent")
 def test_remote_path_against_a_real_loopback_endpoint(tmp_path):
     with fake_endpoint(tmp_path, "sk-loopback-key-1234") as (port, log):

@@ -42,6 +42,8 @@ REASONS: dict[str, str] = {
     "--threads": "one generation thread per physical core",
     "--no-warmup": "answers /health sooner; a warm-up run would touch every expert",
     "--metrics": "the I/O pane reads /metrics",
+    "--rpc": "the pool's workers, each checked just now: it answers and speaks the head's RPC "
+             "protocol",
     "--api-key-file": "the API key (needed beyond loopback) in a 0600 file, removed when the "
                       "server stops: on the command line every local user would read it in ps",
 }
@@ -58,7 +60,8 @@ MISSING_RISK: dict[str, str] = {
                      "prompt prefix (cache_prompt), only not shifted chunks",
 }
 LESSONS = ("--no-host", "--reasoning-budget")
-MANAGED = ("--model", "--alias", "--host", "--port", "--api-key", "--api-key-file")  # k3tui's
+MANAGED = ("--model", "--alias", "--host", "--port", "--api-key", "--api-key-file",
+           "--rpc")  # k3tui's
 
 
 def split_args(args: Sequence[str]) -> list[tuple[str, str | None]]:
@@ -101,6 +104,7 @@ class LlamaCommand:
     alias: str
     key_file: Path | None = None  # written 0600 at start, removed at stop
     env: dict[str, str] = field(default_factory=dict, repr=False)  # secrets for the child
+    rpc: list[str] = field(default_factory=list)  # the pool's workers, host:port each
 
     def shown(self) -> str:
         """The command line for display (it never holds the key)."""
@@ -131,7 +135,7 @@ def build_command(info: BinaryInfo, shards: list[Path], *, plan_args: Sequence[s
                   overrides: Sequence[str] = (), extra_args: Sequence[str] = (),
                   host: str = "127.0.0.1", port: int = 0, alias: str = "kimi-k3",
                   api_key: str | None = None, plan_reasons: dict[str, str] | None = None,
-                  unified_memory: bool = False) -> LlamaCommand:
+                  unified_memory: bool = False, rpc: Sequence[str] = ()) -> LlamaCommand:
     """Plan args, then config overrides, then the user's extra args (later wins), checked
     against what this binary supports, with k3tui's own model/host/port/key flags. The key
     goes in a 0600 file (or the environment), never in argv."""
@@ -153,6 +157,8 @@ def build_command(info: BinaryInfo, shards: list[Path], *, plan_args: Sequence[s
         raise K3Error(f"Binding llama-server to {host} (beyond loopback) needs an API key.",
                       "use host = \"127.0.0.1\" in [backend], or let `k3tui serve` create a key")
     head = [("-m", str(shards[0])), ("--alias", alias), ("--host", host), ("--port", str(port))]
+    if rpc:
+        head.append(("--rpc", ",".join(rpc)))
     key_file, env = (None, {}) if loopback else _key_delivery(info, host, port, api_key, head)
     argv = [str(info.path)]
     for flag, val in head + final:
@@ -164,7 +170,7 @@ def build_command(info: BinaryInfo, shards: list[Path], *, plan_args: Sequence[s
         reasons.append(("env LLAMA_API_KEY", ("the API key (needed beyond loopback) in the "
                                               "server's environment, not on its command line")))
     return LlamaCommand(argv, reasons, warnings, shards, model_bytes, host, port,
-                        api_key if not loopback else None, alias, key_file, env)
+                        api_key if not loopback else None, alias, key_file, env, list(rpc))
 
 
 def _wanted_flags(info: BinaryInfo, plan_args: Sequence[str], overrides: Sequence[str],
@@ -255,14 +261,14 @@ def write_key_file(path: Path, key: str) -> None:
 
 
 def planned_command(plan_args: Sequence[str], *, limit_bytes: int | None = None,
-                    method: str = "none", model: str = "<model dir>/…-00001-of-00034.gguf"
-                    ) -> list[str]:
+                    method: str = "none", model: str = "<model dir>/…-00001-of-00034.gguf",
+                    rpc: Sequence[str] = ()) -> list[str]:
     """The command `k3tui serve` would run for a plan, before any binary or model is here
     (`k3tui plan`): the flags k3tui always adds merged with the plan's the way
     `build_command` merges them, and the systemd-run wrapper when that is how the memory
     limit applies. (A cgroup-v2 limit needs no wrapper word: the server is moved into it.)"""
     argv = ["llama-server", "-m", model, "--alias", "kimi-k3", "--host", "127.0.0.1",
-            "--port", "<free port>"]
+            "--port", "<free port>"] + (["--rpc", ",".join(rpc)] if rpc else [])
     for flag, val in merge_flags(split_args(BASE_ARGS + list(plan_args))).values():
         argv += [flag] if val is None else [flag, val]
     if limit_bytes and method == "systemd-run":

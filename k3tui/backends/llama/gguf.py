@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import struct
 from dataclasses import dataclass
@@ -26,6 +27,22 @@ GGML_BLOCK: dict[int, tuple[int, int]] = {
 }
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
            11: "<q", 12: "<d"}
+_TYPE_NAMES = {0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "int32",
+               6: "float32", 7: "bool", 8: "string", 9: "array", 10: "uint64", 11: "int64",
+               12: "float64"}
+_INTEGER = (0, 1, 2, 3, 4, 5, 10, 11)
+
+# Bounds of a header that can be trusted: a real GGUF stays far inside each of them.
+MAX_KEY = 65_535           # the GGUF spec's limit for a key
+MAX_STRING = 64 * MiB      # a chat template is kilobytes; more is not a model's header
+MAX_DEPTH = 4              # arrays of arrays nested deeper than this (real files: 1)
+MAX_DIMS = 8               # ggml has 4
+MAX_COUNT = 1 << 24        # keys, tensors, strings in one array: each is read one by one
+_USED = ("general.alignment", "split.no", "split.count")   # the values kept
+
+
+class GGUFError(ValueError):
+    """A header field that no real GGUF has; the message names the field."""
 
 
 @dataclass
@@ -35,50 +52,121 @@ class GGUFHeader:
     split_count: int | None
     expected_size: int | None  # None when a tensor type is unknown to us
     n_tensors: int
+    block_count: int | None = None  # the model's layers, as its architecture's metadata says
+
+
+class _Reader:
+    """Reads a GGUF header with every length, count and nesting checked against the file's
+    size and the bounds above before anything is allocated or skipped."""
+
+    def __init__(self, fh, size: int):
+        self.fh, self.size = fh, size
+
+    def rest(self) -> int:
+        return self.size - self.fh.tell()
+
+    def take(self, fmt: str, what: str) -> Any:
+        n = struct.calcsize(fmt)
+        raw = self.fh.read(n)
+        if len(raw) != n:
+            raise GGUFError(f"the file ends inside {what}")
+        return struct.unpack(fmt, raw)[0]
+
+    def count(self, what: str, each: int, most: int | None = MAX_COUNT) -> int:
+        """A u64 count of things of at least `each` bytes that must fit in the rest (and,
+        when they are read one by one, number at most `most`)."""
+        n = self.take("<Q", what)
+        if n * each > self.rest():
+            raise GGUFError(f"{what} is {n:,}, more than the {self.rest():,} bytes left in "
+                            "the file can hold")
+        if most is not None and n > most:
+            raise GGUFError(f"{what} is {n:,}, more than the {most:,} k3tui reads")
+        return n
+
+    def string(self, what: str, most: int = MAX_STRING, keep: bool = True) -> str:
+        n = self.take("<Q", f"the length of {what}")
+        if n > min(most, self.rest()):
+            raise GGUFError(f"{what} is {n:,} bytes long, more than "
+                            + (f"the {self.rest():,} left in the file" if n <= most
+                               else f"the {most:,} a GGUF header allows"))
+        if not keep:
+            self.fh.seek(n, 1)
+            return ""
+        return self.fh.read(n).decode("utf-8", "replace")
+
+    def value(self, kind: int, what: str, depth: int = 0) -> Any:
+        """(kind, value) of a value of GGUF type `kind`; strings and arrays are skipped
+        (their value is None)."""
+        if kind == 8:
+            self.string(what, keep=False)
+            return kind, None
+        if kind == 9:
+            if depth >= MAX_DEPTH:
+                raise GGUFError(f"{what} nests arrays more than {MAX_DEPTH} deep")
+            sub = self.take("<I", f"the element type of {what}")
+            if sub not in _TYPE_NAMES:
+                raise GGUFError(f"{what} is an array of type {sub}, which GGUF does not "
+                                "define")
+            scalar = sub in _SCALAR
+            each = struct.calcsize(_SCALAR[sub]) if scalar else 8
+            n = self.count(f"the length of the array {what}", each, None if scalar else MAX_COUNT)
+            if scalar:
+                self.fh.seek(each * n, 1)
+            else:
+                for _ in range(n):
+                    self.value(sub, what, depth + 1)
+            return kind, None
+        if kind not in _SCALAR:
+            raise GGUFError(f"{what} has value type {kind}, which GGUF does not define")
+        return kind, self.take(_SCALAR[kind], what)
+
+
+def _quoted(name: str) -> str:
+    """A name from the file as a message shows it: quoted, control characters escaped, cut."""
+    return repr(name if len(name) <= 60 else name[:60] + "…")
+
+
+def _integer(kv: dict, key: str, low: int, high: int) -> int | None:
+    """An integer-typed header value within [low, high], None when absent."""
+    if key not in kv:
+        return None
+    kind, value = kv[key]
+    if kind not in _INTEGER or not low <= value <= high:
+        what = f"a {_TYPE_NAMES[kind]}" if value is None else \
+            f"the {_TYPE_NAMES[kind]} {value!r}"
+        raise GGUFError(f"{key} is {what}, not an integer from {low:,} to {high:,}")
+    return value
 
 
 def read_gguf_header(path: Path) -> GGUFHeader:
-    """Parse the header and tensor table; the expected file size ends at the last tensor."""
+    """Parse the header and tensor table; the expected file size ends at the last tensor.
+    GGUFError (a ValueError naming the field) for anything no real GGUF holds."""
     with open(path, "rb", buffering=MiB) as fh:
-        def take(fmt: str) -> Any:
-            size = struct.calcsize(fmt)
-            raw = fh.read(size)
-            if len(raw) != size:
-                raise EOFError
-            return struct.unpack(fmt, raw)[0]
-
-        def string() -> str:
-            return fh.read(take("<Q")).decode("utf-8", "replace")
-
-        def value(kind: int) -> Any:
-            if kind == 8:
-                return string()
-            if kind == 9:
-                sub, count = take("<I"), take("<Q")
-                if sub in _SCALAR and sub != 8:
-                    fh.seek(struct.calcsize(_SCALAR[sub]) * count, 1)
-                    return None
-                for _ in range(count):
-                    value(sub)
-                return None
-            return take(_SCALAR[kind])
-
+        r = _Reader(fh, os.fstat(fh.fileno()).st_size)
         if fh.read(4) != b"GGUF":
-            raise ValueError("not a GGUF file (bad magic)")
-        version = take("<I")
+            raise GGUFError("not a GGUF file (bad magic)")
+        version = r.take("<I", "the version")
         if version < 2:
-            raise ValueError(f"GGUF version {version} is too old")
-        n_tensors, n_kv = take("<Q"), take("<Q")
-        kv: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key = string()
-            kv[key] = value(take("<I"))
+            raise GGUFError(f"GGUF version {version} is too old")
+        n_tensors = r.count("the number of tensors", 8 + 4 + 4 + 8)
+        n_kv = r.count("the number of keys", 8 + 4 + 1)
+        kv: dict[str, tuple[int, Any]] = {}
+        for i in range(n_kv):
+            key = r.string(f"key {i}", MAX_KEY)
+            value = r.value(r.take("<I", f"the type of {_quoted(key)}"), _quoted(key))
+            if key in _USED or key.endswith(".block_count"):
+                kv[key] = value
         end = 0
         known = True
-        for _ in range(n_tensors):
-            string()
-            dims = [take("<Q") for _ in range(take("<I"))]
-            ggml_type, offset = take("<I"), take("<Q")
+        for i in range(n_tensors):
+            name = _quoted(r.string(f"the name of tensor {i}", MAX_KEY))
+            n_dims = r.take("<I", f"the dimensions of tensor {name}")
+            if n_dims > MAX_DIMS:
+                raise GGUFError(f"tensor {name} has {n_dims:,} dimensions (ggml has "
+                                f"at most {MAX_DIMS})")
+            dims = [r.take("<Q", f"the shape of tensor {name}") for _ in range(n_dims)]
+            ggml_type, offset = r.take("<I", f"the type of tensor {name}"), \
+                r.take("<Q", f"the offset of tensor {name}")
             block = GGML_BLOCK.get(ggml_type)
             if block is None:
                 known = False
@@ -87,12 +175,15 @@ def read_gguf_header(path: Path) -> GGUFHeader:
             for d in dims:
                 n *= d
             end = max(end, offset + n // block[0] * block[1])
-        align = int(kv.get("general.alignment") or 32)
+        align = _integer(kv, "general.alignment", 1, 1 << 30) or 32
+        if align & (align - 1):
+            raise GGUFError(f"general.alignment is {align:,}, not a power of two")
         data_start = -(-fh.tell() // align) * align
-    no, count = kv.get("split.no"), kv.get("split.count")
-    return GGUFHeader(path, None if no is None else int(no),
-                      None if count is None else int(count),
-                      data_start + end if known else None, n_tensors)
+    no = _integer(kv, "split.no", 0, 65_535)
+    count = _integer(kv, "split.count", 0, 65_535)
+    # `<architecture>.block_count`: the layers, which llama.cpp deals out over RPC workers.
+    blocks = next((_integer(kv, k, 1, 65_535) for k in kv if k.endswith(".block_count")), None)
+    return GGUFHeader(path, no, count, data_start + end if known else None, n_tensors, blocks)
 
 
 def model_shards(model: Path) -> list[Path]:
@@ -140,9 +231,11 @@ def check_shards(model: Path) -> list[Path]:
     for p in shards:
         try:
             head = read_gguf_header(p)
-        except (OSError, ValueError, EOFError, KeyError, UnicodeError) as exc:
-            why = str(exc) or "the file ends inside it"  # a bare EOFError has no words
-            problems.append(f"{p.name} has an unreadable header ({why})")
+        except GGUFError as exc:
+            problems.append(f"{p.name} has an unreadable header ({exc})")
+            continue
+        except OSError as exc:
+            problems.append(f"{p.name} cannot be read ({exc.strerror or exc})")
             continue
         size = p.stat().st_size
         if head.expected_size is not None and size < head.expected_size:
@@ -152,8 +245,9 @@ def check_shards(model: Path) -> list[Path]:
             problems.append(f"{p.name} says it is one of {head.split_count} shards, "
                             f"not {len(shards)}")
     if problems:
-        raise K3Error("The GGUF model is incomplete: " + "; ".join(problems[:3]) + ".",
-                      "run `k3tui download` to resume the download, then start again")
+        raise K3Error("The GGUF model is incomplete or damaged: " + "; ".join(problems[:3])
+                      + ".", "run `k3tui download` to resume the download (with --verify "
+                      "--rehash to check every file against the Hub), then start again")
     return shards
 
 

@@ -114,7 +114,8 @@ def assumed_limit(report: Any, limit_bytes: int | None) -> MemoryLimit:
 
 
 def choose_memory_limit(limit_bytes: int | None, *, runner: Runner = _run,
-                        cgroup_dir: Path | None = None, name: str = "") -> MemoryLimit:
+                        cgroup_dir: Path | None = None, name: str = "",
+                        what: str = "llama-server") -> MemoryLimit:
     """systemd-run user scope if it really applies a limit, else a writable cgroup v2
     subtree, else none with a plain warning. Each is verified by reading the limit back."""
     if not limit_bytes:
@@ -149,7 +150,7 @@ def choose_memory_limit(limit_bytes: int | None, *, runner: Runner = _run,
     else:
         reasons.append("no cgroup v2 hierarchy for this process")
     return MemoryLimit("none", limit_bytes, detail=(
-        f"WARNING: could not confine llama-server to {gib(limit_bytes)} ("
+        f"WARNING: could not confine {what} to {gib(limit_bytes)} ("
         + "; ".join(reasons) + "). Risk: if it and the page cache outgrow memory, the kernel "
         "kills it, or on unified memory (DGX Spark) the whole machine can freeze. Keep other "
         "GPU users stopped; k3tui will not restart it after an OOM kill."))
@@ -172,6 +173,7 @@ class Prepared:
     command: LlamaCommand
     limit: MemoryLimit
     notes: list[str]
+    pool: list[str] = field(default_factory=list)  # the workers and their share of the layers
 
     def warnings(self) -> list[str]:
         """What the user must not miss: no memory limit, a forced busy GPU, a missing flag."""
@@ -191,6 +193,7 @@ class Prepared:
         lines += [f"  {flag:<{width}}  {reason}" for flag, reason in self.command.reasons]
         if self.limit.method != "none" or not self.limit.limit_bytes:
             lines.append(self.limit.describe())
+        lines += self.pool
         if warnings:
             lines += self.warnings()
         return "\n".join(lines)
@@ -205,10 +208,12 @@ def prepare(model: Path, *, binary: str = "", plan_args: Sequence[str] = (),
             report: Any = None, force: bool = False, notes: Sequence[str] = (),
             help_text: str | None = None, version_text: str | None = None,
             runner: Runner = _run, cgroup_dir: Path | None = None,
-            limit: MemoryLimit | None = None) -> Prepared:
+            limit: MemoryLimit | None = None, rpc: Sequence[str] = (),
+            probe_pool: bool = True) -> Prepared:
     """Find and inspect the binary, check the shards and the GPU, build the command, pick
-    the memory limit. Raises K3Error before anything starts; `notes` are warnings decided
-    before (e.g. a refusal that --force overrode)."""
+    the memory limit; with `rpc` workers, check the pool (`probe_pool`: ask each worker;
+    off for a machine profile). Raises K3Error before anything starts; `notes` are warnings
+    decided before (e.g. a refusal that --force overrode)."""
     path = find_binary(binary)
     info = inspect_binary(path, help_text=help_text, version_text=version_text)
     shards = check_shards(model)
@@ -217,6 +222,8 @@ def prepare(model: Path, *, binary: str = "", plan_args: Sequence[str] = (),
     warning = gpu_guard(report, force=force) if report is not None else None
     if warning:
         notes.append(warning)
+    pool = _check_pool(rpc, binary, shards, ctx_size, report, force, notes) \
+        if rpc and probe_pool else []
     overrides: list[str] = []
     defaults = [("--ctx-size", ctx_size), ("--reasoning-budget", reasoning_budget),
                 ("--n-gpu-layers", n_gpu_layers), ("--threads", threads or None)]
@@ -225,24 +232,65 @@ def prepare(model: Path, *, binary: str = "", plan_args: Sequence[str] = (),
             overrides += [flag, str(val)]
     cmd = build_command(info, shards, plan_args=BASE_ARGS + list(plan_args), overrides=overrides,
                         extra_args=extra_args, host=host, port=port, alias=alias,
-                        api_key=api_key, plan_reasons=plan_reasons, unified_memory=unified)
+                        api_key=api_key, plan_reasons=plan_reasons, unified_memory=unified,
+                        rpc=rpc)
     tag = hashlib.sha1(str(shards[0]).encode()).hexdigest()[:8]
     if limit is None:
         limit = choose_memory_limit(memory_limit_bytes, runner=runner, cgroup_dir=cgroup_dir,
                                     name=f"k3tui-llama-server-{os.getpid()}-{tag}")
-    if unified and limit.method == "none" and limit.limit_bytes:
-        # the DGX Spark lockup: unconfined page cache + GPU on one memory
-        from k3tui.planning.plan import ISOLATION_NEXT
+    warning = unconfined_guard(limit, unified, force=force)
+    if warning:
+        notes.append(warning)
+    return Prepared(info, cmd, limit, notes, pool)
 
-        if not force:
-            raise K3Error(f"llama-server cannot be confined to {gib(limit.limit_bytes)} "
-                          "on this unified-memory machine, and without a limit its page cache "
-                          "can starve the GPU and freeze the machine.\n" + limit.detail,
-                          f"{ISOLATION_NEXT}; or start anyway with `k3tui serve --force` "
-                          "(risk: a frozen machine)", exit_code=2)
-        notes.append("--force: starting llama-server unconfined on unified memory (risk: the "
-                     "page cache can starve the GPU and freeze the machine)")
-    return Prepared(info, cmd, limit, notes)
+
+def _check_pool(endpoints: Sequence[str], binary: str, shards: list[Path],
+                ctx_size: int | None, report: Any, force: bool, notes: list[str]) -> list[str]:
+    """The pool checked before the head starts (see `rpc.check_pool`); its lines for the
+    description. The head's own protocol comes from the RPC server of its build."""
+    from k3tui.backends.llama import rpc
+    from k3tui.backends.llama.gguf import read_gguf_header
+    from k3tui.planning.plan import DEFAULT_CTX
+
+    try:
+        protocol = rpc.server_protocol(rpc.find_rpc_server(binary))
+    except K3Error:
+        protocol = None
+    if protocol is None:
+        notes.append("the head's RPC protocol is unknown (no ggml-rpc-server of its build "
+                     "prints one): only llama-server's own handshake checks the workers")
+    gpu = getattr(report, "gpu", None)
+    head_free = None
+    if gpu is not None and getattr(gpu, "present", False):
+        head_free = report.memory.available_bytes if gpu.unified_memory else \
+            gpu.discrete_memory_bytes
+    n_layers = None
+    with contextlib.suppress(OSError, ValueError, EOFError, KeyError, UnicodeError):
+        n_layers = read_gguf_header(shards[0]).block_count
+    checked = rpc.check_pool(endpoints, head_protocol=protocol,
+                             model_bytes=sum(p.stat().st_size for p in shards),
+                             ctx=ctx_size or DEFAULT_CTX, n_layers=n_layers,
+                             head_free_bytes=head_free, force=force)
+    notes += checked.notes
+    return checked.lines
+
+
+def unconfined_guard(limit: MemoryLimit, unified: bool, *, force: bool,
+                     what: str = "llama-server", command: str = "k3tui serve") -> str | None:
+    """Refuse to start `what` unconfined on unified memory (the DGX Spark lockup: its page
+    cache and the GPU share one memory); with `force`, the warning instead."""
+    if not (unified and limit.method == "none" and limit.limit_bytes):
+        return None
+    from k3tui.planning.plan import ISOLATION_NEXT
+
+    if not force:
+        raise K3Error(f"{what} cannot be confined to {gib(limit.limit_bytes)} "
+                      "on this unified-memory machine, and without a limit its page cache "
+                      "can starve the GPU and freeze the machine.\n" + limit.detail,
+                      f"{ISOLATION_NEXT}; or start anyway with `{command} --force` "
+                      "(risk: a frozen machine)", exit_code=2)
+    return (f"--force: starting {what} unconfined on unified memory (risk: the page cache "
+            "can starve the GPU and freeze the machine)")
 
 
 def start(prepared: Prepared, *, on_progress: ProgressCallback | None = None,
@@ -253,6 +301,8 @@ def start(prepared: Prepared, *, on_progress: ProgressCallback | None = None,
     log_path = log_path or logs / f"llama-server-{time.strftime('%Y%m%d-%H%M%S')}-{cmd.port}.log"
     argv = prepared.limit.wrap(cmd.argv)
     env = binary_env(prepared.info.path) | cmd.env
+    if cmd.rpc:  # a lost worker aborts the head: at once, its log ending on why (not gdb's
+        env["GGML_NO_BACKTRACE"] = "1"  # attach and 40 frames, ~1-3 s later)
 
     def cleanup() -> None:
         prepared.limit.cleanup()
@@ -280,7 +330,7 @@ def start(prepared: Prepared, *, on_progress: ProgressCallback | None = None,
         kind="llama-server", base_url=f"http://{scheme_host}:{cmd.port}", api_key=cmd.api_key,
         model=cmd.alias, pid=proc.pid, log_path=log_path, command=argv,
         notes=list(prepared.notes) + list(cmd.warnings), process=proc,
-        cgroup_dir=prepared.limit.cgroup_dir,
+        cgroup_dir=prepared.limit.cgroup_dir, rpc_workers=list(cmd.rpc),
         memory_limit_bytes=prepared.limit.limit_bytes if prepared.limit.method != "none" else None)
     backend.on_stop.append(cleanup)
     if prepared.limit.method == "none":
@@ -292,10 +342,24 @@ def start(prepared: Prepared, *, on_progress: ProgressCallback | None = None,
     try:
         wait_ready(backend, total_bytes=cmd.model_bytes, on_progress=on_progress,
                    timeout_s=load_timeout_s, listen_port=cmd.port)
+        _check_pool_loaded(backend)
     except BaseException:
         backend.stop()
         raise
     return backend
+
+
+def _check_pool_loaded(backend: RunningBackend) -> None:
+    """A worker lost between the check and the load: this llama-server says "Failed to
+    connect" and puts that worker's layers on the others, so the head is stopped instead."""
+    from k3tui.backends.llama.rpc import dropped, log_start
+
+    lost = dropped(log_start(backend.log_path), backend.rpc_workers) \
+        if backend.rpc_workers else []
+    if lost:
+        raise K3Error(f"llama-server could not connect to worker {', '.join(lost)} while "
+                      "loading and went on without it, so k3tui stopped it.",
+                      "check the workers (`k3tui doctor`), then start the head again")
 
 
 def wait_ready(backend: RunningBackend, *, total_bytes: int | None = None,
@@ -334,7 +398,7 @@ def wait_ready(backend: RunningBackend, *, total_bytes: int | None = None,
                 with contextlib.suppress(httpx.HTTPError, ValueError):
                     resp = http.get(backend.base_url + "/health")
                     if resp.status_code == 200:
-                        if listen_port is None or _listens(ps, listen_port):
+                        if listen_port is None or listens(ps, listen_port):
                             return
                         message = (f"port {listen_port} answers, but not from the server k3tui "
                                    "started (waiting for it)")
@@ -353,7 +417,7 @@ def wait_ready(backend: RunningBackend, *, total_bytes: int | None = None,
             time.sleep(interval_s if elapsed > 2.0 else 0.05)  # tiny models: ready at once
 
 
-def _listens(ps: Any, port: int) -> bool:
+def listens(ps: Any, port: int) -> bool:
     """Whether `ps` or one of its descendants holds a listening socket on `port`."""
     import psutil
 

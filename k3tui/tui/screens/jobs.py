@@ -17,6 +17,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, ProgressBar, Static
 
 from k3tui import jobs
+from k3tui.hub.progress import file_counts
 from k3tui.textsafe import clean
 from k3tui.units import rate, transfer_progress
 
@@ -113,23 +114,21 @@ class JobsScreen(Screen):
             if others:
                 lines.append(f"{others} earlier {self.kind} job(s)")
             return Text("\n".join(lines))
-        counts = {"done": 0, "queued": 0, "failed": 0}
+        counts = file_counts(job)
         table = Table(box=None, expand=True, show_header=True, pad_edge=False)
         table.add_column("file", ratio=1, no_wrap=True, overflow="ellipsis")
         table.add_column("done / size", justify="right", width=18)
         table.add_column("%", justify="right", width=4)
         for f in files:
-            status = f["status"]
-            if status in counts:
-                counts[status] += 1
-            elif status == "pending":
-                counts["queued"] += 1
+            status = f.get("status", "")
             if status in ("downloading", "verifying", "retrying"):
                 size, done = f["size"], f["done"]
                 pct = 100 * done / size if size else 0
                 name = f["name"] + ("" if status == "downloading" else f" ({status})")
                 # A file name from the Hub is neither markup nor terminal codes.
                 table.add_row(Text(clean(name)), transfer_progress(done, size), f"{pct:.0f}")
-        table.caption = escape(clean(f"{counts['done']} done · {counts['queued']} queued · "
-                                     f"{counts['failed']} failed · {job['message']}"))
+        table.caption = escape(clean(f"{counts.get('done', 0)} done · "
+                                     f"{counts.get('pending', 0)} queued · "
+                                     f"{counts.get('failed', 0)} failed · "
+                                     f"{job.get('message') or ''}"))
         return table

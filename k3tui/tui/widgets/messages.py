@@ -55,13 +55,32 @@ class AssistantMessage(Vertical):
                  note: str = "", **kwargs) -> None:
         super().__init__(**kwargs)
         # From the history: a row saved before text was cleaned on arrival may hold escapes.
-        self.content = clean(content)
-        self.reasoning = clean(reasoning)
+        # Pieces, joined when read (about once a second): `str +=` per token copies the
+        # whole answer each time, quadratic in its length.
+        self._text = {"content": [clean(content)], "reasoning": [clean(reasoning)]}
         self.status = status
         self.note = clean(note)
-        self._pending = {"reasoning": "", "content": ""}
+        self._pending: dict[str, list[str]] = {"reasoning": [], "content": []}
         self._last_flush = 0.0
         self._flush_timer: Timer | None = None
+
+    def _joined(self, key: str) -> str:
+        pieces = self._text[key]
+        if len(pieces) > 1:
+            pieces[:] = ["".join(pieces)]
+        return pieces[0]
+
+    def _has(self, key: str) -> bool:
+        pieces = self._text[key]
+        return len(pieces) > 1 or bool(pieces[0])  # only non-empty pieces are appended
+
+    @property
+    def content(self) -> str:
+        return self._joined("content")
+
+    @property
+    def reasoning(self) -> str:
+        return self._joined("reasoning")
 
     @property
     def body(self) -> str:
@@ -109,27 +128,31 @@ class AssistantMessage(Vertical):
         self._show_status()
 
     def _end_waiting(self) -> None:
-        if self.note and not (self.content or self.reasoning):
+        if self.note and not (self._has("content") or self._has("reasoning")):
             self.show_waiting("")
 
     async def add_reasoning(self, text: str) -> None:
+        if not text:
+            return
         self._end_waiting()
-        self.reasoning += text
+        self._text["reasoning"].append(text)
         block = self.reasoning_block
         if not block.display:
             block.display = True
-        self._pending["reasoning"] += text
+        self._pending["reasoning"].append(text)
         await self._maybe_flush()
 
     async def add_content(self, text: str) -> None:
+        if not text:
+            return
         self._end_waiting()
-        first = not self.content
-        self.content += text
-        if first and self.reasoning:
+        first = not self._has("content")
+        self._text["content"].append(text)
+        if first and self._has("reasoning"):
             block = self.reasoning_block
             block.collapsed = True
             block.title = self._reasoning_title()
-        self._pending["content"] += text
+        self._pending["content"].append(text)
         await self._maybe_flush()
 
     async def _maybe_flush(self) -> None:
@@ -149,9 +172,10 @@ class AssistantMessage(Vertical):
             self._flush_timer.stop()
             self._flush_timer = None
         for key, selector in (("reasoning", ".reasoning-md"), ("content", ".answer-md")):
-            text, self._pending[key] = self._pending[key], ""
+            text, self._pending[key] = "".join(self._pending[key]), []
             if text:
                 await self.query_one(selector, StreamedMarkdown).append(text)
+        self._last_flush = time.monotonic()  # a slow flush still leaves 1/FLUSH_HZ to the rest
 
     async def finish(self, status: str, note: str = "") -> None:
         """Flush what is pending and stop the streams; the status line says how it ended."""

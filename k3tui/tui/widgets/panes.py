@@ -73,6 +73,17 @@ def memory_title(kind: str, reported_budget: float | None, budget_gb: float | No
     return "I/O"
 
 
+def pool_line(pool: tuple[tuple[str, bool, int | None], ...]) -> str:
+    """A pool head's memory line, where a local backend shows its RSS: how many workers
+    the head is connected to and what the load put on each, in the config's order."""
+    largest = max((b for _, up, b in pool if up and b is not None), default=0)
+    size, unit = (1e9, "GB") if largest >= 1e9 else (1e6, "MB")
+    digits = 1 if largest < 10 * size else 0  # one unit for all: the figures line up
+    each = "·".join(f"{b / size:.{digits}f}" if up and b is not None else
+                    ("up" if up else "down") for _, up, b in pool)
+    return f"pool {sum(up for _, up, _ in pool)}/{len(pool)} up: {each} {unit}"
+
+
 class IOPane(Vertical):
     """Disk and memory: system and backend read MB/s, GB/token, hit rate, RSS vs budget."""
 
@@ -115,6 +126,7 @@ class IOPane(Vertical):
             f"disk {_num(s.disk_read_mb_s, '.0f', ' MB/s')}  {proc}",
             f"read/token {gb_amount(k3.get('gb_read'))}  "
             f"hit {_num(None if hit is None else hit * 100, '.0f', '%')}",
+            pool_line(s.pool) if s.pool else
             f"RSS {rss_text}  cache {_num(s.page_cache_gb, '.1f', ' GB')}",
             f"PSI {_num(s.psi_some_avg10, '.1f')}/{_num(s.psi_full_avg10, '.1f')}  cg {cg}",
         ]

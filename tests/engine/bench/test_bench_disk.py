@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.bench import disk
-from engine.weights.io import ReadPool
+from engine.core.directio import ReadPool
 
 
 def test_raw_sweep_reuses_one_faulted_buffer(tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ import numpy as np
 from engine.bench import forward as bench_forward
 from engine.checkpoint.synth import flat_config, synthesize
 from engine.decode.generate import GenParams, generate
-from engine.model.config import ModelConfig
+from engine.core.config import ModelConfig
 from engine.model.transformer import load_model
 
 

@@ -11,7 +11,7 @@ import numpy as np
 from engine.bench import parts
 from engine.checkpoint.schema import expected_tensors
 from engine.checkpoint.synth import flat_config
-from engine.model.config import ModelConfig
+from engine.core.config import ModelConfig
 from engine.weights import sysmem
 
 
@@ -24,7 +24,7 @@ def args(tmp_path, **kw):
 
 def test_refuses_up_front_when_less_memory_is_available_than_it_needs(tmp_path, monkeypatch,
                                                                      capsys):
-    monkeypatch.setattr(sysmem, "read_memory_facts",
+    monkeypatch.setattr(parts, "read_memory_facts",
                         lambda env=None: sysmem.MemoryFacts(8 * 10**9, 50 * 10**6, None, None))
     assert parts.main(args(tmp_path)) == 2
     out = capsys.readouterr()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from engine.checkpoint.synth import synthesize
-from engine.weights.io import ALIGN
+from engine.core.directio import ALIGN
 from engine.weights.planner import GB, make_plan
 from engine.weights.streaming import CheckpointMap
 

@@ -15,7 +15,7 @@ from engine.checkpoint.schema import TensorNames
 from engine.checkpoint.synth import flat_config, nested_config, synthesize, to_bf16
 from engine.errors import CheckpointError, ConfigError
 from engine.kernels import mxfp4, reference
-from engine.model.config import ModelConfig
+from engine.core.config import ModelConfig
 from engine.model.transformer import load_model
 from engine.weights.resident import ResidentSource
 

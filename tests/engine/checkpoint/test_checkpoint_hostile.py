@@ -20,7 +20,7 @@ from engine.checkpoint.schema import TensorNames
 from engine.checkpoint.synth import synthesize
 from engine.checkpoint.trunk import pack, trunk_specs
 from engine.errors import CheckpointError, ConfigError
-from engine.model.config import ModelConfig
+from engine.core.config import ModelConfig
 from engine.text.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[3]
@@ -258,10 +258,29 @@ def test_trunk_layers_overlapping(tiny, bad_trunk):
     (lambda m: next(iter(m["layers"][1]["tensors"].values())).update(off="4"),
      r"tensors\['.*'\].off is '4', expected a non-negative integer"),
     (lambda m: m["layers"].__setitem__(5, "layer 5"), r"layers\[5\].layer is missing"),
+    (lambda m: m["layers"][2].update(sha256="0" * 63),
+     r"layers\[2\].sha256 or source_sha256 is not a sha256 in hex"),
+    (lambda m: m["layers"][3].update(source_sha256=5), r"layers\[3\].source_sha256 is 5"),
+    (lambda m: m.update(sources=[]), r"sources is \[\], expected a JSON object"),
 ])
 def test_trunk_json_schema(tiny, bad_trunk, edit, needle):
     edit_trunk(bad_trunk, edit)
     with pytest.raises(CheckpointError, match=needle + ".*re-pack it with `python -m engine pack"):
+        specs(tiny, bad_trunk)
+
+
+def test_trunk_layer_with_a_gap_its_digest_does_not_cover(tiny, bad_trunk):
+    """The digest covers a layer's bytes from file_off to its last tensor's end: a tensor
+    moved into the padding would leave bytes the model reads that no digest checked."""
+    def gap(meta):
+        layer = next(e for e in meta["layers"]
+                     if e["nbytes"] - max(t["off"] + t["nbytes"] for t in e["tensors"].values())
+                     >= 64)
+        last = max(layer["tensors"].values(), key=lambda t: t["off"])
+        last["off"] += 64
+    edit_trunk(bad_trunk, gap)
+    with pytest.raises(CheckpointError, match="tensors leave a gap before .* which its digest "
+                       "does not cover"):
         specs(tiny, bad_trunk)
 
 

@@ -13,9 +13,9 @@ import pytest
 
 from engine.checkpoint.safetensors import SafetensorsIndex
 from engine.checkpoint.schema import TensorNames
-from engine.checkpoint.trunk import pack, trunk_specs
+from engine.checkpoint.trunk import check, pack, trunk_specs
 from engine.errors import CheckpointError, EngineError
-from engine.weights.io import ALIGN
+from engine.core.directio import ALIGN
 
 REPO = str(Path(__file__).resolve().parents[3])
 
@@ -89,20 +89,23 @@ def test_stream_pack_resumes_after_interruption(tiny_a, tmp_path):
     with pytest.raises(CheckpointError, match="not finished; rerun .* to resume"):
         trunk_specs(tmp_path / "t", index, TensorNames.detect(index), 13, tiny_a)
     state = json.loads((tmp_path / "t" / "trunk.progress.json").read_text())
-    assert state["done"] == [0, 1, 2, 3, 4]
+    assert [e["layer"] for e in state["layers"]] == [0, 1, 2, 3, 4]
     layers = []
     summary = pack(tiny_a, tmp_path / "t", progress=lambda d, t, L: layers.append(L))
-    assert summary["layers_copied"] == 8 and min(layers) == 5
+    assert summary["layers_copied"] == 8 and summary["layers_verified"] == 5
+    assert sorted(set(layers)) == list(range(13))  # 0-4 checked, then 5-12 copied
     assert not (tmp_path / "t" / "trunk.progress.json").exists()
     pack(tiny_a, tmp_path / "whole")
     assert (tmp_path / "t" / "trunk.bin").read_bytes() == \
         (tmp_path / "whole" / "trunk.bin").read_bytes()
 
 
-def test_stream_trunk_from_another_checkpoint_is_refused(tiny_a, tmp_path, copy_checkpoint):
+def test_stream_trunk_of_a_copy_with_other_bytes_is_refused_then_repacked(
+        tiny_a, tmp_path, copy_checkpoint):
+    """A copy of the checkpoint whose layer 3 differs at the start of its run: the trunk is
+    refused for it (its shards are other files), and pack re-packs layer 3 alone."""
     pack(tiny_a, tmp_path / "t")
     other = copy_checkpoint(tiny_a, tmp_path / "other")
-    # Same layout, different weights: flip bytes at the start of layer 3's trunk run.
     index = SafetensorsIndex.open(other)
     meta = json.loads((tmp_path / "t" / "trunk.json").read_text())
     entry = meta["layers"][3]
@@ -110,13 +113,30 @@ def test_stream_trunk_from_another_checkpoint_is_refused(tiny_a, tmp_path, copy_
         f.seek(entry["run_start"])
         f.write(b"\x55" * 8)
     names = TensorNames.detect(index)
-    with pytest.raises(CheckpointError, match="different checkpoint"):
+    with pytest.raises(CheckpointError, match="is not the file layer 0 of the trunk .* was "
+                       "packed from .* `k3tui pack`"):
         trunk_specs(tmp_path / "t", index, names, 13, other)
-    with pytest.raises(EngineError, match="different checkpoint"):
-        pack(other, tmp_path / "t")
-    # The original checkpoint still matches.
-    specs = trunk_specs(tmp_path / "t", SafetensorsIndex.open(tiny_a), names, 13, tiny_a)
-    assert len(specs) == 13
+    summary = pack(other, tmp_path / "t")
+    assert summary["layers_copied"] == 1 and summary["layers_verified"] == 12
+    pack(other, tmp_path / "fresh")
+    assert (tmp_path / "t" / "trunk.bin").read_bytes() == \
+        (tmp_path / "fresh" / "trunk.bin").read_bytes()
+    assert len(trunk_specs(tmp_path / "t", index, names, 13, other).layers) == 13
+    # Now the original's shards are not the files it was packed from.
+    with pytest.raises(CheckpointError, match="is not the file layer 0"):
+        trunk_specs(tmp_path / "t", SafetensorsIndex.open(tiny_a), names, 13, tiny_a)
+
+
+def test_stream_pack_refuses_a_folder_holding_another_checkpoints_trunk(tmp_path):
+    from engine.checkpoint.synth import synthesize
+
+    a = synthesize(tmp_path / "a", "tiny", seed=1)
+    b = synthesize(tmp_path / "b", "small", seed=1)
+    pack(a, tmp_path / "t")
+    with pytest.raises(EngineError, match="already holds another trunk .* different checkpoint"):
+        pack(b, tmp_path / "t")
+    with pytest.raises(CheckpointError, match="packed from a different checkpoint"):
+        check(b, tmp_path / "t")
 
 
 def test_stream_pack_refuses_a_layer_with_a_gap(tiny_a, tmp_path, copy_checkpoint):

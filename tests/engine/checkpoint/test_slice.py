@@ -23,9 +23,9 @@ from engine.checkpoint.synth import (
     synth_shapes,
     synthesize,
 )
-from engine.model.config import ModelConfig
+from engine.core.config import ModelConfig
 from engine.model.transformer import load_model
-from engine.weights.plan_cli import plan_for
+from engine.weights.geometry import plan_for
 from engine.weights.planner import GB, make_plan
 from engine.weights.resident import ResidentSource
 from engine.weights.streaming import CheckpointMap, StreamingSource

@@ -10,8 +10,8 @@ import pytest
 
 from engine.checkpoint.synth import flat_config
 from engine.decode.forecast import LayerKinds, Parts, expert_hit_rate, forecast
-from engine.model.config import ModelConfig
-from engine.weights.plan_cli import geometry_from_config, plan_for, real_config
+from engine.core.config import ModelConfig
+from engine.weights.geometry import geometry_from_config, plan_for, real_config
 from engine.weights.planner import GB, make_plan
 
 PARTS = {"disk": {"sequential_gb_per_s": 2.0, "chunk_gb_per_s": 2.0, "expert_gb_per_s": 1.0},

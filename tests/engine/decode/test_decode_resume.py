@@ -14,7 +14,7 @@ from engine.checkpoint.synth import synthesize
 from engine.decode.generate import GenParams, generate
 from engine.model.transformer import load_model
 from engine.serve.snapshots import SnapshotStore
-from engine.weights.planner import GB, add_memory_arguments
+from engine.weights.planner import GB, MemorySettings, add_memory_arguments
 from engine.weights.streaming import CheckpointMap, open_source
 
 SYS_A, SYS_B = [5, 17, 3, 99], [8, 1, 2]
@@ -34,7 +34,8 @@ def model(request, ckpt):
     floor = (max(g.layer_bytes) + g.min_expert_slots * g.expert_slot_bytes) / GB
     p = argparse.ArgumentParser()
     add_memory_arguments(p)
-    source = open_source(ckpt, p.parse_args(["--budget-gb", f"{floor * 1.2:.6f}"]), quiet=True)
+    memory = MemorySettings.from_args(p.parse_args(["--budget-gb", f"{floor * 1.2:.6f}"]))
+    source = open_source(ckpt, memory, quiet=True)
     return load_model(ckpt, source)
 
 
@@ -89,7 +90,7 @@ def test_cancelled_answer_keeps_no_state_past_its_prompt(model):
     store = SnapshotStore(1 << 30)
     a1 = SYS_A + [60]
     turn(model, store, a1, 0, cancel_after=2)
-    assert [len(k) for k in store._kept] == [len(a1)]  # the prompt's, none of the reply's
+    assert [len(ids) for _, ids in store._kept] == [len(a1)]  # the prompt's, none of the reply's
     partial = run(model, a1)[0][:2]
     turn(model, store, a1 + partial + [61], len(a1))
 

@@ -8,14 +8,25 @@ from engine.decode.steer import DemoSteer, Forced, end_of_answer, think_to_respo
 from engine.text.chat_template import ChatTemplate
 
 
-def run(tok, seed: int, logits_seed: int = 0, thinking: bool = True):
+def model_logits(tok, logits_seed: int, position: int) -> np.ndarray:
+    """Stands in for the model's real logits at `position` (the same for every run)."""
+    rng = np.random.default_rng((logits_seed, position))
+    return rng.standard_normal(tok.vocab_size).astype(np.float32)
+
+
+def run(tok, seed: int, logits_seed: int = 0, thinking: bool = True, given: list[int] = ()):
+    """The steered answer; with `given`, the steer is primed on those first ids and the
+    answer continues from them."""
     tpl = ChatTemplate(tok)
     parser, forced = tpl.parser(thinking=thinking), Forced()
     steer = DemoSteer(tok, parser, forced, seed=seed, think_tokens=20, answer_tokens=30)
-    rng = np.random.default_rng(logits_seed)  # stands in for the model's real logits
     ids, reasoning, content = [], "", ""
+    for i in given:
+        steer(len(ids), model_logits(tok, logits_seed, len(ids)), given=i)
+        ids.append(i)
+        parser.feed(i)
     for _ in range(400):
-        logits = steer(ids, rng.standard_normal(tok.vocab_size).astype(np.float32))
+        logits = steer(len(ids), model_logits(tok, logits_seed, len(ids)))
         assert np.count_nonzero(logits > -1e29) == 1  # exactly one choice left
         ids.append(int(np.argmax(logits)))
         d = parser.feed(ids[-1])
@@ -53,3 +64,12 @@ def test_srv_steer_without_thinking_answers_directly(test_tok):
     ids, reasoning, content, parser = run(test_tok, seed=2, thinking=False)
     assert reasoning == "" and content and parser.done
     assert test_tok.special("<|open|>") not in ids[: len(ids) - len(end_of_answer(test_tok))]
+
+
+def test_srv_steer_continued_from_any_cut_is_the_uninterrupted_run(test_tok):
+    """Primed on the first k ids of an answer, the steer writes the rest as it did: its
+    choices depend on the seed, the position and the ids before it only (also when the
+    cut falls inside the tags it forces)."""
+    whole = run(test_tok, seed=3)[0]
+    for k in range(1, len(whole)):
+        assert run(test_tok, seed=3, given=whole[:k])[0] == whole, k

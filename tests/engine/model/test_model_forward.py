@@ -280,7 +280,7 @@ def test_logits_hook_steers_and_timing_is_reported(small_model):
 
 def test_run_stops_on_both_end_ids(tmp_path):
     """The release's config says eos 163586, its tokenizer [EOS] 163585: stop on both."""
-    from engine.decode.run import default_stop_ids
+    from engine.commands.run import default_stop_ids
 
     ckpt = synthesize(tmp_path / "m", "small", seed=2)
     cfg = json.loads((ckpt / "config.json").read_text())

@@ -10,7 +10,7 @@ import pytest
 
 from engine.kernels.mxfp4 import mxfp4_decode
 from engine.model.attnres import attn_res
-from engine.model.config import ModelConfig
+from engine.core.config import ModelConfig
 from engine.model.kda import (
     KDAState,
     decay,

@@ -38,7 +38,7 @@ def fake_generate(
     generation is cancelled): a test holds the slot for as long as it needs, whatever
     the machine's speed, instead of racing a reply of a fixed length."""
 
-    def gen(prompt_ids, params, cancel=None, logits_hook=None):
+    def gen(prompt_ids, params, cancel=None, logits_hook=None, owner="", keep_at=()):
         rng = np.random.default_rng(params.seed)
         generated: list[int] = []
         for index in range(params.max_tokens):
@@ -71,6 +71,22 @@ def fake_generate(
                     compute_s=delay,
                 ),
             )
+            if tok in params.stop_ids:
+                return
+
+    return gen
+
+
+def scripted_generate(script: list[int]):
+    """A generator that writes `script` (whatever the prompt), up to max_tokens, ending
+    early at a stop id as generate() does; a test picks exactly where a reply is cut."""
+
+    def gen(prompt_ids, params, cancel=None, logits_hook=None, owner="", keep_at=()):
+        for index, tok in enumerate(script[: params.max_tokens]):
+            if cancel is not None and cancel.is_set():
+                return
+            stats = TokenStats(s_per_token=0.001, gb_read_trunk=0.0, gb_read_experts=0.0)
+            yield FakeToken(tok, 0.001, index, 0.002 if index == 0 else None, stats)
             if tok in params.stop_ids:
                 return
 
@@ -122,8 +138,8 @@ def make_loaded(test_tok):
 
 @pytest.fixture
 def inproc(test_tok):
-    """Factory: inproc(delay=..., steer_demo=..., gate=..., tok=..., **service kwargs)
-    -> InProcServer."""
+    """Factory: inproc(delay=..., steer_demo=..., gate=..., tok=..., script=[ids],
+    **service kwargs) -> InProcServer."""
     from engine.serve.app import Service
     from engine.serve.worker import Loaded
 
@@ -140,6 +156,7 @@ def inproc(test_tok):
         fail_at=None,
         gate=None,
         tok=None,
+        script=None,
     ):
         service = Service(
             model_name="fake-k3",
@@ -151,7 +168,8 @@ def inproc(test_tok):
         if loaded:
             ld = Loaded(
                 tok=tok or test_tok,
-                generate=fake_generate(test_tok.vocab_size, delay, counter, fail_at, gate),
+                generate=scripted_generate(script) if script is not None
+                else fake_generate(test_tok.vocab_size, delay, counter, fail_at, gate),
                 make_params=FakeParams,
                 n_ctx=n_ctx,
                 info={"memory_plan": {"mode": "resident"}},

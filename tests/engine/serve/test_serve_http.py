@@ -465,3 +465,57 @@ def test_srv_random_weights_stream_no_replacement_or_control_chars(inproc):
     assert "\\x" in out  # the random ids did produce bytes to escape
     assert "\ufffd" not in out
     assert not re.search(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]", out), repr(out)
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_srv_a_tag_cut_by_the_limit_or_an_end_never_reaches_the_answer(inproc, test_tok, thinking):
+    """`max_tokens`, or an end id, after any id of any tag but its `<|sep|>`: the streamed
+    and the collected answer are the text before the tag (the tag is held back while it
+    is read, and dropped when the end cuts it)."""
+    from tests.engine.text.test_text_chat_template import _reply
+
+    ids, tags = _reply(test_tok, thinking)
+    script: list[int] = []
+    srv = inproc(script=script)
+    mode = {} if thinking else {"reasoning_effort": "none"}
+    for start, sep, reasoning, content in tags:
+        for cut in range(start + 1, sep + 1):
+            for how, fed, max_tokens in (("length", ids, cut),
+                                         ("stop", ids[:cut] + [test_tok.special("[EOS]")], 99)):
+                script[:] = fed
+                body = {"messages": HI, "max_tokens": max_tokens, **mode}
+                chunks = chunks_of(stream_lines(srv.url, body))
+                finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+                said = test_tok.decode(ids[start:cut])
+                assert finish[-1] == how and texts(chunks) == (reasoning, content), said
+                msg = post(srv.url + CHAT, json=body).json()["choices"][0]["message"]
+                assert (msg.get("reasoning_content", ""), msg["content"]) == (reasoning, content)
+
+
+def test_srv_a_tag_cut_by_a_cancel_never_reaches_the_answer(test_tok):
+    """Cancelled after any id of a tag: no text of the tag was emitted before the stop."""
+    from engine.serve.protocol import Stopped, Token, parse_chat_request
+    from engine.serve.worker import Job, Loaded, Metrics, run_job
+    from engine.text.chat_template import ChatTemplate
+    from tests.engine.serve.conftest import FakeParams, scripted_generate
+    from tests.engine.text.test_text_chat_template import _reply
+
+    ids, tags = _reply(test_tok, True)
+    loaded = Loaded(tok=test_tok, generate=scripted_generate(ids), make_params=FakeParams,
+                    n_ctx=4096)
+    template = ChatTemplate(test_tok)
+    for start, sep, reasoning, content in tags:
+        for cut in range(start + 1, sep + 1):
+            job = Job(parse_chat_request({"messages": HI}, -1), [1, 2, 3], max_new=99)
+            events = []
+
+            def emit(event, job=job, events=events, cut=cut):
+                events.append(event)
+                if sum(isinstance(e, Token) for e in events) == cut:
+                    job.cancel.set()  # what the client going away does, between two tokens
+
+            run_job(job, loaded, template, Metrics(), False, emit)
+            assert isinstance(events[-1], Stopped) and job.finish == "cancelled"
+            tokens = [e for e in events if isinstance(e, Token)]
+            got = ("".join(e.reasoning for e in tokens), "".join(e.content for e in tokens))
+            assert got == (reasoning, content)

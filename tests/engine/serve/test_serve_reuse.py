@@ -13,7 +13,15 @@ import pytest
 
 from engine.serve.app import add_arguments
 from engine.serve.protocol import End, parse_chat_request
-from engine.serve.worker import Job, LoadProgress, Metrics, _Text, load_engine, run_job
+from engine.serve.worker import (
+    Job,
+    LoadProgress,
+    LoadSettings,
+    Metrics,
+    _Text,
+    load_engine,
+    run_job,
+)
 from engine.text.chat_template import ChatTemplate
 from tests.engine.serve.test_serve_process import CHAT, ServeProcess, small_ckpt  # noqa: F401
 
@@ -89,12 +97,13 @@ def test_srv_reply_the_model_ended_is_kept_before_the_client_hears_the_end(small
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args([str(small_ckpt), "--steer-demo"])
-    loaded = load_engine(small_ckpt, small_ckpt, args, LoadProgress(), args.ctx_size)
+    settings = LoadSettings.from_args(args)
+    loaded = load_engine(small_ckpt, small_ckpt, settings, LoadProgress(), args.ctx_size)
     template = ChatTemplate(loaded.tok)
 
     def turn(messages):
         req = parse_chat_request({"messages": messages, "seed": 1, "max_tokens": 200}, -1)
-        prompt = template.render(req.messages, replies=loaded.snapshots.replies())
+        prompt = template.render(req.messages)
         job, events = Job(req, prompt, max_new=200), []
 
         def emit(event):
@@ -117,3 +126,55 @@ def test_srv_reply_the_model_ended_is_kept_before_the_client_hears_the_end(small
     second, _ = turn(msgs + [reply, {"role": "user", "content": "And then?"}])
     # the first prompt and the reply as generated, all but the end id (never fed)
     assert second.cache_n == len(first.prompt_ids) + len(first.generated) - 1
+
+
+KEY_A, KEY_B = "key-a-0123456789", "key-b-9876543210"
+
+
+def keyed_ask(srv, messages, key=None):
+    body = {"messages": messages, "max_tokens": 200, "seed": 1}
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    resp = httpx.post(srv.url + CHAT, json=body, headers=headers, timeout=120)
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    return out, out["choices"][0]["message"]
+
+
+def test_srv_one_key_never_resumes_another_keys_states(small_ckpt):  # noqa: F811
+    """Two keys on one server: B sending A's exact conversation (a secret in its system
+    prompt, then A's reply and a follow-up) prefills it all, as a cold server would, and
+    gets the cold server's answer; A still resumes its own."""
+    keyed = ServeProcess(str(small_ckpt), "--port", "0", "--steer-demo",
+                         "--api-key", f"{KEY_A},{KEY_B}")
+    cold = ServeProcess(str(small_ckpt), "--port", "0", "--steer-demo", "--snapshot-gb", "0")
+    try:
+        first = [{"role": "system", "content": "The door code is 4817. Never tell it."},
+                 {"role": "user", "content": "Hello there"}]
+        a1, reply = keyed_ask(keyed, first, KEY_A)
+        second = first + [reply, {"role": "user", "content": "And then?"}]
+        a2, a_reply = keyed_ask(keyed, second, KEY_A)  # A resumes its prompt and reply
+        t1 = a1["timings"]
+        assert t1["cache_n"] == 0
+        assert a2["timings"]["cache_n"] == t1["prompt_n"] + t1["predicted_n"] - 1
+
+        def template(srv, key=None):
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            return httpx.post(srv.url + "/apply-template", json={"messages": second},
+                              headers=headers, timeout=60).json()
+
+        assert template(keyed, KEY_B) == template(cold)  # A's reply ids are A's alone
+        # B guesses A's whole conversation, then its first turn: cold both times
+        b2, b_reply = keyed_ask(keyed, second, KEY_B)
+        c2, c_reply = keyed_ask(cold, second)
+        assert b2["timings"]["cache_n"] == 0 and b_reply == c_reply == a_reply
+        prefilled = a2["usage"]["prompt_tokens"]
+        assert b2["timings"]["prompt_n"] == c2["timings"]["prompt_n"] == prefilled
+        b1, b_first = keyed_ask(keyed, first, KEY_B)
+        assert b1["timings"]["cache_n"] == 0 and b_first == keyed_ask(cold, first)[1] == reply
+        # and B's own states are B's: its follow-up resumes what B itself sent
+        b3, _ = keyed_ask(keyed, second + [b_reply, {"role": "user", "content": "Why?"}], KEY_B)
+        t2 = b2["timings"]
+        assert b3["timings"]["cache_n"] == t2["prompt_n"] + t2["predicted_n"] - 1
+    finally:
+        assert keyed.stop() in (0, -signal.SIGTERM)
+        assert cold.stop() in (0, -signal.SIGTERM)

@@ -7,6 +7,7 @@ import pytest
 from engine.text.bpe_train import write_test_tokenizer
 from engine.text.chat_template import (
     EFFORT_SENTENCE,
+    MAX_TAG_CHARS,
     ChatTemplate,
     Control,
     TemplateError,
@@ -218,9 +219,59 @@ def test_srv_parser_half_characters_wait_for_the_rest(tok, tpl):
 
 
 def test_srv_parser_stray_tag_text_is_not_lost(tok, tpl):
+    """A control token that proves not to start a tag (another tag opens before its
+    `<|sep|>`, or its name runs past MAX_TAG_CHARS) is text the model wrote."""
+    sp = tok.special
     p = tpl.parser(thinking=False)
-    _, content, _ = _feed_all(p, tok.encode("a") + [tok.special("<|open|>")] + tok.encode("b"))
-    assert content == "a<|open|>b"
+    ids = [*tok.encode("a"), sp("<|open|>"), *tok.encode("b"),
+           sp("<|open|>"), *tok.encode("response"), sp("<|sep|>"), *tok.encode("c")]
+    assert _feed_all(p, ids)[1] == "a<|open|>bc"
+    p = tpl.parser(thinking=False)
+    long = "x" * (MAX_TAG_CHARS + 1)
+    assert _feed_all(p, [sp("<|close|>"), *tok.encode(long)])[1] == "<|close|>" + long
+
+
+def _reply(tok, thinking: bool) -> tuple[list[int], list[tuple[int, int, str, str]]]:
+    """A whole reply with every tag the model writes, each tag name spelled one character
+    per id (so a cut can fall after any character); and per tag: where it starts, where
+    its `<|sep|>` is, and the reasoning and content written before it."""
+    sp = tok.special
+
+    def tag(control: str, name: str) -> list[int]:
+        return [sp(control), *(tok.encode(ch)[0] for ch in name), sp("<|sep|>")]
+
+    parts: list[tuple[str, list[int]]] = []
+    if thinking:
+        parts += [("reasoning", tok.encode("Let me think.")), ("tag", tag("<|close|>", "think")),
+                  ("tag", tag("<|open|>", "response"))]
+    parts += [("content", tok.encode("The answer.")), ("tag", tag("<|close|>", "response")),
+              ("tag", tag("<|close|>", "message"))]
+    ids: list[int] = []
+    tags = []
+    reasoning = content = ""
+    for kind, part in parts:
+        if kind == "tag":
+            tags.append((len(ids), len(ids) + len(part) - 1, reasoning, content))
+        elif kind == "reasoning":
+            reasoning += tok.decode(part)
+        else:
+            content += tok.decode(part)
+        ids += part
+    return ids + [sp("<|end_of_msg|>")], tags
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+@pytest.mark.parametrize("end", ["length", "<|end_of_msg|>", "[EOS]"])
+def test_srv_parser_a_tag_cut_at_the_end_never_reaches_the_text(tok, tpl, thinking, end):
+    """The token limit (or an end id) after any id of any tag but its `<|sep|>`: the
+    text is what came before the tag, without a control token or half a tag name."""
+    ids, tags = _reply(tok, thinking)
+    assert len(tags) == (4 if thinking else 2)
+    for start, sep, reasoning, content in tags:
+        for cut in range(start + 1, sep + 1):  # the control id alone … all but the sep
+            fed = ids[:cut] + ([] if end == "length" else [tok.special(end)])
+            got = _feed_all(tpl.parser(thinking=thinking), fed)[:2]
+            assert got == (reasoning, content), (tok.decode(ids[start:cut]), got)
 
 
 def test_real_vocab_chat_template_puts_the_specials_at_kimis_ids(real_tok):
@@ -234,10 +285,35 @@ def test_real_vocab_chat_template_puts_the_specials_at_kimis_ids(real_tok):
 
 
 @pytest.mark.parametrize("thinking", [False, True])
-def test_real_vocab_a_reply_cut_by_the_limit_renders_as_its_ids(real_tok, thinking):
+def test_real_vocab_a_reply_that_does_not_round_trip_is_told(real_tok, thinking):
     """A random model at the real vocabulary writes ids whose text re-encodes otherwise,
     invalid UTF-8 and stray reserved ids, and the token limit cuts it inside its channel:
-    the follow-up must still render the reply as the ids generated (prompt reuse)."""
+    the template says so (the server counts it), and renders the follow-up from the text
+    alone, the state to keep marked at the reply's rendered end."""
+    tpl = ChatTemplate(real_tok)
+    word = real_tok.encode(" lighthouse")
+    reply = [*real_tok.encode(" light"), *real_tok.encode("house"), 163600, *word,
+             *real_tok.encode("\u4f60")[:1], 0x07, *word, 150_000]
+    parser = tpl.parser(thinking=thinking)
+    deltas = [parser.feed(i) for i in reply] + [parser.finish()]
+    got = {"reasoning_content": "".join(d.reasoning for d in deltas),
+           "content": "".join(d.content for d in deltas)}
+    assert "\ufffd" not in str(got) and "\x07" not in str(got)
+    texts = (got["reasoning_content"], got["content"])
+    assert not tpl.round_trips(reply, *texts, thinking=thinking)
+    as_text = tpl.text_turn(*texts, thinking=thinking)
+    assert tpl.round_trips(as_text, *texts, thinking=thinking)
+    follow = SPEC_MESSAGES + [{"role": "assistant", **got}, {"role": "user", "content": "More"}]
+    rendered = tpl.render_full(follow, thinking=thinking)
+    prompt = tpl.render(SPEC_MESSAGES, thinking=thinking)
+    end = rendered.reply_ends[-1]
+    assert rendered.ids[len(prompt):end] == as_text
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_real_vocab_a_reply_sent_with_its_ids_renders_as_them(real_tok, thinking):
+    """The same reply sent back with its k3_token_ids renders as the ids generated, then
+    the closing tags of the channel the limit cut it in; other ids are refused."""
     tpl = ChatTemplate(real_tok)
     prompt = tpl.render(SPEC_MESSAGES, thinking=thinking)
     word = real_tok.encode(" lighthouse")
@@ -247,11 +323,14 @@ def test_real_vocab_a_reply_cut_by_the_limit_renders_as_its_ids(real_tok, thinki
     deltas = [parser.feed(i) for i in reply] + [parser.finish()]
     got = {"reasoning_content": "".join(d.reasoning for d in deltas),
            "content": "".join(d.content for d in deltas)}
-    assert "\ufffd" not in str(got) and "\x07" not in str(got)
-    key, ids = tpl.reply(reply, parser.channel)
-    follow = SPEC_MESSAGES + [{"role": "assistant", **got}, {"role": "user", "content": "More"}]
-    again = tpl.render(follow, thinking=thinking, replies={key: ids})
+    turn = {"role": "assistant", **got, "k3_token_ids": reply}
+    follow = SPEC_MESSAGES + [turn, {"role": "user", "content": "More"}]
+    again = tpl.render(follow, thinking=thinking)
     assert again[: len(prompt) + len(reply)] == prompt + reply
-    # after the reply: the closing tags and the next turn, as the text renders them
     rest = again[len(prompt) + len(reply):]
-    assert tpl.render(follow, thinking=thinking)[-len(rest):] == rest
+    as_text = tpl.render([*SPEC_MESSAGES, {"role": "assistant"}, follow[-1]],
+                         thinking=thinking)
+    assert as_text[-len(rest):] == rest  # the channel closed, the message, the next turn
+    for bad in ([*reply, 5], reply[:-1] + [163_840], reply[1:]):
+        with pytest.raises(TemplateError, match=r"message \d+ \(assistant\)"):
+            tpl.render(SPEC_MESSAGES + [{**turn, "k3_token_ids": bad}], thinking=thinking)

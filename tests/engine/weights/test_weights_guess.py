@@ -16,9 +16,9 @@ from engine.checkpoint.synth import synthesize
 from engine.decode.generate import GenParams, generate
 from engine.errors import PlanError, ReadError
 from engine.model.transformer import load_model
-from engine.weights.planner import GB, add_memory_arguments, make_plan, plan_from_args
+from engine.weights.planner import GB, MemorySettings, add_memory_arguments, make_plan
 from engine.weights.resident import ResidentSource
-from engine.weights.io import Read, aligned_buffer
+from engine.core.directio import Read, aligned_buffer
 from engine.weights.streaming import CheckpointMap, StreamingSource
 
 PROMPT = [3, 7, 11, 5, 9, 200, 17]
@@ -67,7 +67,7 @@ def test_stream_guess_plan_auto_only_where_the_disk_is_idle(small):
     args = p.parse_args(
         ["--budget-gb", f"{trunk_and_slots(small, 12):.6f}", "--guess-experts", "off"]
     )
-    assert not plan_from_args(g, args).guess_experts
+    assert not MemorySettings.from_args(args).plan(g).guess_experts
 
 
 def test_stream_guess_same_ids_and_most_reads_start_early(small):

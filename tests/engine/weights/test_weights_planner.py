@@ -12,10 +12,10 @@ from engine.weights.planner import (
     GB,
     Geometry,
     MemoryFacts,
+    MemorySettings,
     add_memory_arguments,
     make_plan,
     read_memory_facts,
-    wants_streaming,
 )
 from engine.weights.sysmem import Roots, read_cgroup
 
@@ -154,11 +154,14 @@ def test_stream_memory_facts_honour_a_parent_cgroups_limit():
 def test_stream_memory_arguments():
     p = argparse.ArgumentParser()
     add_memory_arguments(p)
-    assert not wants_streaming(p.parse_args([]))
-    assert not wants_streaming(p.parse_args(["--threads", "4"]))
-    a = p.parse_args(["--budget-gb", "0.5", "--trunk", "/t", "--threads", "6"])
-    assert wants_streaming(a) and a.budget_gb == 0.5 and a.trunk == "/t" and a.threads == 6
-    assert wants_streaming(p.parse_args(["--preset", "auto"]))
+    def settings(*argv):
+        return MemorySettings.from_args(p.parse_args(argv))
+
+    assert not settings().streams
+    assert not settings("--threads", "4").streams
+    a = settings("--budget-gb", "0.5", "--trunk", "/t", "--threads", "6")
+    assert a.streams and a == MemorySettings(budget_gb=0.5, trunk="/t", threads=6)
+    assert settings("--preset", "auto").streams
     with pytest.raises(SystemExit):
         p.parse_args(["--preset", "nope"])
 

@@ -19,8 +19,8 @@ from engine.checkpoint.trunk import pack
 from engine.decode.generate import GenParams, generate
 from engine.errors import ReadError
 from engine.model.transformer import load_model
-from engine.weights.io import Layout
-from engine.weights.planner import GB, add_memory_arguments, make_plan
+from engine.core.directio import Layout
+from engine.weights.planner import GB, MemorySettings, add_memory_arguments, make_plan
 from engine.weights.resident import ResidentSource
 from engine.weights import streaming
 from engine.weights.streaming import MODEL_TENSORS, CheckpointMap, StreamingSource, open_source
@@ -206,11 +206,39 @@ def test_stream_expert_read_error_never_publishes_the_slot(small, tmp_path, copy
         assert (3, 0) in src.cache.resident()
 
 
+def test_stream_trunk_layer_not_matching_its_digest_never_reaches_the_model(tiny_a, tmp_path):
+    """A byte of layer 5 changed in trunk.bin after the pack: at every budget (pinned,
+    ring) asking for layer 5 fails with one sentence, every time; the other layers are the
+    shards' bytes, each checked once."""
+    import json
+
+    trunk = tmp_path / "t"
+    pack(tiny_a, trunk)
+    entry = json.loads((trunk / "trunk.json").read_text())["layers"][5]
+    with open(trunk / "trunk.bin", "r+b") as f:
+        f.seek(entry["file_off"] + 777)
+        f.write(b"\xff\x00\xff")
+    res = ResidentSource(tiny_a)
+    for kw in budgets(tiny_a):
+        with source(tiny_a, trunk, **kw) as src:
+            for L in list(range(13)) * 2:
+                if L == 5:
+                    with pytest.raises(ReadError, match="layer 5 of the trunk in .* does not "
+                                       "match the digest it was packed with .* `k3tui pack`"):
+                        with src.layer(5):
+                            pass
+                    continue
+                with src.layer(L) as w, res.layer(L) as ref:
+                    assert all(np.array_equal(w[k], ref[k]) for k in ref), (kw, L)
+            assert src._verified == set(range(13)) - {5}
+
+
 def test_stream_open_source_and_cli(small, capsys, tmp_path, copy_checkpoint):
     p = argparse.ArgumentParser()
     add_memory_arguments(p)
-    assert isinstance(open_source(small, p.parse_args([])), ResidentSource)
-    src = open_source(small, p.parse_args(["--budget-gb", f"{floor_gb(small) * 1.5:.6f}"]))
+    assert isinstance(open_source(small, MemorySettings.from_args(p.parse_args([]))),
+                      ResidentSource)
+    src = open_source(small, MemorySettings(budget_gb=floor_gb(small) * 1.5))
     assert isinstance(src, StreamingSource)
     assert "memory plan" in capsys.readouterr().err
     src.close()

@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import struct
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -19,7 +21,9 @@ import httpx
 import numpy as np
 import pytest
 
+from k3tui.backends.llama import rpc
 from k3tui.config import Config
+from k3tui.units import GiB
 
 CHAT_TEMPLATE = (
     "{%- for m in messages -%}"
@@ -288,3 +292,108 @@ def systemd_that_applies(argv):
     """What a systemd user manager with the memory controller delegated answers."""
     limit = next(a.split("=", 1)[1] for a in argv if a.startswith("MemoryMax="))
     return subprocess.CompletedProcess(argv, 0, stdout=limit + "\n", stderr="")
+
+
+# --- the pool: real ggml-rpc-server workers started through `k3tui worker` ------------------
+
+def k3tui_cli(*args: str, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "k3tui", *args], capture_output=True,
+                          text=True, env=env, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def start_worker(env: dict, host: str = "127.0.0.1", said: list | None = None) -> str:
+    """`k3tui worker` on a free loopback port: its endpoint (`said` gets what it printed).
+    A port another program takes between the lookup and the bind makes the worker refuse
+    it: then another port (a real start-up failure fails all three times and is raised)."""
+    for attempt in range(3):
+        port = free_port()
+        done = k3tui_cli("worker", "--host", host, "--port", str(port), env=env)
+        if done.returncode == 0:
+            if said is not None:
+                said.append(done.stdout)
+            return f"{host}:{port}"
+        if attempt == 2 or "cannot be listened on" not in done.stderr:
+            raise AssertionError(f"k3tui worker failed: {done.stdout}{done.stderr}")
+    raise AssertionError("unreachable")
+
+
+def worker_process(env: dict, endpoint: str):
+    """The ggml-rpc-server (a psutil.Process) of the running worker job at `endpoint`."""
+    import json
+
+    import psutil
+
+    jobs = json.loads(k3tui_cli("jobs", "--json", env=env).stdout)
+    job = next(j for j in jobs if j["target"] == endpoint and j["status"] == "running")
+    return next(p for p in psutil.Process(job["pid"]).children(recursive=True)
+                if "rpc-server" in p.name())
+
+
+class FakeWorker:
+    """An RPC worker of another build, or one that misbehaves (the one build installed here
+    cannot be another): a loopback server that speaks RPC as that build would: its
+    `version`, a hello payload of `hello_size` bytes (24 from protocol 5, 0 before), one
+    device of `memory` bytes; or `silent` (takes the connection, never answers) or
+    `garbage`."""
+
+    def __init__(self, version=(5, 0, 0), hello_size=24, memory=64 * GiB, silent=False,
+                 garbage=False):
+        self.version, self.hello_size, self.memory = version, hello_size, memory
+        self.silent, self.garbage = silent, garbage
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.hellos: list[int] = []
+        self.done = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while not self.done.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                if self.silent:
+                    self.done.wait()
+                    return
+                self._client(conn)
+
+    def _read(self, conn, n):
+        data = b""
+        while len(data) < n:
+            chunk = conn.recv(n - len(data))
+            if not chunk:
+                raise EOFError
+            data += chunk
+        return data
+
+    def _client(self, conn) -> None:
+        try:
+            while True:
+                cmd = self._read(conn, 1)[0]
+                size = struct.unpack("<Q", self._read(conn, 8))[0]
+                payload = self._read(conn, size)
+                if self.garbage:
+                    conn.sendall(struct.pack("<Q", 1 << 40))
+                    return
+                if cmd == rpc.CMD_HELLO:
+                    self.hellos.append(size)
+                    if size != self.hello_size:
+                        return  # what a real server of another protocol does: hang up
+                    reply = bytes(self.version) + bytes(1 + self.hello_size)
+                elif cmd == rpc.CMD_DEVICE_COUNT:
+                    reply = struct.pack("<I", 1)
+                elif cmd == rpc.CMD_GET_DEVICE_MEMORY:
+                    assert payload == struct.pack("<I", 0)
+                    reply = struct.pack("<QQ", self.memory // 2, self.memory)
+                else:
+                    return
+                conn.sendall(struct.pack("<Q", len(reply)) + reply)
+        except (EOFError, OSError):
+            return
+
+    def close(self) -> None:
+        self.done.set()
+        self.sock.close()

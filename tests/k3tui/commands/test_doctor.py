@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 GiB = 1024**3
 
 
@@ -107,3 +109,35 @@ def test_doctor_json_feeds_plan_machine(tmp_path):
     data = json.loads(plan.stdout)
     assert data["machine"]["cpu"]["usable"] == len(os.sched_getaffinity(0))
     assert data["plan"]["backend"] == "bundled" and data["plan"]["preset"]
+
+
+def _pool_config(workers: list[str]) -> None:
+    from k3tui.config import Config, save_config
+
+    cfg = Config()
+    cfg.model.kind, cfg.backend.kind, cfg.llama_server.rpc = "gguf", "llama-server", workers
+    save_config(cfg)
+
+
+@pytest.mark.slow
+def test_doctor_checks_every_worker_in_one_line_each():
+    """An unreachable worker and one that takes the connection but never answers: each has
+    its line with why, and the doctor answers in one handshake timeout, not one each."""
+    import socket
+
+    from llama_helpers import refused_port
+
+    with refused_port() as port, socket.create_server(("127.0.0.1", 0)) as silent:
+        refused, busy = f"127.0.0.1:{port}", f"127.0.0.1:{silent.getsockname()[1]}"
+        _pool_config([refused, busy])
+        res = doctor("--json")
+    checks = json.loads(res.stdout)["checks"]
+    workers = [c for c in checks if c["name"] == "worker"]
+    assert [(c["status"], c["detail"].split(":")[0] + ":" + c["detail"].split(":")[1])
+            for c in workers] == [("fail", refused), ("warn", busy)]
+    assert "refused the connection" in workers[0]["detail"]
+    assert f"--port {port}" in workers[0]["next"]
+    assert "did not answer the handshake within 3 s" in workers[1]["detail"]
+    pool = next(c for c in checks if c["name"] == "pool")
+    assert pool["status"] == "warn" and "0 of 2 workers answered" in pool["detail"]
+    assert res.returncode == 1

@@ -182,6 +182,13 @@ def test_dry_run_shows_the_model_name_the_launch_adds(tiny_a):
            "kimi-k3 " in p.stdout
 
 
+def test_dry_run_keeps_conversation_states_in_the_home(tiny_a):
+    """The bundled engine keeps its states under $K3TUI_HOME/states: a restart resumes."""
+    p = k3("serve", "--dry-run", "--backend", "bundled", "--model-path", str(tiny_a))
+    home = Path(os.environ["K3TUI_HOME"]).resolve()
+    assert f"--state-dir {home / 'states'}" in p.stdout, p.stdout
+
+
 def test_load_mode_reason_matches_what_the_binary_lists():
     from k3tui.backends.llama.binary import binary_env, find_binary
 

@@ -221,7 +221,7 @@ def test_a_job_after_which_another_finished_the_folder_has_nothing_to_resume():
 def test_a_finished_pack_says_every_layer_is_packed(tiny_a, tmp_path):
     """A finished 12-layer pack showed "layer 11"; the real pack of the reference checkpoint,
     as a job, ends with "N of N layers"."""
-    from engine.model.config import ModelConfig
+    from engine.core.config import ModelConfig
 
     n = ModelConfig.from_dir(tiny_a).num_hidden_layers
     k3("pack", str(tiny_a), str(tmp_path / "trunk"), "--detach")

@@ -89,3 +89,22 @@ def test_polish_plan_command_matches_what_serve_would_run(tiny_gguf):
     assert real[:4] == WRAPPER and planned[:planned.index("--") + 1] == \
         real[:real.index("--") + 1]                    # the same wrapper, the same limit
     assert flags(planned) == flags(real)               # the same flags, nothing left out
+
+
+@pytest.mark.slow
+def test_plan_shows_the_pool_with_an_unreachable_worker():
+    from llama_helpers import refused_port
+
+    from k3tui.config import Config, save_config
+
+    with refused_port() as port:
+        cfg = Config()
+        cfg.model.kind, cfg.backend.kind = "gguf", "llama-server"
+        cfg.llama_server.rpc = [f"127.0.0.1:{port}"]
+        save_config(cfg)
+        out = k3("plan").stdout
+    assert f"--rpc 127.0.0.1:{port}" in line_after(out, "Command: ")
+    pool = out[out.index("Pool:"):]
+    assert f"127.0.0.1:{port}: 0 of 93 layers (no answer: refused the connection" in pool
+    assert "the pool cannot hold the model: it needs 540.3 GiB" in pool
+    assert "no GPU: llama-server runs the GGUF on the CPU" not in out  # the workers compute

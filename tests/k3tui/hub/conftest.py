@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -32,3 +34,15 @@ def hub(repo_dir, monkeypatch):
     monkeypatch.setenv("K3TUI_DL_TIMEOUT_S", "30")
     yield h
     h.stop()
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 12 MiB tmpfs (needs root); skipped where mounting is not allowed."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs",
+                                            str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (ENOSPC is injected in test_dl_transfer)")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)

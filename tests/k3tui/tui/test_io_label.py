@@ -36,3 +36,19 @@ async def test_polish_io_pane_names_the_memory_bound(app_factory, backend, k3, t
         assert " / " not in rss_line.split("RSS ", 1)[1].split("cache")[0], rss_line
     header = backend.header().plain
     assert ("limit" in header) == (backend.kind == "llama-server" and bool(backend.budget_gb))
+
+
+async def test_polish_io_pane_shows_the_pool_where_a_local_backend_shows_rss(app_factory):
+    from k3tui.monitor import Sample
+
+    app = app_factory(backend=BackendInfo("llama-server", "k3.gguf", budget_gb=21.2),
+                      monitor=None)
+    async with app.run_test(size=(120, 40)) as pilot:
+        chat = app.chat
+        chat.last_sample = Sample(t=1.0, proc_rss_gb=0.03, pool=(
+            ("10.0.0.2:50052", True, 144 * 2**20), ("10.0.0.3:50052", False, None)))
+        chat.show_io()
+        await pilot.pause()
+        text = screen_text(app)
+        assert "pool 1/2 up: 151·down MB" in text
+        assert "RSS 30 MB" not in text  # the head's own RSS is not the model's memory here

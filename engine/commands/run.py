@@ -20,9 +20,13 @@ from typing import Any
 
 import numpy as np
 
+from engine.decode.generate import GenParams, generate
+from engine.decode.sampler import Sampler
 from engine.errors import EngineError
 from engine.jsonfile import load_json
-from engine.weights.planner import GB, add_memory_arguments
+from engine.model.transformer import load_model
+from engine.text.tokenizer import MAX_TOKENIZER_CONFIG
+from engine.weights.planner import GB, MemorySettings, add_memory_arguments
 from engine.weights.streaming import open_source
 from engine.weights.sysmem import peak_rss
 
@@ -62,8 +66,6 @@ def default_stop_ids(eos_token_id: int | None, checkpoint: Path) -> list[int]:
     """config.json's eos_token_id plus the tokenizer's [EOS] and <|end_of_msg|>: the two
     config files of the release disagree (163586 vs 163585) and the model ends turns with
     either, so stop on both."""
-    from engine.text.tokenizer import MAX_TOKENIZER_CONFIG
-
     ids = {eos_token_id} if eos_token_id is not None else set()
     file = checkpoint / "tokenizer_config.json"
     if not file.is_file():
@@ -82,10 +84,6 @@ def default_stop_ids(eos_token_id: int | None, checkpoint: Path) -> list[int]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from engine.decode.generate import GenParams, generate
-    from engine.decode.sampler import Sampler
-    from engine.model.transformer import load_model
-
     try:
         ids = _parse_ids(args.ids, "--ids")
         if not ids:
@@ -99,7 +97,8 @@ def main(args: argparse.Namespace) -> int:
         if not Path(args.checkpoint).exists():
             raise EngineError(f"{args.checkpoint} does not exist; pass a checkpoint folder.")
         t0 = time.perf_counter()
-        model = load_model(args.checkpoint, open_source(args.checkpoint, args))
+        source = open_source(args.checkpoint, MemorySettings.from_args(args))
+        model = load_model(args.checkpoint, source)
         load_s = time.perf_counter() - t0
         stops = (
             _parse_ids(args.stop, "--stop")

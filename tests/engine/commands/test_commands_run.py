@@ -15,7 +15,7 @@ import pytest
 from engine.checkpoint.synth import synthesize
 from engine.decode.generate import GenParams, generate
 from engine.model.transformer import load_model
-from engine.weights.planner import GB, add_memory_arguments, plan_from_args
+from engine.weights.planner import GB, MemorySettings, add_memory_arguments
 from engine.weights.streaming import CheckpointMap
 
 REPO = str(Path(__file__).resolve().parents[3])
@@ -58,7 +58,7 @@ def test_run_json_per_token_stats_and_totals(small):
     add_memory_arguments(p)
     cmap = CheckpointMap(small)
     g = cmap.geometry()
-    plan = plan_from_args(g, p.parse_args(["--budget-gb", budget]))
+    plan = MemorySettings.from_args(p.parse_args(["--budget-gb", budget])).plan(g)
     assert 0 < len(plan.pinned) < g.n_layers and plan.expert_slots < g.top_k * g.moe_layers
     payload = [lay.payload for lay in cmap.layers]
     streamed = sum(b for i, b in enumerate(payload) if i not in plan.pinned)

@@ -20,7 +20,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -154,8 +154,9 @@ class Read:
 class Batch:
     """A group of reads; `wait()` returns once all finished, or raises the first error."""
 
-    def __init__(self, n_jobs: int, nbytes: int):
+    def __init__(self, n_jobs: int, nbytes: int, then: Callable[[], None] | None = None):
         self._pending = n_jobs
+        self._then = then  # run by the reader that finishes the last job, before `done`
         self._lock = threading.Lock()
         self._done = threading.Event()
         self.error: ReadError | None = None
@@ -171,8 +172,17 @@ class Batch:
             if error is not None and self.error is None:
                 self.error = error
             self._pending -= 1
-            if self._pending == 0:
-                self._done.set()
+            last = self._pending == 0
+        if not last:
+            return
+        if self._then is not None and self.error is None and not self.cancelled:
+            try:  # e.g. a digest check: the bytes are not handed out unless it passes
+                self._then()
+            except ReadError as exc:
+                self.error = exc
+            except Exception as exc:  # never let a reader die silently
+                self.error = ReadError(f"checking a read failed: {exc}")
+        self._done.set()
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -235,8 +245,9 @@ class ReadPool:
             w.start()
 
     def submit(self, reads: Iterable[Read], priority: tuple = (1,),
-               chunk: int | None = None) -> Batch:
-        """Queue `reads` (in the given order, split into chunks) as one batch."""
+               chunk: int | None = None, then: Callable[[], None] | None = None) -> Batch:
+        """Queue `reads` (in the given order, split into chunks) as one batch; `then()`
+        runs on a reader once they all landed, and a ReadError from it fails the batch."""
         step = self.chunk if chunk is None else max(ALIGN, align_down(chunk))
         jobs: list[Read] = []
         nbytes = 0
@@ -247,7 +258,7 @@ class ReadPool:
                 end = min(size, start + step)
                 need = min(max(r.need - start, 0), end - start)
                 jobs.append(Read(r.file, r.offset + start, r.dest[start:end], need))
-        batch = Batch(len(jobs), nbytes)
+        batch = Batch(len(jobs), nbytes, then)
         heap = self._urgent if priority[0] <= 0 else self._background
         with self._cond:
             batch.seq = next(self._seq)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engine.errors import ReadError
-from engine.weights.io import (
+from engine.core.directio import (
     ALIGN,
     DirectFile,
     FileTable,
@@ -119,3 +119,32 @@ def test_stream_pool_error_in_one_job_fails_the_batch(data_file, tmp_path):
     assert bytes(buf[: 3 * ALIGN]) == data[: 3 * ALIGN]
     assert pool.bytes_read >= 3 * ALIGN
     pool.close()
+
+
+def test_stream_batch_check_runs_once_every_read_landed_and_can_fail_it(data_file):
+    """`then` sees the whole batch's bytes (it runs after the last chunk, on a reader); a
+    ReadError from it fails the batch, and it never runs for a read that failed."""
+    path, data = data_file
+    files, pool = FileTable(), ReadPool(3, chunk=1 << 20)
+    try:
+        lay = Layout([TensorSpec("x", path, 0, 4 << 20, np.dtype("u1"), (4 << 20,))])
+        seen = []
+        buf = aligned_buffer(lay.nbytes)
+        pool.submit(lay.reads(files, buf), (1,), then=lambda: seen.append(bytes(buf[:4 << 20]))
+                    ).wait()
+        assert seen == [data[:4 << 20]]
+
+        def refuse():
+            raise ReadError("these bytes do not match")
+
+        with pytest.raises(ReadError, match="do not match"):
+            pool.submit(lay.reads(files, aligned_buffer(lay.nbytes)), (1,), then=refuse).wait()
+        past = Layout([TensorSpec("y", path, len(data) - 10, 4096, np.dtype("u1"), (4096,))])
+        ran = []
+        with pytest.raises(ReadError, match="short read"):
+            pool.submit(past.reads(files, aligned_buffer(past.nbytes)), (1,),
+                        then=lambda: ran.append(1)).wait()
+        assert ran == []
+    finally:
+        pool.close()
+        files.close()
