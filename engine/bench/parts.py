@@ -12,7 +12,9 @@
   shared and the routed experts included; the MoE layers also timed up to the moment they
   ask for their experts), the token's work outside its layers (embedding row, output
   aggregation, norm, head: `head_s`), all timed inside decode tokens through the engine's
-  `Model.step`; the top-k routed experts alone, the head's matvec alone, and the share of
+  `Model.step`; each layer kind's seconds per token of a 16-token prompt through
+  `Model.prefill` (the multi-token kernels: the first token's compute, per prompt token);
+  the top-k routed experts alone, the head's matvec alone, and the share of
   the routed experts that the attention-time guess (the engine's expert read-ahead) names;
   `--widths DIR`: at the widths of the checkpoint in DIR instead (bench slice uses it);
 * the memory read bandwidth: the head's own bytes read by the kernels' threads, in turns
@@ -27,7 +29,9 @@ With `--json`, one object on stdout (a k3tui command consumes it), schema:
             "queue_depth": int},
    "compute": {"kda_moe_layer_s", "mla_moe_layer_s", "dense_layer0_s", "head_s",
                "kda_moe_pre_experts_s", "mla_moe_pre_experts_s", "routed_experts_s",
-               "head_matvec_s", "guess_hit_rate": float, "threads": int,
+               "head_matvec_s", "guess_hit_rate", "kda_moe_layer_prefill_s_per_token",
+               "mla_moe_layer_prefill_s_per_token", "dense_layer0_prefill_s_per_token": float,
+               "prefill_tokens", "threads": int,
                "kernels": "fused (numba)" | "numpy reference"},
    "memory_bandwidth_gb_per_s": float,
    "presets": [{"name", "fits" (bool: forecast peak RSS <= 95 % of available memory here),
@@ -364,9 +368,29 @@ def measure_compute(tokens: int, cfg) -> dict[str, Any]:
     out["read_gb_per_s"] = words.nbytes / min(reads[1:]) / GB
     out["trunk_gb"] = {"kda_moe": trunk[1] / GB, "mla_moe": trunk[3] / GB, "dense": trunk[0] / GB,
                        "head": head.nbytes / GB}
+    out.update(measure_prefill(model, src, kinds, rng))
     out["kernels"] = "fused (numba)" if kernels.FUSED else "numpy reference"
     out["threads"] = kernels.compute_threads()
     return out
+
+
+PREFILL_TOKENS = 16  # a prompt chunk: the kernels' blocks are full; the forecast's upper bound
+
+
+def measure_prefill(model, src, kinds: dict[int, str], rng) -> dict[str, Any]:
+    """One PREFILL_TOKENS-token prompt through the layers (the multi-token kernels, the
+    chunk's routing and its union of experts): seconds per token of each layer kind. A
+    longer prompt does no worse per token (fuller blocks, more tokens per expert)."""
+    cfg = model.config
+    model.prefill([1, 2, 3, 4], model.new_state())  # compile the multi-token kernels
+    ids = [int(i) for i in rng.integers(cfg.vocab_size, size=PREFILL_TOKENS)]
+    model.prefill(ids, model.new_state())
+    per: dict[str, list[float]] = {}
+    for L, kind in kinds.items():
+        per.setdefault(kind, []).append(src.inside[L] / PREFILL_TOKENS)
+    return {"prefill_tokens": PREFILL_TOKENS,
+            **{f"{kind}{'_layer0' if kind == 'dense' else '_layer'}_prefill_s_per_token":
+               statistics.median(v) for kind, v in per.items()}}
 
 
 def preset_forecasts(parts_json: dict[str, Any]) -> list[dict[str, Any]]:

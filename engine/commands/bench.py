@@ -14,6 +14,8 @@
 * compact — the lossless compact trunk against the BF16 one (engine/bench/compact.py).
 * chat — a 4-turn conversation, each turn cold vs resumed from the kept states
   (engine/bench/chat.py).
+* prefill — the multi-token kernels against numpy's FP32 GEMM at real widths, and a prompt
+  prefilled whole against token by token (engine/bench/prefill.py).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ BENCHES = {
     "parts": "engine.bench.parts",
     "slice": "engine.bench.slice",
     "chat": "engine.bench.chat",
+    "prefill": "engine.bench.prefill",
 }
 
 

@@ -25,8 +25,10 @@ The token is replayed until the ring is in its steady state (a few tokens) and t
 one is reported, with its terms named as `run --json` reports them: compute, waiting for
 the trunk, waiting for experts (the head's waits count as compute there, as in the run).
 First token of a T-token prompt: the streamed trunk and head read once, the union of each
-layer's experts, E x (1 - (1 - k/E)^T) per layer, not resident, and T x the per-token
-compute (an upper bound: the kernels read each weight once for all T rows).
+layer's experts, E x (1 - (1 - k/E)^T) per layer, not resident, and T x the compute per
+prompt token: measured on a 16-token prompt through the multi-token kernels when the parts
+have it (an upper bound for longer prompts: fuller blocks, more tokens per expert), else
+the decode token's compute (older parts, a far higher bound).
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ class Parts:
     mla_pre_s: float
     routed_s: float  # the top-k routed experts of one token, weights in memory
     guess_hit: float  # share of the routed experts the attention-time guess named
+    # per prompt token of a short prompt's prefill, by layer kind (None: parts measured
+    # before the multi-token kernels)
+    prefill_s: dict[str, float] | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Parts:
@@ -82,7 +87,27 @@ class Parts:
                 raise ValueError(f"the parts measurement lacks a valid {group}.{key}; "
                                  "run `python -m engine bench parts` again.")
             vals[name] = float(v) * scale
-        return cls(**vals)
+        return cls(**vals, prefill_s=_prefill(d.get("compute")))
+
+
+_PREFILL_KEYS = {"kda": "kda_moe_layer_prefill_s_per_token",
+                 "mla": "mla_moe_layer_prefill_s_per_token",
+                 "dense": "dense_layer0_prefill_s_per_token"}
+
+
+def _prefill(compute: Any) -> dict[str, float] | None:
+    """The per-prompt-token prefill seconds by kind, None when the parts predate them."""
+    if not isinstance(compute, dict) or not any(k in compute for k in _PREFILL_KEYS.values()):
+        return None
+    out = {}
+    for kind, key in _PREFILL_KEYS.items():
+        v = compute.get(key)
+        if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                and v > 0):
+            raise ValueError(f"the parts measurement lacks a valid compute.{key}; "
+                             "run `python -m engine bench parts` again.")
+        out[kind] = float(v)
+    return out
 
 
 @dataclass(frozen=True)
@@ -253,6 +278,8 @@ def forecast(parts: Parts, kinds: LayerKinds, plan: Plan,
     trunk_disk = plan.streamed_trunk_bytes / parts.seq_read_bps
     disk = trunk_disk + head_bytes / parts.chunk_read_bps + miss_bytes / parts.expert_read_bps
     compute = trunk_compute + parts.head_s
+    per_prompt_token = (sum(kinds.count(k) * s for k, s in parts.prefill_s.items())
+                        if parts.prefill_s else trunk_compute)
     token = replay(parts, kinds, plan, hit)
     first: dict[str, float] = {}
     union_gb: dict[str, float] = {}
@@ -261,7 +288,8 @@ def forecast(parts: Parts, kinds: LayerKinds, plan: Plan,
         u_bytes = union * g.moe_layers * (1 - hit) * g.expert_bytes
         union_gb[str(t)] = u_bytes / GB
         first[str(t)] = (trunk_disk + head_bytes / parts.chunk_read_bps
-                         + u_bytes / parts.expert_read_bps + t * trunk_compute + parts.head_s)
+                         + u_bytes / parts.expert_read_bps + t * per_prompt_token
+                         + parts.head_s)
     return {
         "s_per_token": token["s_per_token"],
         "bound": "disk" if disk >= compute else "compute",

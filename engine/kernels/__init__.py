@@ -6,10 +6,11 @@ Weights arrive in their raw on-disk dtype: BF16 as uint16, F32/F16 as is, MXFP4 
 
 Two implementations of each matrix product:
 * the **reference** (pure numpy): widen or decode the weights to float32, then `x @ W.T`;
-* a **fused** one (numba, when installed): widen/decode inside the dot product, one weight
-  row at a time, so each weight byte is touched once. Every output element is computed
-  by the same code whatever T, the thread count or the row split, so a prefill of T
-  tokens gives the same bits as T single steps. Tests check fused == reference.
+* a **fused** one (numba, when installed): widen/decode inside the dot product, so each
+  weight byte is read from memory once; with several tokens, blocks of rows × tokens share
+  each decoded weight vector. Every output element is computed by the same instruction
+  sequence whatever T, the thread count or the row split, so a prefill of T tokens gives
+  the same bits as T single steps. Tests check fused == reference.
 `K3_KERNELS=numpy` forces the reference.
 """
 

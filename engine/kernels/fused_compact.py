@@ -22,17 +22,21 @@ from numba.core.extending import intrinsic
 
 from engine.kernels.compact import CompactMatrix
 from engine.kernels.fused import (
+    _ACC_FLOATS,
     _LANES,
     _VI8,
     _VI16,
     _VI32,
+    BLOCK_ROWS,
     PARALLEL_MIN_WEIGHTS,
     PREFETCH_BYTES,
     ROWS_PER_TASK,
+    _bf16_tiles,
     _build,
     _emit_bf16_dot,
     _prefetch_ahead,
     _splat,
+    blocks_pay,
 )
 
 _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
@@ -132,6 +136,104 @@ def _while(builder, cond):
     builder.position_at_end(done)
 
 
+def _c12_row(context, builder, signature, args, make_lookup):
+    """Row r (args[6]) of a c12 matrix (args[:6]) as the BF16 row dot's callbacks: cols and
+    chunk_bits(j), col_bits(j) (float32 bits, called in increasing j: a row's exceptions
+    are patched in as a cursor passes them) and prefetch(j0). args[7] (an array) and
+    args[8] (an index) belong to the caller."""
+    tab, sma, cda, rpa, eca, eva = (context.make_array(ty)(context, builder, v)
+                                    for ty, v in zip(signature.args[:6], args[:6]))
+    r = args[6]
+    ity = r.type
+    zero = ir.Constant(ity, 0)
+
+    def row_of(i, arr, row):
+        return cgutils.get_item_pointer(context, builder, signature.args[i], arr,
+                                        [row, zero])
+
+    cols = cgutils.unpack_tuple(builder, sma.shape, 2)[1]
+    smrow, cdrow = row_of(1, sma, r), row_of(2, cda, r)
+    table = builder.load(builder.bitcast(tab.data, _VI16.as_pointer()), align=2)
+    lookup = make_lookup(builder, table)
+    e_end = builder.load(builder.gep(rpa.data, [builder.add(r, ir.Constant(ity, 1))]))
+    exc = cgutils.alloca_once_value(builder, builder.load(builder.gep(rpa.data, [r])))
+    nxt = cgutils.alloca_once_value(builder, cols)  # next exception's column, or cols
+    patch = cgutils.alloca_once(builder, _VI32)
+
+    def refill():
+        e = builder.load(exc)
+        with builder.if_then(builder.icmp_signed("<", e, e_end)):
+            builder.store(builder.sext(builder.load(builder.gep(eca.data, [e])), ity), nxt)
+
+    def take():  # the next exception's float32 bits; advance
+        e = builder.load(exc)
+        val = builder.shl(builder.zext(builder.load(builder.gep(eva.data, [e])), _I32),
+                          ir.Constant(_I32, 16))
+        builder.store(cols, nxt)
+        builder.store(builder.add(e, ir.Constant(ity, 1)), exc)
+        refill()
+        return val
+
+    refill()
+
+    def chunk_bits(j):
+        smb = builder.load(builder.bitcast(builder.gep(smrow, [j]), _VI8.as_pointer()),
+                           align=1)
+        half = builder.lshr(j, ir.Constant(ity, 1))
+        vi8x8 = ir.VectorType(_I8, 8)
+        cb = builder.load(builder.bitcast(builder.gep(cdrow, [half]),
+                                          vi8x8.as_pointer()), align=1)
+        # lane 2k: byte k (its low nibble is the code), lane 2k+1: byte k >> 4
+        idx = builder.shuffle_vector(cb, builder.lshr(cb, ir.Constant(vi8x8, [4] * 8)),
+                                     _INTERLEAVE)
+        bits = lookup(idx, smb)
+        end = builder.add(j, ir.Constant(ity, _LANES))
+        fast = builder.basic_block
+        with builder.if_then(builder.icmp_signed("<", builder.load(nxt), end),
+                             likely=False):
+            builder.store(bits, patch)
+            lanes = builder.bitcast(patch, _I32.as_pointer())
+
+            def more():
+                return builder.icmp_signed("<", builder.load(nxt), end)
+
+            with _while(builder, more):
+                # & 15: a lane of this chunk even if the columns were not sorted
+                lane = builder.and_(builder.sub(builder.load(nxt), j),
+                                    ir.Constant(ity, 15))
+                builder.store(take(), builder.gep(lanes, [lane]))
+            patched = builder.load(patch)
+            slow = builder.basic_block
+        merged = builder.phi(_VI32)
+        merged.add_incoming(bits, fast)
+        merged.add_incoming(patched, slow)
+        return merged
+
+    def col_bits(j):
+        s = builder.zext(builder.load(builder.gep(smrow, [j])), _I16)
+        c = builder.load(builder.gep(cdrow, [builder.lshr(j, ir.Constant(ity, 1))]))
+        shift = builder.trunc(builder.shl(builder.and_(j, ir.Constant(ity, 1)),
+                                          ir.Constant(ity, 2)), _I8)
+        code = builder.and_(builder.lshr(c, shift), ir.Constant(_I8, 15))
+        eb = builder.load(builder.gep(tab.data, [builder.zext(code, ity)]))
+        bits = builder.or_(builder.or_(
+            builder.shl(builder.and_(s, ir.Constant(_I16, 0x80)), ir.Constant(_I16, 8)),
+            builder.and_(s, ir.Constant(_I16, 0x7F))), eb)
+        out = cgutils.alloca_once_value(
+            builder, builder.shl(builder.zext(bits, _I32), ir.Constant(_I32, 16)))
+        with builder.if_then(builder.icmp_signed("==", builder.load(nxt), j),
+                             likely=False):
+            builder.store(take(), out)
+        return builder.load(out)
+
+    def prefetch(j0):  # per 64 columns: a line of sign+mantissa, half a line of codes
+        _prefetch_ahead(builder, smrow, j0, 64, PREFETCH_BYTES)
+        _prefetch_ahead(builder, cdrow, builder.lshr(j0, ir.Constant(ity, 1)), 32,
+                        PREFETCH_BYTES // 2)
+
+    return cols, chunk_bits, col_bits, prefetch
+
+
 def _make_c12_row_dot(make_lookup):
     @intrinsic
     def c12_row_dot(typingctx, exp_bits, sm, codes, row_ptr, exc_col, exc_val, r, x, t):
@@ -140,96 +242,12 @@ def _make_c12_row_dot(make_lookup):
         sig = types.float32(exp_bits, sm, codes, row_ptr, exc_col, exc_val, r, x, t)
 
         def codegen(context, builder, signature, args):
-            arrays = [context.make_array(ty)(context, builder, v) if i not in (6, 8) else v
-                      for i, (ty, v) in enumerate(zip(signature.args, args))]
-            tab, sma, cda, rpa, eca, eva, r, xa, t = arrays
-            ity = r.type
-            zero = ir.Constant(ity, 0)
-
-            def row_of(i, arr, row):
-                return cgutils.get_item_pointer(context, builder, signature.args[i], arr,
-                                                [row, zero])
-
-            cols = cgutils.unpack_tuple(builder, sma.shape, 2)[1]
-            smrow, cdrow, xrow = row_of(1, sma, r), row_of(2, cda, r), row_of(7, xa, t)
-            table = builder.load(builder.bitcast(tab.data, _VI16.as_pointer()), align=2)
-            lookup = make_lookup(builder, table)
-            e_end = builder.load(builder.gep(rpa.data, [builder.add(r, ir.Constant(ity, 1))]))
-            exc = cgutils.alloca_once_value(builder, builder.load(builder.gep(rpa.data, [r])))
-            nxt = cgutils.alloca_once_value(builder, cols)  # next exception's column, or cols
-            patch = cgutils.alloca_once(builder, _VI32)
-
-            def refill():
-                e = builder.load(exc)
-                with builder.if_then(builder.icmp_signed("<", e, e_end)):
-                    builder.store(builder.sext(builder.load(builder.gep(eca.data, [e])), ity), nxt)
-
-            def take():  # the next exception's float32 bits; advance
-                e = builder.load(exc)
-                val = builder.shl(builder.zext(builder.load(builder.gep(eva.data, [e])), _I32),
-                                  ir.Constant(_I32, 16))
-                builder.store(cols, nxt)
-                builder.store(builder.add(e, ir.Constant(ity, 1)), exc)
-                refill()
-                return val
-
-            refill()
-
-            def chunk_bits(j):
-                smb = builder.load(builder.bitcast(builder.gep(smrow, [j]), _VI8.as_pointer()),
-                                   align=1)
-                half = builder.lshr(j, ir.Constant(ity, 1))
-                vi8x8 = ir.VectorType(_I8, 8)
-                cb = builder.load(builder.bitcast(builder.gep(cdrow, [half]),
-                                                  vi8x8.as_pointer()), align=1)
-                # lane 2k: byte k (its low nibble is the code), lane 2k+1: byte k >> 4
-                idx = builder.shuffle_vector(cb, builder.lshr(cb, ir.Constant(vi8x8, [4] * 8)),
-                                             _INTERLEAVE)
-                bits = lookup(idx, smb)
-                end = builder.add(j, ir.Constant(ity, _LANES))
-                fast = builder.basic_block
-                with builder.if_then(builder.icmp_signed("<", builder.load(nxt), end),
-                                     likely=False):
-                    builder.store(bits, patch)
-                    lanes = builder.bitcast(patch, _I32.as_pointer())
-
-                    def more():
-                        return builder.icmp_signed("<", builder.load(nxt), end)
-
-                    with _while(builder, more):
-                        # & 15: a lane of this chunk even if the columns were not sorted
-                        lane = builder.and_(builder.sub(builder.load(nxt), j),
-                                            ir.Constant(ity, 15))
-                        builder.store(take(), builder.gep(lanes, [lane]))
-                    patched = builder.load(patch)
-                    slow = builder.basic_block
-                merged = builder.phi(_VI32)
-                merged.add_incoming(bits, fast)
-                merged.add_incoming(patched, slow)
-                return merged
-
-            def col_bits(j):
-                s = builder.zext(builder.load(builder.gep(smrow, [j])), _I16)
-                c = builder.load(builder.gep(cdrow, [builder.lshr(j, ir.Constant(ity, 1))]))
-                shift = builder.trunc(builder.shl(builder.and_(j, ir.Constant(ity, 1)),
-                                                  ir.Constant(ity, 2)), _I8)
-                code = builder.and_(builder.lshr(c, shift), ir.Constant(_I8, 15))
-                eb = builder.load(builder.gep(tab.data, [builder.zext(code, ity)]))
-                bits = builder.or_(builder.or_(
-                    builder.shl(builder.and_(s, ir.Constant(_I16, 0x80)), ir.Constant(_I16, 8)),
-                    builder.and_(s, ir.Constant(_I16, 0x7F))), eb)
-                out = cgutils.alloca_once_value(
-                    builder, builder.shl(builder.zext(bits, _I32), ir.Constant(_I32, 16)))
-                with builder.if_then(builder.icmp_signed("==", builder.load(nxt), j),
-                                     likely=False):
-                    builder.store(take(), out)
-                return builder.load(out)
-
-            def prefetch(j0):  # per 64 columns: a line of sign+mantissa, half a line of codes
-                _prefetch_ahead(builder, smrow, j0, 64, PREFETCH_BYTES)
-                _prefetch_ahead(builder, cdrow, builder.lshr(j0, ir.Constant(ity, 1)), 32,
-                                PREFETCH_BYTES // 2)
-
+            cols, chunk_bits, col_bits, prefetch = _c12_row(context, builder, signature, args,
+                                                            make_lookup)
+            xty = signature.args[7]
+            xrow = cgutils.get_item_pointer(
+                context, builder, xty, context.make_array(xty)(context, builder, args[7]),
+                [args[8], ir.Constant(args[6].type, 0)])
             return _emit_bf16_dot(builder, cols, xrow, chunk_bits, col_bits, prefetch)
 
         return sig, codegen
@@ -237,7 +255,41 @@ def _make_c12_row_dot(make_lookup):
     return c12_row_dot
 
 
+def _make_c12_row_decode(make_lookup):
+    @intrinsic
+    def c12_row_decode(typingctx, exp_bits, sm, codes, row_ptr, exc_col, exc_val, r, dst, k):
+        """dst[k, :] = the BF16 bits of c12 row r, decoded as the row dot decodes them."""
+        sig = types.none(exp_bits, sm, codes, row_ptr, exc_col, exc_val, r, dst, k)
+
+        def codegen(context, builder, signature, args):
+            cols, chunk_bits, col_bits, _ = _c12_row(context, builder, signature, args,
+                                                     make_lookup)
+            ity = args[6].type
+            dty = signature.args[7]
+            drow = cgutils.get_item_pointer(
+                context, builder, dty, context.make_array(dty)(context, builder, args[7]),
+                [args[8], ir.Constant(ity, 0)])
+            lanes16 = ir.Constant(ity, _LANES)
+            n_chunks = builder.udiv(cols, lanes16)
+            with cgutils.for_range(builder, n_chunks) as loop:
+                j = builder.mul(loop.index, lanes16)
+                bits = builder.trunc(builder.lshr(chunk_bits(j), _splat(_VI32, 16)), _VI16)
+                builder.store(bits, builder.bitcast(builder.gep(drow, [j]), _VI16.as_pointer()),
+                              align=2)
+            rest = builder.mul(n_chunks, lanes16)
+            with cgutils.for_range(builder, builder.sub(cols, rest)) as loop:
+                j = builder.add(rest, loop.index)
+                bits = builder.lshr(col_bits(j), ir.Constant(_I32, 16))
+                builder.store(builder.trunc(bits, _I16), builder.gep(drow, [j]))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return c12_row_decode
+
+
 _c12_row_dot = _make_c12_row_dot(_best_lookup())
+_c12_row_decode = _make_c12_row_decode(_best_lookup())
 
 
 def _c12_matmul(exp_bits, sm, codes, row_ptr, exc_col, exc_val, x, out):
@@ -250,7 +302,23 @@ def _c12_matmul(exp_bits, sm, codes, row_ptr, exc_col, exc_val, x, out):
                 out[t, r] = _c12_row_dot(exp_bits, sm, codes, row_ptr, exc_col, exc_val, r, x, t)
 
 
-_KERNELS = {par: _build(_c12_matmul, par, exact=True) for par in (False, True)}
+def _c12_matmul_tokens(exp_bits, sm, codes, row_ptr, exc_col, exc_val, x, out):
+    """Several tokens: a task's rows are decoded once into BF16 bits, then go through the
+    BF16 kernel's blocks (the same bits as the row dot's decode, so the same results)."""
+    rows, cols = sm.shape
+    n_tasks = (rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK
+    for task in prange(n_tasks):
+        bits = np.empty((ROWS_PER_TASK, cols), np.uint16)
+        acc = np.empty(ROWS_PER_TASK // BLOCK_ROWS * _ACC_FLOATS, np.float32)
+        r0 = task * ROWS_PER_TASK
+        r1 = min(rows, r0 + ROWS_PER_TASK)
+        for r in range(r0, r1):
+            _c12_row_decode(exp_bits, sm, codes, row_ptr, exc_col, exc_val, r, bits, r - r0)
+        _bf16_tiles(bits, 0, r1 - r0, r0, x, out, acc)
+
+
+_KERNELS = {(fn.__name__, par): _build(fn, par, exact=True)
+            for fn in (_c12_matmul, _c12_matmul_tokens) for par in (False, True)}
 
 
 def _parts(w: CompactMatrix) -> tuple[np.ndarray, ...]:
@@ -268,7 +336,8 @@ def _parts(w: CompactMatrix) -> tuple[np.ndarray, ...]:
 def c12_linear(x: np.ndarray, w: CompactMatrix) -> np.ndarray:
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
     par = w.size >= PARALLEL_MIN_WEIGHTS  # the BF16 kernel's rule, so both split alike
-    _KERNELS[par](*_parts(w), x, out)
+    kernel = "_c12_matmul_tokens" if blocks_pay(x.shape[0]) else "_c12_matmul"
+    _KERNELS[(kernel, par)](*_parts(w), x, out)
     return out
 
 
@@ -276,5 +345,5 @@ def warm_up() -> None:
     args = (np.zeros(16, np.uint16), np.zeros((2, 64), np.uint8), np.zeros((2, 32), np.uint8),
             np.zeros(3, np.int64), np.zeros(0, np.int32), np.zeros(0, np.uint16),
             np.zeros((1, 64), np.float32), np.empty((1, 2), np.float32))
-    for par in (False, True):
-        _KERNELS[par](*args)
+    for kernel in _KERNELS.values():
+        kernel(*args)

@@ -90,6 +90,25 @@ def test_the_real_model_forecast():
     assert f["first_token_s_by_prompt"]["500"] > f["first_token_s"]
 
 
+def test_the_first_token_costs_the_measured_prefill_compute_per_prompt_token():
+    """Parts from the multi-token kernels: a prompt token costs the prefill's seconds per
+    token, not a decode token's compute; per-token decoding is unchanged."""
+    kinds, laptop = LayerKinds.of(real_config()), plan_for("real", "laptop")
+    decode_only = forecast(Parts.from_dict(PARTS), kinds, laptop)
+    prefill = {"kda_moe_layer_prefill_s_per_token": 0.01,
+               "mla_moe_layer_prefill_s_per_token": 0.005, "dense_layer0_prefill_s_per_token": 0.02}
+    measured = forecast(Parts.from_dict({**PARTS, "compute": {**PARTS["compute"], **prefill}}),
+                        kinds, laptop)
+    saved = (68 * 0.1 + 24 * 0.05 + 0.2) - (68 * 0.01 + 24 * 0.005 + 0.02)
+    for t in (50, 500):
+        assert (decode_only["first_token_s_by_prompt"][str(t)]
+                - measured["first_token_s_by_prompt"][str(t)]) == pytest.approx(t * saved)
+    assert measured["s_per_token"] == decode_only["s_per_token"]
+    partial = {**PARTS, "compute": {**PARTS["compute"], "kda_moe_layer_prefill_s_per_token": 0.01}}
+    with pytest.raises(ValueError, match="mla_moe_layer_prefill_s_per_token"):
+        Parts.from_dict(partial)
+
+
 @pytest.mark.parametrize("bad", [{}, {"disk": "x"}, {**PARTS, "compute": {**PARTS["compute"],
                                                                           "head_s": -1}},
                                  {**PARTS, "compute": {**PARTS["compute"], "guess_hit_rate": 2}}])

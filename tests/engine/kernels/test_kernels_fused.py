@@ -99,14 +99,15 @@ def test_mxfp4_same_bits_for_any_batch_threads_or_build():
 def test_table_and_bit_decoders_agree_bit_for_bit():
     """The AVX-512 table lookup (when this CPU has it) and the portable IEEE-half decoder
     give identical results, so the engine's tokens do not depend on the CPU's features."""
-    generic1 = fused._make_row_dot(fused._decode_generic, 1)
-    generic4 = fused._make_row_dot(fused._decode_generic, 4)
+    generic1 = fused._make_mxfp4_block(fused._decode_generic, 1, 1)
+    generic4 = fused._make_mxfp4_block(fused._decode_generic, 2, 4)
 
     @numba.njit
     def generic_matmul(packed, scale, xe, xo, out, scales):
-        for r in range(packed.shape[0]):
-            generic4(packed, r, xe, xo, 0, scale, scales, out)
-            generic1(packed, r, xe, xo, 4, scale, scales, out)
+        for r in range(0, packed.shape[0], 2):
+            generic4(packed, r, min(2, packed.shape[0] - r), xe, xo, 0, 4, scale, scales, out)
+            generic1(packed, r, 1, xe, xo, 4, 1, scale, scales, out)
+            generic1(packed, r + 1, 1, xe, xo, 4, 1, scale, scales, out)
 
     rng = np.random.default_rng(4)
     packed, scale = random_mxfp4(rng, 50, 512, 0, 255)
