@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
 from typing import Any
 
 from starlette.applications import Starlette
@@ -30,7 +29,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from engine.decode.stats import TokenStats
 from engine.decode.steer import DEMO_NOTICE
 from engine.serve.limits import MAX_BODY_MB, OWNER, READ_TIMEOUT, Guard, error_response
 from engine.serve.protocol import (
@@ -262,25 +260,16 @@ class Service:
             req,
             job.timings,
             job.usage,
-            lambda last: self._final_k3(job, last),
+            k3_record(None, loaded.budget_gb),
+            lambda last: job.final_record(last, loaded.budget_gb, self.steer_demo),
         )
         if req.stream:
             return EventStream(self._sse(answer, queue), job.cancel, self.ping_seconds)
         return await collect(job, answer, queue, request)
 
     # -- responses ----------------------------------------------------------------------
-    def _final_k3(self, job: Job, last: TokenStats | None) -> dict[str, Any]:
-        return replace(
-            last or k3_record(None, self.loaded.budget_gb),
-            reasoning_tokens=job.reasoning_tokens,
-            gb_read_prefill=job.gb_read_prefill,
-            note=job.empty_answer_note(),
-            demo=DEMO_NOTICE if self.steer_demo else None,
-        ).k3()
-
     async def _sse(self, answer: Answer, queue: asyncio.Queue) -> AsyncIterator[str]:
-        first = k3_record(None, self.loaded.budget_gb).k3()
-        yield answer.ids.sse({"role": "assistant", "content": None}, k3=answer.k3(first))
+        yield answer.opening()
         while True:
             try:
                 event = await asyncio.wait_for(queue.get(), timeout=self.ping_seconds)
