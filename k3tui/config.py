@@ -17,16 +17,13 @@ from typing import Any
 from k3tui.errors import K3Error
 from k3tui.paths import get_paths, private_open
 from k3tui.units import MiB
-
-MODEL_KINDS = ("safetensors", "gguf", "remote")
-BACKEND_KINDS = ("bundled", "llama-server", "remote")
-PRESETS = ("laptop", "desktop", "workstation", "server", "max", "auto", "custom")
-EFFORTS = ("low", "medium", "high", "max")
+from k3vocab import (AUTO_PRESET, BACKEND_KINDS, CHECKPOINT_KINDS, CONFIG_PRESETS,
+                     DEFAULT_CONTEXT, DEFAULT_EFFORT, EFFORTS)
 
 
 @dataclass
 class ModelSection:
-    kind: str = "safetensors"
+    kind: str = CHECKPOINT_KINDS[0]
     repo: str = "moonshotai/Kimi-K3"
     revision: str = "main"
     dir: str = ""
@@ -36,14 +33,14 @@ class ModelSection:
 
 @dataclass
 class BackendSection:
-    kind: str = "bundled"
+    kind: str = BACKEND_KINDS[0]
     host: str = "127.0.0.1"
     port: int = 0
 
 
 @dataclass
 class EngineSection:
-    preset: str = "auto"
+    preset: str = AUTO_PRESET
     trunk_gb: float = 0.0
     cache_gb: float = 0.0
     threads: int = 0
@@ -52,7 +49,7 @@ class EngineSection:
 @dataclass
 class LlamaServerSection:
     binary: str = ""
-    ctx_size: int = 8192
+    ctx_size: int = DEFAULT_CONTEXT
     reasoning_budget: int = 2048
     memory_limit_gb: float = 0.0
     n_gpu_layers: int = 99
@@ -71,7 +68,7 @@ class RemoteSection:
 @dataclass
 class ChatSection:
     thinking: bool = True
-    thinking_effort: str = "max"
+    thinking_effort: str = DEFAULT_EFFORT
     max_tokens: int = 4096
     temperature: float = 0.6
     system_prompt: str = ""
@@ -96,10 +93,15 @@ SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(Config)} 
 
 # Allowed values for the keys that are enumerations.
 CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
-    ("model", "kind"): MODEL_KINDS,
+    ("model", "kind"): CHECKPOINT_KINDS,
     ("backend", "kind"): BACKEND_KINDS,
-    ("engine", "preset"): PRESETS,
+    ("engine", "preset"): CONFIG_PRESETS,
     ("chat", "thinking_effort"): EFFORTS,
+}
+# Values an older k3tui accepted, and the allowed value nearest to each: `medium` was taken
+# and then every bundled-engine turn was refused with a 400.
+NEAREST: dict[tuple[str, str], dict[str, str]] = {
+    ("chat", "thinking_effort"): {"medium": "high"},
 }
 # Inclusive bounds of the numeric keys that have them (negatives are refused for all others).
 RANGES: dict[tuple[str, str], tuple[int, int]] = {
@@ -273,7 +275,8 @@ def config_from_dict(data: dict[str, Any], *, path: Path | None = None,
             fix = _fix(cli, section, key, _example(section, key, known[key]))
             allowed = CHOICES.get((section, key))
             if allowed and converted not in allowed:
-                fix = _fix(cli, section, key, getattr(SECTIONS[section](), key))
+                nearest = NEAREST.get((section, key), {}).get(str(converted))
+                fix = _fix(cli, section, key, nearest or getattr(SECTIONS[section](), key))
                 raise K3Error(f"{where}[{section}] {key} = {_cut(repr(converted))} is not one of "
                               f"{', '.join(allowed)}.", fix, 2)
             if isinstance(converted, (int, float)) and not isinstance(converted, bool) \

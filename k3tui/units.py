@@ -2,13 +2,14 @@
 
 Decimal units (GB, TB) for disks, downloads and checkpoints, as they are sold and listed;
 binary units (GiB, MiB) for memory and limits, as the kernel and llama-server count them.
-Every byte formatter and GB/GiB constant in k3tui comes from here.
+Every byte formatter in k3tui is here; the constants are k3vocab's, shared with the engine.
 """
 
 from __future__ import annotations
 
-KB, MB, GB, TB = 10**3, 10**6, 10**9, 10**12
-KiB, MiB, GiB = 2**10, 2**20, 2**30
+from k3vocab import GB, KB, MB, TB, GiB, KiB, MiB
+
+__all__ = ["GB", "KB", "MB", "TB", "GiB", "KiB", "MiB"]  # re-exported for k3tui's modules
 
 
 def gib(n: float, digits: int = 1) -> str:

@@ -4,7 +4,7 @@
     python scripts/screenshots.py [OUT_DIR]      # default: screenshots/
 
 Each scene is the real ChatApp with a scripted stream, a fake clock and fixed I/O samples
-(k3tui/testing/scenes.py), so the pictures are reproducible.
+(tests/support/scenes.py), so the pictures are reproducible.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "support"))  # the scenes and their fakes
 
 
 async def shoot(app, path: Path, size: tuple[int, int], before) -> None:
@@ -31,7 +32,7 @@ async def main(out: Path) -> None:
     home = Path(tempfile.mkdtemp(prefix="k3shots-"))
     os.environ["K3TUI_HOME"] = str(home)
     from k3tui.paths import get_paths
-    from k3tui.testing import scenes
+    import scenes
     from k3tui.tui.screens.jobs import JobsScreen
 
     out.mkdir(parents=True, exist_ok=True)

@@ -13,8 +13,9 @@ REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "kimi-k3"
 # Helper modules are imported by basename, and pytest's default import mode puts only a test
 # file's own folder on sys.path: these folders' helpers are used from other folders too
-# (tests/e2e, tests/k3tui). Test and helper basenames are unique across tests/.
-for _folder in ("k3tui/tui", "k3tui/backends", "k3tui/hub", "k3tui/probe"):
+# (tests/e2e, tests/k3tui). Test and helper basenames are unique across tests/. support/ holds
+# the fakes (hub, scripted backend, screenshot scenes), outside the installed package.
+for _folder in ("support", "k3tui/tui", "k3tui/backends", "k3tui/hub", "k3tui/probe"):
     sys.path.insert(0, str(REPO / "tests" / _folder))
 
 

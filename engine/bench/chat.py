@@ -26,8 +26,9 @@ from engine.model.transformer import load_model
 from engine.serve.snapshots import SnapshotStore
 from engine.text.chat_template import CLOSE, END_OF_MSG, SEP, ChatTemplate
 from engine.text.tokenizer import Tokenizer
-from engine.weights.planner import GB, make_plan
+from engine.weights.planner import make_plan
 from engine.weights.streaming import CheckpointMap, StreamingSource
+from k3vocab import GB
 
 QUESTIONS = (
     "What is a mixture of experts?",

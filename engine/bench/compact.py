@@ -38,8 +38,9 @@ from engine.decode.generate import GenParams, generate
 from engine.errors import EngineError
 from engine.kernels import linear
 from engine.model.transformer import load_model
-from engine.weights.planner import GB, make_plan
+from engine.weights.planner import make_plan
 from engine.weights.streaming import CheckpointMap, StreamingSource
+from k3vocab import GB
 
 PROMPT = [3, 7, 11, 5, 9, 200, 17]
 

@@ -69,12 +69,12 @@ from engine.errors import EngineError
 from engine.model.mla import MLAState
 from engine.model.transformer import Model
 from engine.weights.geometry import geometry_from_config, plan_for, real_config
-from engine.weights.planner import HEAD_CHUNK_BYTES, PRESETS, default_threads
+from engine.weights.planner import HEAD_CHUNK_BYTES, default_threads
 from engine.weights.source import ExpertWeights
 from engine.weights.streaming import EXPERT_CHUNK, EXPERT_PRIORITY, TRUNK_PRIORITY
 from engine.weights.sysmem import current_rss, peak_rss, read_memory_facts
+from k3vocab import GB, PRESETS
 
-GB = 1e9
 NOTE = ("a forecast from measured parts (this disk, these cores, real-width layers with "
         "random weights), not a run of the real model")
 

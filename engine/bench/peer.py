@@ -34,8 +34,9 @@ import numpy as np
 from engine.errors import EngineError
 from engine.jsonfile import parse_json
 from engine.kernels import compute_threads
-from engine.weights.planner import GB, make_plan
+from engine.weights.planner import make_plan
 from engine.weights.streaming import CheckpointMap
+from k3vocab import GB
 
 MAX_OUT_BYTES = 1 << 20  # a real --out for 4096 tokens is ~70 KB
 MAX_STDOUT_BYTES = 8 << 20

@@ -35,8 +35,8 @@ from engine.decode.forecast import LayerKinds, Parts, forecast
 from engine.errors import EngineError
 from engine.weights.planner import gb_arg, make_plan
 from engine.weights.streaming import CheckpointMap
+from k3vocab import GB
 
-GB = 1e9
 DEFAULT_DIR = Path.home() / ".cache" / "k3-engine" / "slice"
 
 

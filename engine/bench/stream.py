@@ -43,10 +43,11 @@ from engine.core.directio import CHUNK
 from engine.decode.generate import GenParams, generate
 from engine.errors import EngineError
 from engine.model.transformer import Model, load_model
-from engine.weights.planner import GB, gb_arg, make_plan
+from engine.weights.planner import gb_arg, make_plan
 from engine.weights.resident import ResidentSource
 from engine.weights.streaming import EXPERT_CHUNK, CheckpointMap, StreamingSource
 from engine.weights.sysmem import peak_rss, read_memory_facts
+from k3vocab import GB
 
 BENCH_EXPERTS = 256  # the bench shape: 13 layers, 256 experts top-16, ~6.38 GB
 DEFAULT_LADDER = "0.53,1.06,2.1,max"

@@ -14,14 +14,14 @@ import sys
 
 from engine.errors import EngineError
 from engine.weights.geometry import plan_for
-from engine.weights.planner import DEFAULT_CONTEXT, PRESETS
+from k3vocab import DEFAULT_CONTEXT, PRESET_CHOICES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="real", metavar="real|DIR",
                         help="'real' (the released 93-layer model, from its geometry) or a "
                         "checkpoint folder")
-    parser.add_argument("--preset", choices=[*PRESETS, "auto"], default=None)
+    parser.add_argument("--preset", choices=PRESET_CHOICES, default=None)
     parser.add_argument("--budget-gb", type=float, default=None, metavar="X")
     parser.add_argument("--context", type=int, default=DEFAULT_CONTEXT, metavar="N")
     parser.add_argument("--json", action="store_true", help="one JSON object")

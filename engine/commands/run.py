@@ -26,9 +26,10 @@ from engine.errors import EngineError
 from engine.jsonfile import load_json
 from engine.model.transformer import load_model
 from engine.text.tokenizer import MAX_TOKENIZER_CONFIG
-from engine.weights.planner import GB, MemorySettings, add_memory_arguments
+from engine.weights.planner import MemorySettings, add_memory_arguments
 from engine.weights.streaming import open_source
 from engine.weights.sysmem import peak_rss
+from k3vocab import GB
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

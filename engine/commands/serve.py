@@ -24,7 +24,8 @@ from engine.errors import EngineError
 from engine.serve.limits import MAX_BODY_MB, MIN_BODY_RATE, READ_TIMEOUT, h11_with_head_deadline
 from engine.serve.routes import PING_SECONDS, Service
 from engine.serve.worker import LoadSettings, load_engine
-from engine.weights.planner import DEFAULT_CONTEXT, add_memory_arguments
+from engine.weights.planner import add_memory_arguments
+from k3vocab import DEFAULT_CONTEXT
 
 STATE_GB = 16.0        # on disk: ~20 real-model conversations of a few thousand tokens
 SNAPSHOT_GB = 2.0      # real model: ~3 kept states of ~0.63 GB (KDA state) + their latent cache

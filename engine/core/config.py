@@ -10,6 +10,7 @@ groups, RoPE, a low-rank KDA gate, ...) are refused as contradictions, by name.
 
 from __future__ import annotations
 
+import builtins  # _Reader's int and float methods shadow the types in its annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,7 +120,7 @@ class ModelConfig:
         r = _Reader(data, source)
         n_layers = r.int("num_hidden_layers", minimum=1)
         full = r.layer_list("full_attn_layers", n_layers)
-        kda = r.layer_list("kda_layers", n_layers, required=False)
+        kda = r.optional_layer_list("kda_layers", n_layers)
         if kda is not None:
             overlap = sorted(set(full) & set(kda))
             missing = sorted(set(range(1, n_layers + 1)) - set(full) - set(kda))
@@ -218,7 +219,7 @@ class _Reader:
         self.source = source
         text = data.get("text_config")
         self.nested = isinstance(text, dict)
-        self.text: dict[str, Any] = text if self.nested else data
+        self.text: dict[str, Any] = text if isinstance(text, dict) else data
         self.text_path = "text_config." if self.nested else ""
         lin = self.text.get("linear_attn_config")
         self.linear: dict[str, Any] = lin if isinstance(lin, dict) else {}
@@ -265,7 +266,7 @@ class _Reader:
             raise self._bad(path, value, f"an integer in {minimum}..{top}")
         return value
 
-    def optional_int(self, key: str) -> int | None:
+    def optional_int(self, key: str) -> builtins.int | None:
         found, value, path = self._lookup(key, False, None)
         if not found or value is None:
             return None
@@ -285,11 +286,16 @@ class _Reader:
             raise self._bad(path, value, "a finite number")
         return float(value)
 
-    def layer_list(self, key: str, n_layers: int, required: bool = True) -> list[int] | None:
+    def layer_list(self, key: str, n_layers: builtins.int) -> list[builtins.int]:
+        found = self.optional_layer_list(key, n_layers)
+        if found is None:
+            raise self._missing(self._lookup(key, True, None)[2])
+        return found
+
+    def optional_layer_list(self, key: str, n_layers: builtins.int
+                            ) -> list[builtins.int] | None:
         found, value, path = self._lookup(key, True, None)
         if not found or value is None:
-            if required:
-                raise self._missing(path)
             return None
         if not isinstance(value, list) or not all(
             isinstance(v, int) and not isinstance(v, bool) for v in value

@@ -98,7 +98,7 @@ class DirectFile:
         total = dest.nbytes
         while done < need:
             try:
-                n = os.preadv(self.fd, [dest[done:total]], offset + done)
+                n = os.preadv(self.fd, [dest[done:total].data], offset + done)
             except OSError as exc:
                 if exc.errno == 22 and self.direct:  # EINVAL at read time: retry buffered
                     self.fall_back_to_buffered()

@@ -39,7 +39,8 @@ import numpy as np
 
 from engine.core.directio import ALIGN
 from engine.weights.experts import ExpertCache
-from engine.weights.planner import GB, HEAD_CHUNK_BYTES, Plan
+from engine.weights.planner import HEAD_CHUNK_BYTES, Plan
+from k3vocab import GB
 
 KINDS = ("dense", "kda", "mla")
 

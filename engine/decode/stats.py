@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from engine.weights.planner import GB
 from engine.weights.source import WeightSource
 from engine.weights.sysmem import current_rss, peak_rss
+from k3vocab import GB
 
 # The server's, set for an answer's last chunk only.
 K3_FINAL = ("reasoning_tokens", "gb_read_prefill", "note", "demo")

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.decode.stats import K3_FINAL, TokenStats
-from engine.text.chat_template import EFFORTS
+from k3vocab import EFFORTS
 
 FINGERPRINT = "k3-engine-0.1.0"
 MAX_JSON_DEPTH = 64    # a chat request nests 4 levels deep

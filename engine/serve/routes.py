@@ -43,7 +43,8 @@ from engine.serve.protocol import (
 )
 from engine.serve.scheduler import EventStream, Scheduler, collect
 from engine.serve.worker import Job, Loaded, LoadProgress, Metrics, k3_record, run_job
-from engine.text.chat_template import EFFORTS, ChatTemplate, Rendered, TemplateError
+from engine.text.chat_template import ChatTemplate, Rendered, TemplateError
+from k3vocab import EFFORTS
 
 PING_SECONDS = 15.0    # a silent stream gets an SSE comment this often (a long prefill)
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from engine.text.tokenizer import StreamDecoder, Tokenizer
+from k3vocab import EFFORTS  # `medium` is named in the sentence below but refused upstream
 
 OPEN, CLOSE, SEP, END_OF_MSG, EOS = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>", "[EOS]"
 CONTROL = (OPEN, CLOSE, SEP, END_OF_MSG)
-EFFORTS = ("low", "high", "max")  # `medium` is named in the sentence but refused upstream
 
 EFFORT_SENTENCE = (
     "`thinking_effort` guides on how much to think in your thinking channel (not including "

@@ -15,7 +15,8 @@ import math
 from engine.checkpoint.synth import flat_config, nested_config, slice_overrides, synth_shapes
 from engine.core.config import ModelConfig
 from engine.core.directio import ALIGN, align_up
-from engine.weights.planner import DEFAULT_CONTEXT, Geometry, Plan, make_plan
+from engine.weights.planner import Geometry, Plan, make_plan
+from k3vocab import DEFAULT_CONTEXT
 
 REAL_CHECKPOINT_BYTES = 1_560_936_091_448  # spec 1.2, all 96 shards
 _F32 = ("A_log", "dt_bias", "conv1d.weight", "e_score_correction_bias")

@@ -22,19 +22,10 @@ from typing import Any
 
 from engine.errors import PlanError
 from engine.weights.sysmem import MemoryFacts, read_memory_facts
+from k3vocab import AUTO_PRESET, DEFAULT_CONTEXT, GB, PRESET_CHOICES, PRESETS
 
 HEAD_CHUNK_BYTES = 64_000_000  # a streamed head's read buffer (tables.py); two are resident
-GB = 1e9
-# Per-preset (trunk GB, expert cache GB), as the peer's `--list-presets` for the real model.
-PRESETS: dict[str, tuple[float, float]] = {
-    "laptop": (3.0, 1.0),
-    "desktop": (16.0, 10.0),
-    "workstation": (60.0, 30.0),
-    "server": (110.0, 13.0),
-    "max": (110.0, 109.0),
-}
 RUNTIME_BYTES = 250_000_000  # python + numpy + thread stacks, measured ~0.2 GB
-DEFAULT_CONTEXT = 8192
 
 
 def fmt_bytes(n: float) -> str:
@@ -287,7 +278,9 @@ def _budgets(g: Geometry, facts: MemoryFacts, context: int, budget_gb: float | N
     min_cache = g.min_expert_slots * slot_e
     min_total = max(g.layer_bytes) + min_cache
     source = "budget"
-    if preset == "auto":
+    trunk: int | None
+    cache: int | None
+    if preset == AUTO_PRESET:
         trunk, cache = _auto(g, facts, context)
         source = "preset auto"
     elif preset:
@@ -316,9 +309,9 @@ def _budgets(g: Geometry, facts: MemoryFacts, context: int, budget_gb: float | N
         if trunk is None and cache is None:
             # Trunk first; the leftover after pinning flows to the expert arena below.
             trunk, cache = budget - min_cache, min_cache
-        elif trunk is None:
+        elif trunk is None and cache is not None:
             trunk = budget - cache
-        elif cache is None:
+        elif cache is None and trunk is not None:
             cache = budget - trunk
         source = f"budget {budget_gb:g} GB" if source == "budget" else source
     if trunk is None or cache is None:
@@ -495,7 +488,7 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> None:
     grp.add_argument(
         "--preset",
         default=None,
-        choices=[*PRESETS, "auto"],
+        choices=PRESET_CHOICES,
         help="a named budget, or auto from available memory and the cgroup limit",
     )
     grp.add_argument(

@@ -57,17 +57,12 @@ from engine.core.directio import (
 from engine.kernels import FUSED
 from engine.errors import CheckpointError, ReadError
 from engine.weights.experts import EvictionPolicy, ExpertCache
-from engine.weights.planner import (
-    DEFAULT_CONTEXT,
-    GB,
-    Geometry,
-    Plan,
-    MemorySettings,
-)
+from engine.weights.planner import Geometry, MemorySettings, Plan
 from engine.weights.resident import ResidentSource
-from engine.weights.source import ExpertSet, ExpertWeights, expert_from_arrays
+from engine.weights.source import ExpertSet, ExpertWeights, WeightSource, expert_from_arrays
 from engine.weights.tables import RowTable, StreamedMatrix
 from engine.weights.sysmem import current_rss, peak_rss
+from k3vocab import DEFAULT_CONTEXT, GB
 
 MODEL_TENSORS = ("embed_tokens.weight", "lm_head.weight", "norm.weight",
                  "output_attn_res_norm.weight", "output_attn_res_proj.weight")
@@ -616,7 +611,8 @@ class StreamingSource:
         arr = self._model.get(name)
         if arr is None and self.plan.stream_tables and name in MODEL_TENSORS[:2]:
             kind = RowTable if name == "embed_tokens.weight" else StreamedMatrix
-            arr = self._model[name] = kind(self.map.model_spec(name), self.pool, self.files,
+            # a streamed table stands in for the array: the model only takes rows or a matmul
+            arr = self._model[name] = kind(self.map.model_spec(name), self.pool, self.files,  # type: ignore[assignment]
                                            (EXPERT_PRIORITY, -1))
         if arr is None:
             spec = self.map.model_spec(name)
@@ -811,7 +807,7 @@ class _ExpertGroups(Mapping[int, ExpertWeights]):
 
 
 def open_source(checkpoint_dir: str | Path, memory: MemorySettings | None = None,
-                *, context: int = DEFAULT_CONTEXT, quiet: bool = False):
+                *, context: int = DEFAULT_CONTEXT, quiet: bool = False) -> WeightSource:
     """The resident source when no memory flag was given, else a planned StreamingSource
     (its plan printed to stderr as a forecast unless `quiet`)."""
     if memory is None or not memory.streams:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import resource
 from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 
@@ -143,7 +144,7 @@ def _cgroup_dir(env: Roots, mount: Mount, path: str) -> Path:
     return candidate if candidate.is_dir() else base
 
 
-def _walk_up(start: Path, stop: Path):
+def _walk_up(start: Path, stop: Path) -> Iterator[Path]:
     cur = start
     while True:
         yield cur
@@ -152,7 +153,7 @@ def _walk_up(start: Path, stop: Path):
         cur = cur.parent
 
 
-def _min_limit(dirs, name: str, env: Roots) -> int | None:
+def _min_limit(dirs: Iterable[Path], name: str, env: Roots) -> int | None:
     best = None
     for d in dirs:
         value = limit_or_none(env.read(d / name))
@@ -215,9 +216,9 @@ def read_cgroup(env: Roots, mounts: list[Mount] | None = None) -> CgroupInfo:
         for cur in _walk_up(v2_dir, env.host(v2.mount_point)):
             text = env.read(cur / "cpu.max")
             if text:
-                q, _, p = text.strip().partition(" ")
-                if q != "max" and parse_int(q) and parse_int(p):
-                    quotas.append(int(q) / int(p))
+                quota, _, period = text.strip().partition(" ")
+                if quota != "max" and parse_int(quota) and parse_int(period):
+                    quotas.append(int(quota) / int(period))
         info.cpu_quota_cores = min(quotas) if quotas else None
     return info
 
@@ -264,6 +265,14 @@ def current_rss() -> int:
 
 
 def peak_rss() -> int:
-    """The kernel's high-water mark, never below the current RSS (the two counters are
-    synchronised lazily, so the mark can trail the current figure by a few pages)."""
-    return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, current_rss())
+    """The kernel's high-water mark of this process's own memory (VmHWM), never below the
+    current RSS (the two counters are synchronised lazily, so the mark can trail the current
+    figure by a few pages). Not ru_maxrss: Linux carries the peak of the process that spawned
+    this one into it across exec, so an engine started by a 700 MB parent read 700 MB."""
+    try:
+        with open("/proc/self/status") as f:
+            hwm = next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")),
+                       0)
+    except OSError:
+        hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return max(hwm, current_rss())

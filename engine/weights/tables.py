@@ -14,7 +14,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from engine.core.directio import FileTable, Layout, ReadPool, TensorSpec, aligned_buffer
+from engine.core.directio import (Batch, FileTable, Layout, ReadPool, TensorSpec,
+                                  aligned_buffer)
 from engine.kernels import linear
 from engine.weights.planner import HEAD_CHUNK_BYTES
 
@@ -58,7 +59,7 @@ class StreamedMatrix:
         self._bufs = [aligned_buffer(_rows(spec, 0, self.step).nbytes + 8192) for _ in range(2)]
         self.bytes_read = 0
 
-    def _start(self, r0: int, k: int):
+    def _start(self, r0: int, k: int) -> tuple[Layout, Batch]:
         lay = _rows(self.spec, r0, min(r0 + self.step, self.shape[0]))
         return lay, self.pool.submit(lay.reads(self.files, self._bufs[k]), self.priority)
 

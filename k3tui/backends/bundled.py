@@ -12,17 +12,20 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from k3tui.backends.llama.server import wait_ready
 from k3tui.backends.running import ProgressCallback, RunningBackend
 from k3tui.errors import K3Error
 from k3tui.paths import get_paths, private_open
 
+if TYPE_CHECKING:
+    from k3tui.config import EngineSection
+
 ENGINE_ARGV = (sys.executable, "-m", "engine", "serve")
 
 
-def memory_flags(engine_cfg: Any) -> list[str]:
+def memory_flags(engine_cfg: EngineSection) -> list[str]:
     """The config's [engine] section as `engine serve` memory flags."""
     args: list[str] = []
     preset = getattr(engine_cfg, "preset", "auto") or "auto"
@@ -41,8 +44,11 @@ def memory_flags(engine_cfg: Any) -> list[str]:
 
 
 def state_flags() -> list[str]:
-    """Where the engine keeps conversation states on disk, so a restart resumes them."""
-    return ["--state-dir", str(get_paths().states_dir)]
+    """Where the engine keeps conversation states on disk, so a restart resumes them, and
+    how much it may keep there (the budget the plan shows)."""
+    from k3tui.planning.states import STATE_GB
+
+    return ["--state-dir", str(get_paths().states_dir), "--state-gb", f"{STATE_GB:g}"]
 
 
 def start_engine(checkpoint: Path | str, *, args: Sequence[str] = (), host: str = "127.0.0.1",

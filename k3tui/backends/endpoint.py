@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from k3tui.backends.openai_stream import MAX_MODELS_BYTES, parse_json
+from k3tui.backends.transport import describe_transport_error
 from k3tui.textsafe import clean
 from k3tui.units import MiB
 
@@ -127,49 +128,8 @@ def _fail(message: str, next_step: str, **kw: Any) -> EndpointCheck:
     return EndpointCheck(ok=False, message=message, next_step=next_step, **kw)
 
 
-def ssl_error(exc: BaseException) -> ssl.SSLError | None:
-    """The TLS error anywhere in an exception's chain, if any."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, ssl.SSLError):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return None
-
-
-def describe_transport_error(exc: BaseException, where: str) -> tuple[str, str]:
-    """(sentence, next step) for a connection that failed: certificate, TLS, DNS, refused.
-
-    For other clients of a remote endpoint (the chat's stream) so an untrusted
-    certificate is not reported as a vague "could not connect".
-    """
-    failed = _transport_failure(exc, where)
-    return failed.message, failed.next_step
-
-
 def _transport_failure(exc: BaseException, where: str) -> EndpointCheck:
-    tls = ssl_error(exc)
-    if isinstance(tls, ssl.SSLCertVerificationError):
-        reason = tls.verify_message or "certificate verification failed"
-        return _fail(f"The TLS certificate of {where} is not trusted ({reason}), so k3tui "
-                     "did not send the key.",
-                     "if the server uses a private CA, trust it: export SSL_CERT_FILE="
-                     "/path/to/ca.pem (the check and the chat both read it); turning "
-                     "verification off lets anyone in between read your key")
-    if tls is not None:
-        return _fail(f"The TLS handshake with {where} failed ({tls.reason or tls}).",
-                     "check the scheme: https:// for a TLS server, http:// for a plain one")
-    if isinstance(exc, httpx.TimeoutException):
-        return _fail(f"{where} did not answer within the time limit.",
-                     "check that the server is running and reachable from this machine")
-    text = str(exc).lower()
-    if "name or service not known" in text or "nodename nor servname" in text \
-            or "temporary failure in name resolution" in text:
-        return _fail(f"The host of {where} cannot be resolved.", "check the URL's host name")
-    return _fail(f"Nothing answers at {where} ({exc.__class__.__name__}: connection "
-                 "refused or unreachable).",
-                 "start the server first (`k3tui plan --recipe rpc|sglang|vllm` shows how), "
-                 "or check the URL and port")
+    return _fail(*describe_transport_error(exc, where))
 
 
 class _TooLarge(Exception):

@@ -14,7 +14,7 @@ from typing import Any
 from k3tui.textsafe import clean
 
 
-def _clean_fields(event: Any, *names: str) -> None:
+def _clean_fields(event: object, *names: str) -> None:
     for name in names:
         object.__setattr__(event, name, clean(getattr(event, name)))
 

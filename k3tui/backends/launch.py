@@ -10,13 +10,18 @@ import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from k3tui.backends import bundled
 from k3tui.backends.llama import command, server
 from k3tui.backends.running import LoadProgress, ProgressCallback, RunningBackend
 from k3tui.errors import K3Error
 from k3tui.units import GiB
+
+if TYPE_CHECKING:  # types only: the config and the plan are read where they are used
+    from k3tui.config import Config
+    from k3tui.planning.plan import Finding
+    from k3tui.probe.report import MachineReport
 
 API_KEY_CREDENTIAL = "server_api_key"
 MODEL_NAME = "kimi-k3"  # the name the started server reports
@@ -30,7 +35,7 @@ class Launchable:
     summary: str
     run: Callable[[ProgressCallback | None], RunningBackend] = field(repr=False)
     command: list[str] = field(default_factory=list)  # full argv incl. any limit wrapper
-    prepared: Any = None  # server.Prepared for llama-server launches
+    prepared: server.Prepared | None = None  # llama-server launches
     details: str = ""     # the summary without the warnings (shown beside them)
     warnings: list[str] = field(default_factory=list)
 
@@ -54,7 +59,7 @@ def _api_key(host: str) -> str | None:
     return key
 
 
-def _model_path(cfg: Any, model: str | Path | None) -> Path:
+def _model_path(cfg: Config, model: str | Path | None) -> Path:
     path = model or cfg.model.dir
     if not path:
         raise K3Error("No model is configured.",
@@ -62,9 +67,10 @@ def _model_path(cfg: Any, model: str | Path | None) -> Path:
     return Path(path).expanduser()
 
 
-def prepare_launch(cfg: Any, *, kind: str | None = None, model: str | Path | None = None,
-                   port: int | None = None, force: bool = False, report: Any = None,
-                   machine: str | None = None, rpc: list[str] | None = None,
+def prepare_launch(cfg: Config, *, kind: str | None = None, model: str | Path | None = None,
+                   port: int | None = None, force: bool = False,
+                   report: MachineReport | None = None, machine: str | None = None,
+                   rpc: list[str] | None = None,
                    **seams: Any) -> Launchable:
     """Decide the launch for `cfg` (overridden by the arguments). `machine` names a machine
     profile (e.g. "dgx-spark") to show what would run there; `rpc`: the pool's workers
@@ -89,7 +95,7 @@ def prepare_launch(cfg: Any, *, kind: str | None = None, model: str | Path | Non
                   "use bundled, llama-server or remote ([backend] kind in the config)", 2)
 
 
-def _prepare_remote(cfg: Any) -> Launchable:
+def _prepare_remote(cfg: Config) -> Launchable:
     url = cfg.remote.url
     if not url:
         raise K3Error("The remote backend has no URL.", "set `url` in [remote], or run "
@@ -105,7 +111,8 @@ def _prepare_remote(cfg: Any) -> Launchable:
     return Launchable("remote", f"remote endpoint {url} (nothing to start)", run)
 
 
-def _prepare_llama(cfg: Any, model: Path, host: str, port: int, force: bool, report: Any,
+def _prepare_llama(cfg: Config, model: Path, host: str, port: int, force: bool,
+                   report: MachineReport | None,
                    seams: dict[str, Any], rpc: list[str]) -> Launchable:
     from k3tui.planning.plan import make_plan
 
@@ -149,7 +156,7 @@ def _prepare_llama(cfg: Any, model: Path, host: str, port: int, force: bool, rep
                       warnings=prepared.warnings())
 
 
-def refuse_or_warn(blockers: Sequence[Any], force: bool) -> list[str]:
+def refuse_or_warn(blockers: Sequence[Finding], force: bool) -> list[str]:
     """The plan's blockers as a refusal (the numbers and the next step), or with --force as
     warnings that say what is risked."""
     if not blockers:
@@ -165,7 +172,7 @@ def refuse_or_warn(blockers: Sequence[Any], force: bool) -> list[str]:
             "killed, or on unified memory the machine freezes)" for f in blockers]
 
 
-def _prepare_bundled(cfg: Any, checkpoint: Path, host: str, port: int) -> Launchable:
+def _prepare_bundled(cfg: Config, checkpoint: Path, host: str, port: int) -> Launchable:
     if not checkpoint.exists():
         raise K3Error(f"The checkpoint folder {checkpoint} does not exist.",
                       "run `k3tui download`, or point the config at the folder it filled "
@@ -186,7 +193,7 @@ def _prepare_bundled(cfg: Any, checkpoint: Path, host: str, port: int) -> Launch
     return Launchable("bundled", summary, run)
 
 
-def launch(cfg: Any, *, on_progress: ProgressCallback | None = None, **options: Any
+def launch(cfg: Config, *, on_progress: ProgressCallback | None = None, **options: Any
            ) -> RunningBackend:
     """Start the configured backend ("bundled", "llama-server" or "remote"); the first
     progress report carries the description of what is started. Raises K3Error."""

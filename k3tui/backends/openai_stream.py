@@ -30,7 +30,7 @@ import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 
@@ -43,8 +43,12 @@ from k3tui.backends.events import (
     TokenStats,
     Waiting,
 )
+from k3tui.backends.transport import describe_transport_error, ssl_error
 from k3tui.textsafe import clean
 from k3tui.units import KiB, MiB
+
+if TYPE_CHECKING:
+    from k3tui.config import ChatSection
 
 # A streamed token can take minutes on the bundled engine at a small budget, and
 # llama-server pings only every 30 s, so the read timeout is generous; connect is not.
@@ -119,7 +123,7 @@ def build_request(messages: list[dict[str, Any]], *, model: str | None = None,
     return body
 
 
-def chat_settings(chat: Any) -> dict[str, Any]:
+def chat_settings(chat: ChatSection) -> dict[str, Any]:
     """`stream_chat`'s keyword arguments from a config's [chat] section, so every backend
     (started by k3tui or given by --url) is asked for the same answer length, temperature
     and thinking."""
@@ -173,7 +177,7 @@ class SSEParser:
         return payload
 
 
-def _number(value: Any) -> int | float | None:
+def _number(value: object) -> int | float | None:
     """A finite JSON number of sane size (not a bool), else None."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
@@ -182,13 +186,13 @@ def _number(value: Any) -> int | float | None:
     return value
 
 
-def _count(value: Any) -> int | None:
+def _count(value: object) -> int | None:
     """A non-negative integer of sane size, else None."""
     return value if isinstance(value, int) and _number(value) is not None and value >= 0 \
         else None
 
 
-def _figures(obj: Any, nested: bool = False) -> dict[str, Any]:
+def _figures(obj: object, nested: bool = False) -> dict[str, Any]:
     """The numbers of a server's `timings` or `usage` object (`nested`: and of its
     `…_details` objects, like usage.prompt_tokens_details); every other value is dropped,
     so whoever reads them may do arithmetic."""
@@ -206,7 +210,7 @@ def _figures(obj: Any, nested: bool = False) -> dict[str, Any]:
 K3_TEXT = ("note", "demo")  # the `k3` fields that are sentences; every other is a number
 
 
-def _k3(obj: Any) -> dict[str, Any]:
+def _k3(obj: object) -> dict[str, Any]:
     """The engine's `k3` object: numbers and nulls, its sentences cleaned and cut short;
     a value of any other type is dropped."""
     if not isinstance(obj, dict):
@@ -343,7 +347,7 @@ def finish_note(turn: _Turn) -> str:
             "(`k3tui config set chat.max_tokens 8192`).")
 
 
-def error_event(err: Any, status: int | None = None) -> BackendError:
+def error_event(err: object, status: int | None = None) -> BackendError:
     """A llama-server/OpenAI error object (or text) as one sentence plus the next step."""
     if isinstance(err, dict):
         message = str(err.get("message") or err)
@@ -505,8 +509,6 @@ async def stream_chat(base_url: str, messages: list[dict[str, Any]], *,
                         return
                     await asyncio.sleep(LOADING_POLL_S)
         except httpx.ConnectError as exc:
-            from k3tui.backends.endpoint import describe_transport_error, ssl_error
-
             if ssl_error(exc) is not None:  # not a dead server: say why
                 yield BackendError(*describe_transport_error(exc, server_root(base_url)))
                 return
@@ -545,7 +547,7 @@ async def sse_lines(resp: httpx.Response, silence: Silence | None = None) -> Asy
     chunks = resp.aiter_bytes()
     while True:
         try:
-            chunk = await (silence.wait(anext(chunks)) if silence else anext(chunks))
+            chunk = await (silence.wait(chunks.__anext__()) if silence else chunks.__anext__())
         except StopAsyncIteration:
             break
         buf += chunk

@@ -16,6 +16,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     setp = sub.add_parser("set", help="set one value, e.g. `k3tui config set backend.port 8080`")
     setp.add_argument("key", help="section.key")
     setp.add_argument("value", help="a TOML value (strings may go unquoted)")
+    sub.add_parser("clear-states", help="remove the bundled engine's kept conversation "
+                   "states (a follow-up is then prefilled again)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -28,6 +30,8 @@ def run(args: argparse.Namespace) -> int:
         for name, value in paths.as_dict().items():
             print(f"{name:<17} {value}")
         return 0
+    if action == "clear-states":
+        return _clear_states(paths.states_dir)
     if action == "set":
         cfg = set_in_file(args.key, args.value)
         section, _, key = args.key.partition(".")
@@ -61,4 +65,27 @@ def run(args: argparse.Namespace) -> int:
         print(f"# effective config from {origin}")
         print(tomlkit.dumps(cfg.to_dict()), end="")
         return 0
-    raise K3Error(f"unknown config action {action!r}.", "use path, show or set", 2)
+    raise K3Error(f"unknown config action {action!r}.", "use path, show, set or clear-states", 2)
+
+
+def _clear_states(root) -> int:
+    """Remove the state files only (no symlink followed). Safe while the engine runs: it
+    checks a state file each time it reads one, and one that is gone is prefilled again."""
+    from k3tui.planning.states import NotAFolder, clear
+    from k3tui.units import transfer_size
+
+    try:
+        freed = clear(root)
+    except NotAFolder as exc:
+        raise K3Error(f"{exc.strerror}; nothing was removed.",
+                      f"look at {root} and remove it by hand if it is not yours") from None
+    except OSError as exc:
+        raise K3Error(f"The state folder {root} cannot be read ({exc.strerror or exc}).",
+                      "check its owner and mode (0700)") from None
+    if not freed.files:
+        print(f"No kept conversation states in {root}.")
+    else:
+        print(f"Removed {freed.files} kept conversation state(s) from {root}: "
+              f"{transfer_size(freed.bytes)} freed. A running engine prefills those "
+              "conversations again on their next turn.")
+    return 0

@@ -55,7 +55,8 @@ def run_checks(target: str | None, measure: bool,
                say: Callable[[str], None] | None = None) -> tuple[list[Check], dict]:
     from k3tui.config import Config, config_exists, load_config
     from k3tui.paths import get_paths
-    from k3tui.planning.plan import DOWNLOAD_BLOCKERS, ISOLATION_NEXT, describe_machine, make_plan
+    from k3tui.planning.plan import DOWNLOAD_BLOCKERS, describe_machine, make_plan
+    from k3tui.probe.limits import ISOLATION_NEXT
     from k3tui.units import gib
     from k3tui.probe import probe_machine
 
@@ -129,6 +130,7 @@ def run_checks(target: str | None, measure: bool,
 
     checks += _model_checks(cfg, model_dir, have, explicit_dir=bool(target),
                             configured=config_exists())
+    checks.append(_states_check(paths.states_dir))
     return checks, {"machine": report.to_dict(), "plan": plan.to_dict(),
                     "model_dir": str(model_dir), "model_bytes_present": have}
 
@@ -289,6 +291,35 @@ def _trunk_check(cfg, model_dir: Path, downloaded: bool) -> list[Check]:
                       "k3tui pack (re-packs it with digests)")]
     return [Check("trunk", "ok", f"packed trunk in {trunk} matches the checkpoint; each layer "
                   "is checked on its first read (`k3tui pack --verify` checks every byte now)")]
+
+
+def _states_check(root: Path) -> Check:
+    """The bundled engine's kept conversation states: how many, how big, the oldest (stat
+    only, no symlink followed)."""
+    import time
+
+    from k3tui.planning.states import STATE_GB, NotAFolder, age, usage
+    from k3tui.units import GB, transfer_size
+
+    clear = "k3tui config clear-states"
+    try:
+        used = usage(root)
+    except NotAFolder as exc:
+        return Check("states", "warn", f"{exc.strerror}: the bundled engine keeps no "
+                     "conversation states on disk", f"remove it, or move it aside: {root}")
+    except OSError as exc:
+        return Check("states", "warn", f"{root} cannot be read ({exc.strerror or exc})",
+                     f"check its owner and mode (0700): {root}")
+    if not used.files:
+        return Check("states", "ok", f"no kept conversation states yet in {root} (up to "
+                     f"{STATE_GB:g} GB)")
+    oldest = age(time.time() - used.oldest_mtime) if used.oldest_mtime is not None else "?"
+    detail = (f"{used.files} kept conversation state(s), {transfer_size(used.bytes)} of "
+              f"{STATE_GB:g} GB, the oldest used {oldest} ago, in {root}")
+    if used.bytes > STATE_GB * GB:
+        return Check("states", "warn", detail + "; over its budget (the engine makes room "
+                     "at its next save)", clear)
+    return Check("states", "ok", detail)
 
 
 def format_checks(checks: list[Check], title: str) -> str:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from k3vocab import CHECKPOINT_KINDS, DEFAULT_CONTEXT
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from k3tui.commands.completion import machine_completion
@@ -20,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     machine.complete = machine_completion()  # type: ignore[attr-defined]  # for shtab
     from k3tui.commands import old_spelling
 
-    kinds = ("safetensors", "gguf", "remote")
+    kinds = CHECKPOINT_KINDS
     parser.add_argument("--checkpoint-kind", "--kind", dest="kind", choices=kinds,
                         help="checkpoint kind (default: the config's, else the recommended one)")
     old_spelling(parser, "--model", "--checkpoint-kind", dest="kind", choices=kinds)
@@ -67,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
 
             stored = load_stored()[0]
             out["forecast"] = stored.to_dict() if stored else None
+        if plan.backend == "bundled":
+            out["states"] = _states_facts()
         print(json.dumps(out, indent=2))
     else:
         import shutil
@@ -81,16 +85,35 @@ def run(args: argparse.Namespace) -> int:
 
             lines = plan_lines(plan.preset)
         text = format_plan(plan, report, forecast=lines)
+        if plan.backend == "bundled":
+            from k3tui.paths import get_paths
+            from k3vocab import DEFAULT_CONTEXT as DEFAULT_CTX
+            from k3tui.planning.states import plan_lines as state_lines
+
+            text += "\n" + "\n".join(state_lines(get_paths().states_dir, DEFAULT_CTX))
         if plan.backend == "llama-server":
             text += "\n" + "\n".join(_pool_lines(cfg, report, probe=not args.machine))
         print(fit_to_width(text, width))
     return 0
 
 
+def _states_facts() -> dict:
+    """The state folder's budget and the real model's per-state figures, for --json."""
+    from k3tui.paths import get_paths
+    from k3tui.planning import states
+    from k3vocab import DEFAULT_CONTEXT as DEFAULT_CTX
+
+    return {"dir": str(get_paths().states_dir), "budget_gb": states.STATE_GB,
+            "state_fixed_bytes": states.STATE_FIXED_BYTES,
+            "state_bytes_per_token": states.STATE_BYTES_PER_TOKEN, "ctx": DEFAULT_CTX,
+            "state_bytes_at_ctx": states.state_bytes(DEFAULT_CTX),
+            "save_s": list(states.STATE_SAVE_S), "restore_s": states.STATE_RESTORE_S}
+
+
 def _pool_lines(cfg, report, *, probe: bool) -> list[str]:
     """The pool section: the configured workers, asked at once (a few seconds at most,
     however many are down), or how many workers this model would need."""
-    from k3tui.planning.plan import DEFAULT_CTX, GGUF_BYTES
+    from k3tui.planning.plan import GGUF_BYTES
     from k3tui.planning.pool import Member, plan_lines
 
     endpoints = list(cfg.llama_server.rpc) if cfg is not None and probe else []
@@ -106,6 +129,6 @@ def _pool_lines(cfg, report, *, probe: bool) -> list[str]:
         free = report.memory.available_bytes if gpu.unified_memory else \
             gpu.discrete_memory_bytes
         head = Member("this machine's GPU", free)
-    ctx = cfg.llama_server.ctx_size if cfg is not None else DEFAULT_CTX
+    ctx = cfg.llama_server.ctx_size if cfg is not None else DEFAULT_CONTEXT
     return plan_lines(workers, model_bytes=GGUF_BYTES, ctx=ctx,
                       node_bytes=report.memory.effective_total_bytes, head=head)

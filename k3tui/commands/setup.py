@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from k3tui.errors import K3Error
+from k3vocab import BACKEND_KINDS, CHECKPOINT_KINDS, PRESET_CHOICES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,14 +19,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="no questions: take the recommendation and the flags below")
     from k3tui.commands import old_spelling
 
-    kinds = ("safetensors", "gguf", "remote")
+    kinds = CHECKPOINT_KINDS
     parser.add_argument("--checkpoint-kind", "--kind", dest="kind", choices=kinds,
                         help="checkpoint kind (with --yes)")
     old_spelling(parser, "--model", "--checkpoint-kind", dest="kind", choices=kinds)
-    parser.add_argument("--backend", choices=("bundled", "llama-server", "remote"),
+    parser.add_argument("--backend", choices=BACKEND_KINDS,
                         help="backend (with --yes; implies the checkpoint kind)")
-    parser.add_argument("--preset", choices=("laptop", "desktop", "workstation", "server", "max",
-                                             "auto"),
+    parser.add_argument("--preset", choices=PRESET_CHOICES,
                         help="engine memory preset (with --yes)")
     parser.add_argument("--model-dir", metavar="PATH", help="where the checkpoint goes")
     parser.add_argument("--remote-url", metavar="URL", help="remote endpoint (with --yes)")

@@ -95,7 +95,7 @@ def _settings(args: argparse.Namespace) -> dict:
     """The checked host, port, limit, cache folder, threads and binary, before anything runs."""
     from k3tui.backends.llama.rpc import bind_refusal, find_rpc_server
     from k3tui.config import config_exists, load_config
-    from k3tui.units import GiB
+
 
     why = bind_refusal(args.host)
     if why:

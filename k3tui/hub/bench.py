@@ -1,6 +1,7 @@
 """`k3tui bench download`: k3tui's downloader vs `snapshot_download`, same run, same hub.
 
-A loopback fake hub (a subprocess, LFS files redirected to a "CDN" port like the real Hub)
+A loopback fake hub (tests/support/fakehub.py in a subprocess, LFS files redirected to a
+"CDN" port like the real Hub; it is test support, so this runs from a clone, not a wheel)
 serves a few hundred MB of random data, unthrottled and then with a per-connection cap
 (as the Hub's CDN caps each connection). Both clients fetch the snapshot with their
 default parallelism (snapshot_download: one connection per file, up to 8; k3tui: 8
@@ -22,9 +23,12 @@ import sys
 import time
 from pathlib import Path
 
+from k3tui.errors import K3Error
 from k3tui.units import GB, MB, MiB
 
 REPO = "bench/model"
+# The loopback hub is the tests' fake: it is in a clone, next to the package, never in a wheel.
+FAKEHUB = Path(__file__).resolve().parents[2] / "tests" / "support" / "fakehub.py"
 
 
 def _make_source(src: Path, total_mb: int, n_files: int) -> list[Path]:
@@ -51,7 +55,7 @@ def _make_source(src: Path, total_mb: int, n_files: int) -> list[Path]:
 
 def _start_hub(src: Path, throttle_mbps: float = 0.0,
                latency_ms: float = 0.0) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "k3tui.testing.fakehub", str(src), "--repo", REPO, "--cdn",
+    cmd = [sys.executable, str(FAKEHUB), str(src), "--repo", REPO, "--cdn",
            "--latency-ms", str(latency_ms)]
     if throttle_mbps:
         cmd += ["--throttle-mbps", str(throttle_mbps)]
@@ -142,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", action="store_true",
                    help="keep the last round's downloads (out-hf/, out-k3tui/ in the bench folder)")
     a = p.parse_args(argv)
+    if not FAKEHUB.is_file():
+        raise K3Error(f"`k3tui bench download` serves its files from the tests' loopback hub "
+                      f"({FAKEHUB} is missing: an installed wheel has no tests).",
+                      "run it from a clone: `git clone …; pip install -e '.[test]'`", 2)
     if a.size_mb < 1 or a.files < 1 or a.rounds < 1 or min(a.throttle_mbps, a.latency_ms,
                                                             a.workers, a.range_mib) < 0:
         p.error("--size-mb, --files and --rounds must be positive, the others >= 0")

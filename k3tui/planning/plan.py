@@ -10,8 +10,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from k3tui.probe.limits import ISOLATION_NEXT
 from k3tui.probe.report import MachineReport
 from k3tui.units import GB, GiB, disk_size, gib
+from k3vocab import DEFAULT_CONTEXT
+from k3vocab import PRESETS as VOCAB_PRESETS
 
 SAFETENSORS_BYTES = 1_560_936_091_448  # 96 shards
 # what `k3tui pack` writes: the 93 trunk runs (spec §2.2); embed/lm_head (4.70 GB) stay in
@@ -43,11 +46,11 @@ class Preset:
 # The one table of expected speeds (wizard, plan and README) until issue 15's forecast
 # replaces it with figures measured on this machine.
 PRESETS: dict[str, Preset] = {p.name: p for p in [
-    Preset("laptop", 3.0, 1.0, 8.2, "~27–33"),
-    Preset("desktop", 16.0, 10.0, 31.9, "~24–31"),
-    Preset("workstation", 60.0, 30.0, 95.5, "~20–24"),
-    Preset("server", 110.0, 13.0, 128.0, "~6–11"),
-    Preset("max", 110.0, 109.0, 224.0, "not faster than server"),
+    Preset("laptop", *VOCAB_PRESETS["laptop"], 8.2, "~27–33"),
+    Preset("desktop", *VOCAB_PRESETS["desktop"], 31.9, "~24–31"),
+    Preset("workstation", *VOCAB_PRESETS["workstation"], 95.5, "~20–24"),
+    Preset("server", *VOCAB_PRESETS["server"], 128.0, "~6–11"),
+    Preset("max", *VOCAB_PRESETS["max"], 224.0, "not faster than server"),
 ]}
 # Where those figures come from, said wherever one is shown without this machine's forecast.
 PEER_SOURCE = ("measured by kimi-k3-in-c, a C engine for Kimi-K3, on a 124-core server with "
@@ -56,9 +59,6 @@ PRESET_HEADROOM = 1.05  # the peer's forecast missed peak RSS by up to 1.84 GB
 MIN_USABLE_BYTES = 3 * GB  # the peer's `--preset auto` refuses below this
 DRIVER_RESERVE_BYTES = 25 * GiB  # unified memory: left to the GPU driver and the system
 LLAMA_MIN_BYTES = 4 * GiB  # below this even the mmap'd trunk thrashes
-DEFAULT_CTX = 8192
-ISOLATION_NEXT = ("on systemd: `loginctl enable-linger $USER` and a cgroup v2 boot with user "
-                  "memory delegation")
 DEFAULT_REASONING_BUDGET = 2048
 # blockers about where the checkpoint is downloaded: they do not stop serving a model that is here
 DOWNLOAD_BLOCKERS = ("not_a_dir", "disk_space", "pseudo_fs")
@@ -346,7 +346,7 @@ def _plan_llama(report: MachineReport, plan: Plan, ctx: int, budget: int,
             ISOLATION_NEXT))
 
 
-def make_plan(report: MachineReport, model_kind: str, *, ctx_size: int = DEFAULT_CTX,
+def make_plan(report: MachineReport, model_kind: str, *, ctx_size: int = DEFAULT_CONTEXT,
               reasoning_budget: int = DEFAULT_REASONING_BUDGET, have_bytes: int = 0,
               trunk_on_same_disk: bool = True, rpc: Sequence[str] = ()) -> Plan:
     """What k3tui would do with `model_kind` on the machine `report` describes; `rpc`:

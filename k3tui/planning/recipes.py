@@ -18,6 +18,7 @@ import shlex
 import textwrap
 from dataclasses import dataclass
 from k3tui.units import GiB
+from k3vocab import DEFAULT_CONTEXT
 
 ROUTES = ("rpc", "sglang", "vllm")
 
@@ -103,7 +104,7 @@ class RpcSizing:
 
 def rpc_sizing(
     gguf_gib: float = 539.0, node_gib: float = 121.0, reserve_gib: float = RESERVE_GIB,
-    ctx: int = 8192
+    ctx: int = DEFAULT_CONTEXT
 ) -> RpcSizing:
     """How many `node_gib` machines hold a `gguf_gib` GGUF resident (weights + cache)."""
     if gguf_gib <= 0 or node_gib <= reserve_gib or reserve_gib < 0 or ctx <= 0:
@@ -122,7 +123,7 @@ def _rpc(
     gguf_gib: float = 539.0,
     node_gib: float = 121.0,
     reserve_gib: float = RESERVE_GIB,
-    ctx: int = 8192,
+    ctx: int = DEFAULT_CONTEXT,
     port: int = 50052,
 ) -> Recipe:
     s = rpc_sizing(gguf_gib, node_gib, reserve_gib, ctx)

@@ -16,6 +16,10 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+# How to get a memory limit that holds where none can be set now: the one sentence that
+# `k3tui plan`, `k3tui doctor` and llama-server's start-up state.
+ISOLATION_NEXT = ("on systemd: `loginctl enable-linger $USER` and a cgroup v2 boot with user "
+                  "memory delegation")
 READ_BACK = ["sh", "-c", 'cat "/sys/fs/cgroup$(sed -n "s/^0:://p" /proc/self/cgroup)/memory.max"']
 # A helper run: the finished process, or None when the command is absent or cannot start.
 Runner = Callable[[list[str]], "subprocess.CompletedProcess | None"]

@@ -12,8 +12,6 @@ import grimp
 # k3tui's known cycles, to be broken (issue 28) — this list may only shrink. Each is the
 # set of modules that import each other round a loop.
 KNOWN = {
-    frozenset({"k3tui.backends.endpoint", "k3tui.backends.openai_stream"}),
-    frozenset({"k3tui.backends.llama.server", "k3tui.planning.plan"}),
     frozenset({"k3tui.tui.app", "k3tui.tui.handler"}),
 }
 

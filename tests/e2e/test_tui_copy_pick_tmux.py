@@ -20,7 +20,7 @@ from pathlib import Path
 
 from k3tui.history import History
 from k3tui.tui.app import BackendInfo, ChatApp
-from k3tui.testing.scripted import ScriptedStream
+from scripted import ScriptedStream
 
 answers = iter({answers!r})
 

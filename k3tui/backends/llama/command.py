@@ -156,7 +156,8 @@ def build_command(info: BinaryInfo, shards: list[Path], *, plan_args: Sequence[s
     if not loopback and not api_key:
         raise K3Error(f"Binding llama-server to {host} (beyond loopback) needs an API key.",
                       "use host = \"127.0.0.1\" in [backend], or let `k3tui serve` create a key")
-    head = [("-m", str(shards[0])), ("--alias", alias), ("--host", host), ("--port", str(port))]
+    head: list[tuple[str, str | None]] = [("-m", str(shards[0])), ("--alias", alias),
+                                          ("--host", host), ("--port", str(port))]
     if rpc:
         head.append(("--rpc", ",".join(rpc)))
     key_file, env = (None, {}) if loopback else _key_delivery(info, host, port, api_key, head)
@@ -227,13 +228,13 @@ def _reasons(info: BinaryInfo, shards: list[Path], model_bytes: int,
              "llama.cpp finds the rest next to it") if len(shards) > 1 else \
         f"the model ({memory_size(model_bytes)})"
     own_reasons = dict(REASONS)
-    for flag, reason in (plan_reasons or {}).items():
+    for flag, why in (plan_reasons or {}).items():
         if info.canon(flag) not in MANAGED + LESSONS:  # keep the study's lessons in view
-            own_reasons[info.canon(flag)] = reason
+            own_reasons[info.canon(flag)] = why
     reasons = [(f"-m {shards[0].name}", first)]
     for flag, val in flags:
         canon = info.canon(flag)
-        reason = own_reasons.get(canon)
+        reason: str | None = own_reasons.get(canon)
         if canon == "--host" and not loopback:
             reason = "binds beyond loopback: protected by an API key"
         if canon == "--port" and asked_port:

@@ -7,7 +7,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from k3tui.errors import K3Error
 from k3tui.units import GiB, MiB
@@ -59,7 +59,7 @@ class _Reader:
     """Reads a GGUF header with every length, count and nesting checked against the file's
     size and the bounds above before anything is allocated or skipped."""
 
-    def __init__(self, fh, size: int):
+    def __init__(self, fh: BinaryIO, size: int):
         self.fh, self.size = fh, size
 
     def rest(self) -> int:

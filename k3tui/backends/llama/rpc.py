@@ -322,7 +322,7 @@ def _addresses(host: str) -> tuple[str, ...]:
     if host not in _RESOLVED:
         try:
             infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
-            _RESOLVED[host] = tuple({i[4][0] for i in infos})
+            _RESOLVED[host] = tuple({str(i[4][0]) for i in infos})
         except OSError:
             return ()
     return _RESOLVED[host]

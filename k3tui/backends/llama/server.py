@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from k3tui.backends.llama.binary import (BinaryInfo, binary_env, find_binary, inspect_binary,
                                         install_hint)
@@ -23,16 +23,22 @@ from k3tui.backends.llama.gguf import check_shards
 from k3tui.backends.running import LoadProgress, ProgressCallback, RunningBackend
 from k3tui.errors import K3Error
 from k3tui.paths import get_paths, private_open
-from k3tui.probe.limits import (check_systemd_scope, own_cgroup_v2_dir, pid_reads_back,
-                                reads_back, systemd_prefix)
+from k3tui.probe.limits import (ISOLATION_NEXT, check_systemd_scope, own_cgroup_v2_dir,
+                                pid_reads_back, reads_back, systemd_prefix)
 from k3tui.units import gib
+from k3vocab import DEFAULT_CONTEXT
+
+if TYPE_CHECKING:
+    import psutil
+
+    from k3tui.probe.report import MachineReport
 
 
 
 # --- the busy-GPU guard ----------------------------------------------------------------------
 
 
-def gpu_refusal(report: Any) -> tuple[str, str] | None:
+def gpu_refusal(report: MachineReport | None) -> tuple[str, str] | None:
     """(why, next step) when llama-server must not start because other processes hold GPU
     memory on a unified-memory machine; None when nothing holds it. The one rule that
     `k3tui serve`, the chat, `k3tui doctor` and `k3tui plan` state."""
@@ -49,7 +55,7 @@ def gpu_refusal(report: Any) -> tuple[str, str] | None:
             "anyway with `k3tui serve --force` (then `k3tui chat --url URL`)")
 
 
-def gpu_guard(report: Any, *, force: bool = False) -> str | None:
+def gpu_guard(report: MachineReport | None, *, force: bool = False) -> str | None:
     """Refuse to start on a unified-memory machine whose GPU memory other processes hold.
 
     Returns a warning when `force` overrides a refusal; raises K3Error otherwise."""
@@ -101,7 +107,7 @@ class MemoryLimit:
                 self.cgroup_dir.rmdir()
 
 
-def assumed_limit(report: Any, limit_bytes: int | None) -> MemoryLimit:
+def assumed_limit(report: MachineReport | None, limit_bytes: int | None) -> MemoryLimit:
     """The limit a machine *profile* says it can apply (shown by `--machine`; the real
     launch on that machine checks it by reading it back)."""
     method = getattr(getattr(report, "isolation", None), "method", "none")
@@ -205,7 +211,7 @@ def prepare(model: Path, *, binary: str = "", plan_args: Sequence[str] = (),
             threads: int | None = None, extra_args: Sequence[str] = (),
             host: str = "127.0.0.1", port: int = 0, alias: str = "kimi-k3",
             api_key: str | None = None, plan_reasons: dict[str, str] | None = None,
-            report: Any = None, force: bool = False, notes: Sequence[str] = (),
+            report: MachineReport | None = None, force: bool = False, notes: Sequence[str] = (),
             help_text: str | None = None, version_text: str | None = None,
             runner: Runner = _run, cgroup_dir: Path | None = None,
             limit: MemoryLimit | None = None, rpc: Sequence[str] = (),
@@ -245,12 +251,12 @@ def prepare(model: Path, *, binary: str = "", plan_args: Sequence[str] = (),
 
 
 def _check_pool(endpoints: Sequence[str], binary: str, shards: list[Path],
-                ctx_size: int | None, report: Any, force: bool, notes: list[str]) -> list[str]:
+                ctx_size: int | None, report: MachineReport | None, force: bool,
+                notes: list[str]) -> list[str]:
     """The pool checked before the head starts (see `rpc.check_pool`); its lines for the
     description. The head's own protocol comes from the RPC server of its build."""
     from k3tui.backends.llama import rpc
     from k3tui.backends.llama.gguf import read_gguf_header
-    from k3tui.planning.plan import DEFAULT_CTX
 
     try:
         protocol = rpc.server_protocol(rpc.find_rpc_server(binary))
@@ -259,17 +265,16 @@ def _check_pool(endpoints: Sequence[str], binary: str, shards: list[Path],
     if protocol is None:
         notes.append("the head's RPC protocol is unknown (no ggml-rpc-server of its build "
                      "prints one): only llama-server's own handshake checks the workers")
-    gpu = getattr(report, "gpu", None)
     head_free = None
-    if gpu is not None and getattr(gpu, "present", False):
-        head_free = report.memory.available_bytes if gpu.unified_memory else \
-            gpu.discrete_memory_bytes
+    if report is not None and report.gpu.present:
+        head_free = report.memory.available_bytes if report.gpu.unified_memory else \
+            report.gpu.discrete_memory_bytes
     n_layers = None
     with contextlib.suppress(OSError, ValueError, EOFError, KeyError, UnicodeError):
         n_layers = read_gguf_header(shards[0]).block_count
     checked = rpc.check_pool(endpoints, head_protocol=protocol,
                              model_bytes=sum(p.stat().st_size for p in shards),
-                             ctx=ctx_size or DEFAULT_CTX, n_layers=n_layers,
+                             ctx=ctx_size or DEFAULT_CONTEXT, n_layers=n_layers,
                              head_free_bytes=head_free, force=force)
     notes += checked.notes
     return checked.lines
@@ -281,7 +286,6 @@ def unconfined_guard(limit: MemoryLimit, unified: bool, *, force: bool,
     cache and the GPU share one memory); with `force`, the warning instead."""
     if not (unified and limit.method == "none" and limit.limit_bytes):
         return None
-    from k3tui.planning.plan import ISOLATION_NEXT
 
     if not force:
         raise K3Error(f"{what} cannot be confined to {gib(limit.limit_bytes)} "
@@ -417,7 +421,7 @@ def wait_ready(backend: RunningBackend, *, total_bytes: int | None = None,
             time.sleep(interval_s if elapsed > 2.0 else 0.05)  # tiny models: ready at once
 
 
-def listens(ps: Any, port: int) -> bool:
+def listens(ps: psutil.Process, port: int) -> bool:
     """Whether `ps` or one of its descendants holds a listening socket on `port`."""
     import psutil
 
@@ -460,7 +464,7 @@ def _url_after(tail: str, marker: str, default: str) -> str:
     return url
 
 
-def _tree_io(ps: Any) -> tuple[int | None, int | None]:
+def _tree_io(ps: psutil.Process) -> tuple[int | None, int | None]:
     """Read bytes and RSS of the server and anything a wrapper forked for it."""
     import psutil
 

@@ -20,7 +20,8 @@ from engine.bench.peer import PeerError, compare, parse_steps, render
 from engine.checkpoint.synth import synthesize
 from engine.checkpoint.trunk import pack
 from engine.kernels import compute_threads
-from engine.weights.planner import GB, gb_arg, make_plan
+from engine.weights.planner import gb_arg, make_plan
+from k3vocab import GB
 from engine.weights.streaming import CheckpointMap
 
 REPO = str(Path(__file__).resolve().parents[3])

@@ -9,7 +9,8 @@ from engine.bench.stream import run_rung
 from engine.checkpoint.synth import synthesize
 from engine.decode.generate import GenParams, generate
 from engine.model.transformer import Model, load_model
-from engine.weights.planner import GB, make_plan
+from engine.weights.planner import make_plan
+from k3vocab import GB
 from engine.weights.resident import ResidentSource
 from engine.weights.streaming import CheckpointMap
 

@@ -15,7 +15,8 @@ import pytest
 
 from engine.checkpoint.synth import synthesize
 from engine.core.directio import ALIGN
-from engine.weights.planner import GB, make_plan
+from engine.weights.planner import make_plan
+from k3vocab import GB
 from engine.weights.streaming import CheckpointMap
 
 REPO = str(Path(__file__).resolve().parents[3])

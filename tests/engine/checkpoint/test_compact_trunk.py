@@ -20,7 +20,8 @@ from engine.checkpoint.trunk import pack
 from engine.errors import CheckpointError
 from engine.kernels.compact import CompactMatrix
 from engine.model.transformer import load_model
-from engine.weights.planner import GB, make_plan
+from engine.weights.planner import make_plan
+from k3vocab import GB
 from engine.weights.streaming import CheckpointMap, StreamingSource
 
 PROMPT = [3, 7, 11, 5, 9, 200, 17]

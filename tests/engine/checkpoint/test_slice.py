@@ -26,7 +26,8 @@ from engine.checkpoint.synth import (
 from engine.core.config import ModelConfig
 from engine.model.transformer import load_model
 from engine.weights.geometry import plan_for
-from engine.weights.planner import GB, make_plan
+from engine.weights.planner import make_plan
+from k3vocab import GB
 from engine.weights.resident import ResidentSource
 from engine.weights.streaming import CheckpointMap, StreamingSource
 

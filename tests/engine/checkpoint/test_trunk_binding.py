@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from engine.checkpoint.trunk import pack
-from engine.weights.planner import GB
+from k3vocab import GB
 from engine.weights.streaming import CheckpointMap
 
 REPO = str(Path(__file__).resolve().parents[3])

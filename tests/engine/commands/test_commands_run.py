@@ -15,7 +15,8 @@ import pytest
 from engine.checkpoint.synth import synthesize
 from engine.decode.generate import GenParams, generate
 from engine.model.transformer import load_model
-from engine.weights.planner import GB, MemorySettings, add_memory_arguments
+from engine.weights.planner import MemorySettings, add_memory_arguments
+from k3vocab import GB
 from engine.weights.streaming import CheckpointMap
 
 REPO = str(Path(__file__).resolve().parents[3])

@@ -12,7 +12,8 @@ from engine.checkpoint.synth import flat_config
 from engine.decode.forecast import LayerKinds, Parts, expert_hit_rate, forecast
 from engine.core.config import ModelConfig
 from engine.weights.geometry import geometry_from_config, plan_for, real_config
-from engine.weights.planner import GB, make_plan
+from engine.weights.planner import make_plan
+from k3vocab import GB
 
 PARTS = {"disk": {"sequential_gb_per_s": 2.0, "chunk_gb_per_s": 2.0, "expert_gb_per_s": 1.0},
          "compute": {"kda_moe_layer_s": 0.1, "mla_moe_layer_s": 0.05, "dense_layer0_s": 0.2,

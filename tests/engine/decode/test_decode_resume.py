@@ -14,7 +14,8 @@ from engine.checkpoint.synth import synthesize
 from engine.decode.generate import GenParams, generate
 from engine.model.transformer import load_model
 from engine.serve.snapshots import SnapshotStore
-from engine.weights.planner import GB, MemorySettings, add_memory_arguments
+from engine.weights.planner import MemorySettings, add_memory_arguments
+from k3vocab import GB
 from engine.weights.streaming import CheckpointMap, open_source
 
 SYS_A, SYS_B = [5, 17, 3, 99], [8, 1, 2]

@@ -16,7 +16,8 @@ from engine.checkpoint.synth import synthesize
 from engine.decode.generate import GenParams, generate
 from engine.errors import PlanError, ReadError
 from engine.model.transformer import load_model
-from engine.weights.planner import GB, MemorySettings, add_memory_arguments, make_plan
+from engine.weights.planner import MemorySettings, add_memory_arguments, make_plan
+from k3vocab import GB
 from engine.weights.resident import ResidentSource
 from engine.core.directio import Read, aligned_buffer
 from engine.weights.streaming import CheckpointMap, StreamingSource

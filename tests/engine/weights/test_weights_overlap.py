@@ -12,7 +12,8 @@ from engine.checkpoint.synth import synthesize
 from engine.decode.generate import GenParams, generate
 from engine.model import moe
 from engine.model.transformer import load_model
-from engine.weights.planner import GB, make_plan
+from engine.weights.planner import make_plan
+from k3vocab import GB
 from engine.weights.streaming import CheckpointMap, StreamingSource
 
 

@@ -9,7 +9,6 @@ import pytest
 
 from engine.errors import PlanError
 from engine.weights.planner import (
-    GB,
     Geometry,
     MemoryFacts,
     MemorySettings,
@@ -18,6 +17,7 @@ from engine.weights.planner import (
     read_memory_facts,
 )
 from engine.weights.sysmem import Roots, read_cgroup
+from k3vocab import GB
 
 MB = 1_000_000
 BIG = MemoryFacts(mem_total=64 * 2**30, mem_available=60 * 2**30, cgroup_limit=None,

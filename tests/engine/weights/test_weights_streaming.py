@@ -20,7 +20,8 @@ from engine.decode.generate import GenParams, generate
 from engine.errors import ReadError
 from engine.model.transformer import load_model
 from engine.core.directio import Layout
-from engine.weights.planner import GB, MemorySettings, add_memory_arguments, make_plan
+from engine.weights.planner import MemorySettings, add_memory_arguments, make_plan
+from k3vocab import GB
 from engine.weights.resident import ResidentSource
 from engine.weights import streaming
 from engine.weights.streaming import MODEL_TENSORS, CheckpointMap, StreamingSource, open_source

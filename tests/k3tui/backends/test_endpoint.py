@@ -25,6 +25,7 @@ import llama_helpers
 import pytest
 
 from k3tui.backends import endpoint
+from k3tui.backends.transport import describe_transport_error
 from k3tui.backends.events import BackendError, ContentDelta, Finished, ReasoningDelta
 
 HERE = Path(__file__).parent
@@ -227,11 +228,11 @@ def test_rmt_transport_errors_are_described_for_other_clients(tls):
     url, _certfile, _log = tls
     with pytest.raises(httpx.ConnectError) as info:
         httpx.get(url + "/models")
-    message, step = endpoint.describe_transport_error(info.value, "the cluster")
+    message, step = describe_transport_error(info.value, "the cluster")
     assert "certificate of the cluster is not trusted" in message and "SSL_CERT_FILE" in step
     with refused_port() as port, pytest.raises(httpx.ConnectError) as info:
         httpx.get(f"http://127.0.0.1:{port}/")
-    assert "Nothing answers" in endpoint.describe_transport_error(info.value, "x")[0]
+    assert "Nothing answers" in describe_transport_error(info.value, "x")[0]
 
 
 def test_rmt_tls_trusted_with_the_ca_file(tls):

@@ -186,7 +186,7 @@ def test_dry_run_keeps_conversation_states_in_the_home(tiny_a):
     """The bundled engine keeps its states under $K3TUI_HOME/states: a restart resumes."""
     p = k3("serve", "--dry-run", "--backend", "bundled", "--model-path", str(tiny_a))
     home = Path(os.environ["K3TUI_HOME"]).resolve()
-    assert f"--state-dir {home / 'states'}" in p.stdout, p.stdout
+    assert f"--state-dir {home / 'states'} --state-gb 16" in p.stdout, p.stdout
 
 
 def test_load_mode_reason_matches_what_the_binary_lists():

@@ -163,7 +163,7 @@ def test_doctor_dir_suggests_downloading_into_that_dir(tmp_path):
 
 
 def test_isolation_advice_is_the_same_in_doctor_and_plan():
-    from k3tui.planning.plan import ISOLATION_NEXT
+    from k3tui.probe.limits import ISOLATION_NEXT
 
     cfg = load_config()
     cfg.backend.kind, cfg.model.kind = "llama-server", "gguf"

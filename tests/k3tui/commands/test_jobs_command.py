@@ -14,7 +14,7 @@ from hub_helpers import BIG, REPO_ID, k3, wait_for
 
 from k3tui import jobs
 from k3tui.hub import CHUNK_BYTES
-from k3tui.testing.fakehub import FakeHub, Fault
+from fakehub import FakeHub, Fault
 
 
 def test_cancel_names_the_command_that_resumes(tmp_path, monkeypatch):

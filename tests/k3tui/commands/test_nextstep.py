@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from k3tui.config import Config, config_exists, load_config, save_config
-from k3tui.testing.fakehub import FakeHub
+from fakehub import FakeHub
 
 REPO_ID = "acme/tiny-k3"
 

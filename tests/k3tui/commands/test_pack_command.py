@@ -16,7 +16,7 @@ import pytest
 
 from engine.checkpoint.trunk import pack
 from k3tui.config import Config, save_config
-from k3tui.testing.fakehub import FakeHub
+from fakehub import FakeHub
 
 REPO = str(Path(__file__).resolve().parents[3])
 TINY_A = Path(REPO) / "tests" / "fixtures" / "kimi-k3" / "tiny-a"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from hub_helpers import BIG, REPO_ID, SMALL
 
-from k3tui.testing.fakehub import FakeHub
+from fakehub import FakeHub
 
 
 @pytest.fixture

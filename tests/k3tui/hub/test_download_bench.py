@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 
 def test_dl_bench_download_json_keys():
@@ -32,9 +33,11 @@ def test_dl_core_modules_import_no_ui(tmp_path):
     """A whole download (metadata, HEAD, GET, jobs module) without rich/textual loaded."""
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "w.safetensors").write_bytes(b"x" * (2 << 20))
+    support = Path(__file__).resolve().parents[2] / "support"
     code = f"""
 import os, sys
-from k3tui.testing.fakehub import FakeHub
+sys.path.insert(0, {str(support)!r})
+from fakehub import FakeHub
 hub = FakeHub({str(tmp_path / 'src')!r}, "acme/x", cdn=True)
 os.environ["HF_ENDPOINT"] = hub.endpoint
 import k3tui.jobs

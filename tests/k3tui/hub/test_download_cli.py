@@ -98,7 +98,7 @@ def test_dl_gated_repo_uses_the_stored_login(repo_dir, tmp_path, monkeypatch):
     file in HF_HOME) the detached job downloads; the token never reaches the CDN or logs."""
     import os
 
-    from k3tui.testing.fakehub import FakeHub
+    from fakehub import FakeHub
 
     with FakeHub(repo_dir, REPO_ID, cdn=True, gated_token="hf_stored") as hub:
         monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)

@@ -18,7 +18,7 @@ from hub_helpers import BIG, REPO_ID, k3, wait_for
 from k3tui import jobs
 from k3tui.errors import K3Error
 from k3tui.hub import CHUNK_BYTES
-from k3tui.testing.fakehub import Fault
+from fakehub import Fault
 from k3tui.hub.store import LocalStore
 
 

@@ -7,7 +7,7 @@ import pytest
 from hub_helpers import REPO_ID, k3
 
 from k3tui.config import save_credential
-from k3tui.testing.fakehub import FakeHub
+from fakehub import FakeHub
 from k3tui.paths import get_paths
 
 

@@ -15,7 +15,7 @@ from hub_helpers import BIG, REPO_ID, SMALL, k3, wait_for
 
 from k3tui import jobs
 from k3tui.hub import CHUNK_BYTES
-from k3tui.testing.fakehub import Fault
+from fakehub import Fault
 from k3tui.hub.transfer import RETRY_AFTER_CAP_S, retry_after_s
 
 

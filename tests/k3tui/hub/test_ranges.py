@@ -15,7 +15,7 @@ from hub_helpers import BIG, REPO_ID, SMALL, wait_for
 
 from k3tui.hub import CHUNK_BYTES, Options, download, fetch_snapshot
 from k3tui.hub.store import LocalStore
-from k3tui.testing.fakehub import Fault
+from fakehub import Fault
 
 FAST = dict(backoff_s=0.02, timeout_s=10.0, range_bytes=CHUNK_BYTES)   # 7 ranges in BIG
 

@@ -20,7 +20,7 @@ from k3tui.hub import download, fetch_snapshot, plan_download
 from k3tui.hub.metadata import RemoteFile, RepoSnapshot
 from k3tui.hub.progress import FAILED_LISTED, Progress
 from k3tui.hub.store import COMPACT_SLACK, LocalStore
-from k3tui.testing.fakehub import FakeHub, git_blob_sha1
+from fakehub import FakeHub, git_blob_sha1
 
 
 def io_bytes() -> tuple[int, int]:

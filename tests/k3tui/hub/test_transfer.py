@@ -12,7 +12,7 @@ from hub_helpers import BIG, REPO_ID, SMALL
 
 from k3tui.errors import K3Error
 from k3tui.hub import CHUNK_BYTES, Options, download, fetch_snapshot, plan_download, transfer
-from k3tui.testing.fakehub import Fault
+from fakehub import Fault
 from k3tui.hub.metadata import check_access
 from k3tui.hub.store import LocalStore
 
@@ -97,7 +97,7 @@ def test_dl_permanent_503_gives_up_keeps_partial(hub, tmp_path):
 
 
 def test_dl_token_goes_to_hub_never_to_cdn(repo_dir, tmp_path, monkeypatch):
-    from k3tui.testing.fakehub import FakeHub
+    from fakehub import FakeHub
 
     with FakeHub(repo_dir, REPO_ID, cdn=True, gated_token="hf_good") as hub:
         monkeypatch.setenv("HF_ENDPOINT", hub.endpoint)
@@ -124,7 +124,7 @@ def test_dl_token_goes_to_hub_never_to_cdn(repo_dir, tmp_path, monkeypatch):
     ("hf_bogus", "refused (invalid or expired)"),
 ])
 def test_dl_gated_and_bad_tokens_explained(repo_dir, monkeypatch, token, expect):
-    from k3tui.testing.fakehub import FakeHub
+    from fakehub import FakeHub
 
     with FakeHub(repo_dir, REPO_ID, gated_token="hf_good", noaccess_tokens=("hf_pending",)) \
             as hub:
@@ -378,7 +378,7 @@ def test_dl_trickling_connection_is_reopened(hub, repo_dir, tmp_path):
 
 
 def test_dl_empty_and_nested_files(tmp_path, monkeypatch):
-    from k3tui.testing.fakehub import FakeHub
+    from fakehub import FakeHub
 
     src = tmp_path / "src"
     (src / "a" / "b").mkdir(parents=True)

@@ -8,7 +8,7 @@ from tui_helpers import SAMPLES, screen_text, settle, wait_until
 from k3tui.backends.events import BackendError
 from k3tui.history import History
 from k3tui.monitor import Sample
-from k3tui.testing.scripted import FixedMonitor, ScriptedStream
+from scripted import FixedMonitor, ScriptedStream
 from k3tui.tui.app import BackendInfo
 from k3tui.tui.widgets.messages import AssistantMessage
 

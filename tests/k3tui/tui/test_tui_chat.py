@@ -8,7 +8,7 @@ from tui_helpers import K3, build_app, screen_text, settle, wait_until
 
 from k3tui.backends.events import BackendError
 from k3tui.history import History
-from k3tui.testing.scripted import FakeClock, ScriptedStream
+from scripted import FakeClock, ScriptedStream
 from k3tui.tui.widgets.messages import AssistantMessage, UserMessage
 from k3tui.tui.widgets.prompt import Prompt
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from tui_helpers import screen_text, settle, wait_until
 
-from k3tui.testing.scripted import ScriptedStream
+from scripted import ScriptedStream
 from k3tui.tui.widgets.messages import AssistantMessage, UserMessage
 from k3tui.tui.widgets.prompt import Prompt
 

@@ -14,12 +14,12 @@ from tui_helpers import screen_text, settle, wait_until
 
 from k3tui.history import History
 from k3tui.paths import get_paths
-from k3tui.testing import scenes
+import scenes
 from k3tui.tui.screens.conversations import ConversationsScreen
 from k3tui.tui.screens.jobs import JobsScreen, format_eta
 from k3tui.tui.screens.machine import MachineScreen
 from k3tui.tui.screens.startup import LogScreen
-from k3tui.testing.scripted import ScriptedStream
+from scripted import ScriptedStream
 from k3tui.tui.widgets.messages import UserMessage
 
 

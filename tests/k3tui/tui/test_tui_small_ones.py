@@ -9,7 +9,7 @@ from textual.widgets import Log
 from tui_helpers import screen_text, settle, wait_until
 
 from k3tui.config import Config, save_config
-from k3tui.testing.scripted import ScriptedStream
+from scripted import ScriptedStream
 from k3tui.tui.app import BackendInfo
 from k3tui.tui.screens.machine import MachineScreen
 from k3tui.tui.screens.startup import LogScreen

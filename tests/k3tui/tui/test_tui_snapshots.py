@@ -10,7 +10,7 @@ import pytest
 import textual
 
 from k3tui.paths import get_paths
-from k3tui.testing import scenes
+import scenes
 from k3tui.tui.app import BackendInfo
 from k3tui.tui.screens.jobs import JobsScreen
 

@@ -7,7 +7,7 @@ from textual.widgets import Static
 from tui_helpers import settle
 
 from k3tui.backends.events import Finished, TokenStats
-from k3tui.testing.scripted import ScriptedStream
+from scripted import ScriptedStream
 from k3tui.tui.stats import LatencyStats
 
 

@@ -10,7 +10,7 @@ from k3tui.backends.openai_stream import ChunkInterpreter, error_event
 from k3tui.history import History
 from k3tui.textsafe import clean
 from k3tui.tui.app import BackendInfo
-from k3tui.testing.scripted import ScriptedStream
+from scripted import ScriptedStream
 from k3tui.tui.widgets.prompt import Prompt
 
 ESC = "\x1b"

@@ -16,7 +16,7 @@ import sys
 from tui_helpers import REPO_ROOT, build_app, screen_text, settle
 
 from k3tui.history import History
-from k3tui.testing.scripted import ScriptedStream
+from scripted import ScriptedStream
 from k3tui.tui.session import ChatSession
 from k3tui.tui.widgets.prompt import Prompt
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from k3tui.history import History
 from k3tui.monitor import Sample
 from k3tui.tui.app import BackendInfo, ChatApp
-from k3tui.testing.scripted import FakeClock, FixedMonitor, ScriptedStream
+from scripted import FakeClock, FixedMonitor, ScriptedStream
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 

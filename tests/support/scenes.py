@@ -20,7 +20,7 @@ from typing import Any
 from k3tui.history import History
 from k3tui.monitor import Sample
 from k3tui.tui.app import BackendInfo, ChatApp
-from k3tui.testing.scripted import FakeClock, FixedMonitor, ScriptedStream
+from scripted import FakeClock, FixedMonitor, ScriptedStream
 
 REASONING = ("The user wants a function that reads one expert from disk. I should show "
              "O_DIRECT alignment and keep it short.")

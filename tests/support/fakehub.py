@@ -496,8 +496,8 @@ class FakeHub:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m k3tui.testing.fakehub DIR --repo acme/m`: serve until killed."""
-    p = argparse.ArgumentParser(prog="python -m k3tui.testing.fakehub")
+    """`python tests/support/fakehub.py DIR --repo acme/m`: serve until killed."""
+    p = argparse.ArgumentParser(prog="python tests/support/fakehub.py")
     p.add_argument("folder")
     p.add_argument("--repo", default="acme/tiny")
     p.add_argument("--cdn", action="store_true", help="redirect LFS files to a second port")
