@@ -1,7 +1,7 @@
 """`python -m engine COMMAND`: run, synth, pack, serve, plan, bench (the dispatcher that
 __main__.py calls).
 
-Each command's module (engine/commands/; serve's is still engine/serve/app.py) exposes
+Each command's module (engine/commands/) exposes
 `add_arguments(parser)` and `main(args) -> int`; only the chosen one is imported, so
 `--help` and a command's start-up never pay for the others.
 """
@@ -17,7 +17,7 @@ COMMANDS = {
             "generate from a checkpoint (token ids in, ids and timings out)"),
     "synth": ("engine.commands.synth", "write a random-weight Kimi-K3-architecture checkpoint"),
     "pack": ("engine.commands.pack", "pack a checkpoint's trunk into trunk.bin + trunk.json"),
-    "serve": ("engine.serve.app", "serve a checkpoint over an OpenAI-compatible HTTP API"),
+    "serve": ("engine.commands.serve", "serve a checkpoint over an OpenAI-compatible HTTP API"),
     "plan": ("engine.commands.plan", "the memory plan and its forecast, without weights"),
     "bench": ("engine.commands.bench", "benchmarks: forward, stream, serve, compact, parts, slice"),
 }

@@ -1,8 +1,9 @@
 """One generated token's engine statistics, as one typed record.
 
 generate() fills a `TokenStats` per token from the weight source's running totals;
-`python -m engine run --json` prints `as_dict()` per token, and the server sends `k3()` in
-every chunk (README's `k3` table). The field names are the wire names.
+`python -m engine run --json` prints `as_dict()` per token; the server's worker completes
+the record (serve/worker.py) and its protocol writes it as the `k3` object of every chunk
+(README's `k3` table). The field names are the wire names.
 """
 
 from __future__ import annotations
@@ -14,10 +15,7 @@ from engine.weights.source import WeightSource
 from engine.weights.sysmem import current_rss, peak_rss
 from k3vocab import GB
 
-# What the server's `k3` object carries, in order (None where unknown).
-K3_FIELDS = ("s_per_token", "gb_read", "mb_per_s", "true_hit_rate", "rss_gb", "budget_gb",
-             "compute_s", "wait_trunk_s", "wait_experts_s")
-# Set on the last chunk of an answer only.
+# The server's, set for an answer's last chunk only.
 K3_FINAL = ("reasoning_tokens", "gb_read_prefill", "note", "demo")
 # Present in `as_dict()` only when the source reports them.
 OPTIONAL = ("budget_gb", "experts_guessed", "experts_guessed_used", "gb_read_unused")
@@ -62,13 +60,6 @@ class TokenStats:
         for key in ("s_per_token",) + K3_FINAL:
             del out[key]
         return {k: v for k, v in out.items() if v is not None or k not in OPTIONAL}
-
-    def k3(self) -> dict[str, Any]:
-        """The server's `k3` object: floats rounded to the microsecond/kB; the final
-        fields only when set."""
-        out = {k: getattr(self, k) for k in K3_FIELDS}
-        out.update({k: getattr(self, k) for k in K3_FINAL if getattr(self, k) is not None})
-        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in out.items()}
 
 
 class StatsMeter:

@@ -6,7 +6,8 @@
 * Errors: `{"error": {"code", "message", "type"}}` (`error_body`).
 * Answers: the worker emits typed events (`Token`, `End`, `Failed`, `Stopped`); each
   serialises itself as SSE chunks (`sse`) or into a non-streamed JSON body (`collect`).
-  Every chunk carries a `k3` object (engine/decode/stats.py's `TokenStats.k3`).
+  Every chunk carries a `k3` object: the worker's `TokenStats` record (`k3_record`,
+  `Job.final_record`) written by `k3_object`.
 """
 
 from __future__ import annotations
@@ -19,13 +20,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.decode.stats import TokenStats
+from engine.decode.stats import K3_FINAL, TokenStats
 from k3vocab import EFFORTS
 
 FINGERPRINT = "k3-engine-0.1.0"
 MAX_JSON_DEPTH = 64    # a chat request nests 4 levels deep
 MAX_INT = 2**31 - 1    # bound of the integer sampling fields
 MIN_TEMPERATURE = 1e-6  # below it sampling is greedy in all but overflow
+# What every `k3` object carries, in order (None where unknown); K3_FINAL only when set.
+K3_FIELDS = ("s_per_token", "gb_read", "mb_per_s", "true_hit_rate", "rss_gb", "budget_gb",
+             "compute_s", "wait_trunk_s", "wait_experts_s")
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -289,26 +293,41 @@ class ChunkIds:
 # ---- what the worker emits, and how each event reaches the client -------------------------
 
 
+def k3_object(stats: TokenStats | None) -> dict[str, Any] | None:
+    """A token's record as the `k3` object: floats rounded to the microsecond/kB; the
+    final fields only when set."""
+    if stats is None:
+        return None
+    out = {k: getattr(stats, k) for k in K3_FIELDS}
+    out.update({k: getattr(stats, k) for k in K3_FINAL if getattr(stats, k) is not None})
+    return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in out.items()}
+
+
 @dataclass
 class Answer:
     """One response being written: the chunk ids, the request, and what the events need
-    from the job (timings, usage, the final `k3`). Collects the text of a non-streamed
-    answer."""
+    from the job (timings, usage, the records of the opening and the last chunk). Collects
+    the text of a non-streamed answer."""
 
     ids: ChunkIds
     req: ChatRequest
     timings: Callable[[], dict[str, Any]]
     usage: Callable[[], dict[str, Any]]
-    final_k3: Callable[[TokenStats | None], dict[str, Any]]
+    first: TokenStats  # before any token: what the server knows (the RSS, the budget)
+    final: Callable[[TokenStats | None], TokenStats]  # the last token's, completed
     last: TokenStats | None = None  # the latest token's statistics
     reasoning: list[str] = field(default_factory=list)
     content: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # generated, not yet in a chunk (SSE)
 
-    def k3(self, k3: dict[str, Any] | None) -> dict[str, Any]:
+    def k3(self, stats: TokenStats | None) -> dict[str, Any]:
         """A chunk's `k3`, with the ids generated since the previous chunk."""
         ids, self.token_ids = self.token_ids, []
-        return {**(k3 or {}), "token_ids": ids}
+        return {**(k3_object(stats) or {}), "token_ids": ids}
+
+    def opening(self) -> str:
+        """The stream's first chunk: the role, and the `k3` before any token."""
+        return self.ids.sse({"role": "assistant", "content": None}, k3=self.k3(self.first))
 
 
 @dataclass(frozen=True)
@@ -329,7 +348,7 @@ class Token:
         out = ""
         for key, text in (("reasoning_content", self.reasoning), ("content", self.content)):
             if text:
-                extra: dict[str, Any] = {"k3": a.k3(a.last.k3() if a.last else None)}
+                extra: dict[str, Any] = {"k3": a.k3(a.last)}
                 if a.req.timings_per_token:
                     extra["timings"] = a.timings()
                 out += a.ids.sse({key: text}, **extra)
@@ -350,12 +369,13 @@ class End:
     ends = True
 
     def sse(self, a: Answer) -> str:
-        final: dict[str, Any] = {"k3": a.k3(a.final_k3(a.last))}
+        last = a.final(a.last)
+        final: dict[str, Any] = {"k3": a.k3(last)}
         if not a.req.include_usage or a.req.timings_per_token:
             final["timings"] = a.timings()
         out = a.ids.sse({}, finish_reason=self.finish, **final)
         if a.req.include_usage:
-            out += a.ids.sse(None, usage=a.usage(), timings=a.timings(), k3=a.k3(final["k3"]))
+            out += a.ids.sse(None, usage=a.usage(), timings=a.timings(), k3=a.k3(last))
         return out + "data: [DONE]\n\n"
 
     def collect(self, a: Answer) -> tuple[int, dict[str, Any]]:
@@ -367,7 +387,7 @@ class End:
             choices=[{"finish_reason": self.finish, "index": 0, "message": message}],
             usage=a.usage(),
             timings=a.timings(),
-            k3={**a.final_k3(a.last), "token_ids": a.token_ids},
+            k3={**k3_object(a.final(a.last)), "token_ids": a.token_ids},
         )
         return 200, body
 

@@ -24,7 +24,7 @@ import numpy as np
 import psutil
 
 from engine.decode.stats import TokenStats
-from engine.decode.steer import NEG, DemoSteer, Forced, think_to_response
+from engine.decode.steer import DEMO_NOTICE, NEG, DemoSteer, Forced, think_to_response
 from engine.errors import EngineError
 from engine.serve.durable import StateDir, checkpoint_fingerprint
 from engine.serve.protocol import ChatRequest, End, Event, Failed, Stopped, Token
@@ -215,6 +215,18 @@ class Job:
             "prompt_tokens_details": {"cached_tokens": self.cache_n},
             "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
         }
+
+    def final_record(self, last: TokenStats | None, budget_gb: float | None,
+                     demo: bool) -> TokenStats:
+        """The answer's last record: its last token's (or the server's, if none), with
+        what only the whole answer knows."""
+        return replace(
+            last or k3_record(None, budget_gb),
+            reasoning_tokens=self.reasoning_tokens,
+            gb_read_prefill=self.gb_read_prefill,
+            note=self.empty_answer_note(),
+            demo=DEMO_NOTICE if demo else None,
+        )
 
     def empty_answer_note(self) -> str | None:
         """Why the content is empty when the token limit ran out inside the reasoning."""

@@ -11,7 +11,7 @@ import pytest
 
 import k3vocab
 from engine.commands import plan as engine_plan_command
-from engine.serve import app as engine_app
+from engine.commands import serve as engine_serve
 from engine.serve.protocol import _thinking
 from engine.text import chat_template
 from engine.weights import planner
@@ -63,7 +63,7 @@ def test_kinds_agree():
 
 def test_default_context_agrees():
     assert config.Config().llama_server.ctx_size == k3vocab.DEFAULT_CONTEXT
-    assert choices(engine_parser(engine_app.add_arguments), "ctx_size").default \
+    assert choices(engine_parser(engine_serve.add_arguments), "ctx_size").default \
         == k3vocab.DEFAULT_CONTEXT
     assert choices(engine_parser(engine_plan_command.add_arguments), "context").default \
         == k3vocab.DEFAULT_CONTEXT

@@ -140,7 +140,7 @@ def make_loaded(test_tok):
 def inproc(test_tok):
     """Factory: inproc(delay=..., steer_demo=..., gate=..., tok=..., script=[ids],
     **service kwargs) -> InProcServer."""
-    from engine.serve.app import Service
+    from engine.serve.routes import Service
     from engine.serve.worker import Loaded
 
     servers = []

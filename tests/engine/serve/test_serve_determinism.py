@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from engine.decode.steer import end_of_answer, only, think_to_response
-from engine.serve.app import Service, add_arguments
+from engine.commands.serve import add_arguments
+from engine.serve.routes import Service
 from engine.serve.worker import LoadProgress, LoadSettings, load_engine
 from engine.text.chat_template import ChatTemplate
 from engine.text.tokenizer import Tokenizer

@@ -403,9 +403,9 @@ async def test_srv_concurrent_request_waits_its_turn(inproc):
 
 
 async def test_srv_too_many_waiting_is_503(inproc, monkeypatch):
-    from engine.serve import app as server
+    from engine.serve import scheduler
 
-    monkeypatch.setattr(server, "MAX_WAITING", 1)
+    monkeypatch.setattr(scheduler, "MAX_WAITING", 1)
     gate = threading.Event()  # the running request holds the slot until the 503 is seen
     srv = inproc(delay=0.01, gate=gate)
     async with httpx.AsyncClient(timeout=TIMEOUT) as client:

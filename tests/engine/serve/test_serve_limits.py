@@ -330,7 +330,8 @@ def test_srv_limits_health_answers_while_a_prompt_tokenises_and_a_generation_run
     generating = threading.Thread(target=post, args=("gen", "hi"))
     generating.start()
     deadline = time.monotonic() + 30
-    while srv.service._running is None or srv.service.metrics.values["tokens_predicted_total"] < 1:
+    service = srv.service
+    while service.scheduler.running is None or service.metrics.values["tokens_predicted_total"] < 1:
         assert time.monotonic() < deadline, "the generation never started"
         time.sleep(0.01)
     tokenising = threading.Thread(target=post, args=("big", "HOLD " * 1000))

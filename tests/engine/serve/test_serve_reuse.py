@@ -11,7 +11,7 @@ import signal
 import httpx
 import pytest
 
-from engine.serve.app import add_arguments
+from engine.commands.serve import add_arguments
 from engine.serve.protocol import End, parse_chat_request
 from engine.serve.worker import (
     Job,
