@@ -44,7 +44,8 @@ def test_copy_pick_in_real_tmux_sets_its_buffer(tmp_path):
     script = tmp_path / "app.py"
     script.write_text(APP.format(answers=TMUX_ANSWERS))
     env = {"K3TUI_HOME": str(tmp_path / "home"), "TERM": "xterm-256color",
-           "PYTHONPATH": str(REPO_ROOT)}
+           # the app script imports the scripted backend from tests/support
+           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests" / "support")])}
     tmux = Tmux(f"k3tui-copy-{os.getpid()}", env)
 
     def buffer_is(text: str) -> None:

@@ -159,16 +159,18 @@ def test_tui_e2e_demo_smoke(tmp_path):
 
 def test_tui_e2e_demo_smoke_sends_the_chat_settings_a_real_turn_sends(demo_checkpoint,
                                                                      tmp_path):
-    """A [chat] setting the engine refuses (thinking_effort "medium": the config takes it,
-    Kimi-K3 does not) fails every real turn, so `chat --demo --smoke` must fail on it too;
-    it passed while the demo sent its own settings instead of the chat's."""
+    """A [chat] setting the engine refuses (a temperature of 1e-9: the config takes it, the
+    engine refuses one so small that logits / temperature overflow) fails every real turn, so
+    `chat --demo --smoke` must fail on it too; it passed while the demo sent its own settings
+    instead of the chat's. (The first such setting found, thinking_effort "medium", the config
+    now refuses itself: k3vocab.)"""
     from k3tui import demo
     from k3tui.config import Config, save_config
 
     home = tmp_path / "home"
     env = dict(os.environ, K3TUI_HOME=str(home))
     cfg = Config()
-    cfg.chat.thinking_effort = "medium"
+    cfg.chat.temperature = 1e-9
     save_config(cfg, home / "config.toml")
     (demo_checkpoint / demo.COMPLETE).write_text("ok\n")  # the synthesised model, not again
     (home / "demo").mkdir()
@@ -177,7 +179,7 @@ def test_tui_e2e_demo_smoke_sends_the_chat_settings_a_real_turn_sends(demo_check
                          capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=300,
                          stdin=subprocess.DEVNULL)
     assert out.returncode == 1, out.stdout + out.stderr
-    assert "smoke: no answer" in out.stderr and "'medium' is not supported" in out.stderr
+    assert "smoke: no answer" in out.stderr and "'temperature' must be 0" in out.stderr
 
 
 def test_tui_e2e_demo_keeps_what_is_typed_while_it_starts(tmp_path):
