@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -57,7 +57,7 @@ def generate(model: Model, prompt_ids: Sequence[int], params: GenParams, *,
              keep: Callable[[ModelState], None] | None = None,
              keep_at: Sequence[int] = (),
              checkpoint: Callable[[ModelState], None] | None = None,
-             checkpoint_every: int = 0) -> Iterator[GenToken]:
+             checkpoint_every: int = 0) -> Generator[GenToken, None, None]:
     """Yield generated tokens one by one. A stop id is yielded (flagged `stop`) and ends the
     run; `cancel` is checked between tokens and between layers.
 

@@ -20,6 +20,7 @@ use) go first when the folder passes its budget; another checkpoint's states cou
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
@@ -29,7 +30,8 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Literal
 
 import numpy as np
 
@@ -87,7 +89,9 @@ class StateDir:
         self.budget = max(0, int(budget_bytes))
         self.fingerprint = fingerprint
         self.vocab, self.n_ctx = vocab, n_ctx
-        self._layers = [
+        # ("mla", latent width) or ("kda", S's shape, {conv name: its shape})
+        self._layers: list[tuple[Literal["mla"], int]
+                           | tuple[Literal["kda"], tuple[int, ...], dict[str, tuple[int, ...]]]] = [
             ("mla", layer.latent.shape[1]) if isinstance(layer, MLAState)
             else ("kda", layer.S.shape, {p: h.shape for p, h in layer.conv.items()})
             for layer in template.layers
@@ -131,7 +135,7 @@ class StateDir:
         h = hashlib.sha256(owner.encode() + b"\0" + np.asarray(ids, "<i8").tobytes())
         return self._folder(owner) / (h.hexdigest()[:32] + SUFFIX)
 
-    def _files(self, say: bool = False):
+    def _files(self, say: bool = False) -> Iterator[tuple[Path, os.stat_result]]:
         """(path, lstat) of every regular state-named file; with `say`, a sentence for
         each state-named thing that is not one (a symlink)."""
         for folder in sorted(self.root.iterdir()):
@@ -186,7 +190,7 @@ class StateDir:
         if self._index:
             _say(f"{len(self._index)} kept state(s) in {self.root}")
 
-    def _read_header(self, f, size: int) -> tuple[dict, bytes, bytes]:
+    def _read_header(self, f: io.BufferedReader, size: int) -> tuple[dict, bytes, bytes]:
         """The header of the open file `f` of `size` bytes: (parsed, raw, the checksum the
         file declares). Bounded: nothing past the header is read."""
         head = f.read(PREFIX.size)
@@ -321,7 +325,7 @@ class StateDir:
             self._make_room(size, keep=path)
         digest = hashlib.sha256(header)
         for a in arrays:
-            digest.update(memoryview(a).cast("B"))
+            digest.update(a.data.cast("B"))
         folder = path.parent
         tmp = folder / f".{path.stem}.{os.getpid()}.tmp"
         try:
@@ -333,7 +337,7 @@ class StateDir:
                 f.write(PREFIX.pack(MAGIC, len(header), digest.digest()))
                 f.write(header)
                 for a in arrays:
-                    f.write(memoryview(a).cast("B"))
+                    f.write(a.data.cast("B"))
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
@@ -420,7 +424,7 @@ def _parse(raw: bytes) -> dict:
     return header
 
 
-def _open_read(path: Path):
+def _open_read(path: Path) -> io.BufferedReader:
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)

@@ -20,6 +20,7 @@ from typing import Any
 import anyio
 import h11
 from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from engine.serve.protocol import BadRequest, error_body
@@ -48,12 +49,12 @@ class Guard:
     pass). The route gets the body already read, within its limits, and the request's
     owner in `scope[OWNER]`."""
 
-    def __init__(self, app: Callable, *, api_keys: list[str], ready: Callable[[], bool],
+    def __init__(self, app: ASGIApp, *, api_keys: list[str], ready: Callable[[], bool],
                  max_body_mb: float = MAX_BODY_MB, read_timeout: float = READ_TIMEOUT) -> None:
         self.app, self.api_keys, self.ready = app, api_keys, ready
         self.max_body_mb, self.read_timeout = max_body_mb, read_timeout
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
@@ -77,7 +78,7 @@ class Guard:
 
         replayed = False
 
-        async def replay():
+        async def replay() -> Message:
             nonlocal replayed
             if replayed:
                 return await receive()  # from now on: only the disconnect
@@ -86,7 +87,7 @@ class Guard:
 
         return await self.app(scope, replay, send)
 
-    async def read_body(self, scope: dict, receive: Callable) -> bytes | None:
+    async def read_body(self, scope: Scope, receive: Receive) -> bytes | None:
         """The whole body, or BadRequest 413 once it passes the limit (by Content-Length
         before a byte is read, else while counting) and 408 when the client stalls or
         drips it in slower than MIN_BODY_RATE."""
@@ -123,7 +124,7 @@ class Guard:
             more = message.get("more_body", False)
         return b"".join(chunks)
 
-    def owner(self, scope: dict) -> str | None:
+    def owner(self, scope: Scope) -> str | None:
         """Whose the request is: the digest of the API key it carries (snapshots.owner_of),
         None when it carries none of the server's keys."""
         headers = {
@@ -147,7 +148,8 @@ def h11_with_head_deadline(seconds: float) -> type:
     class HeadDeadline(H11Protocol):
         _deadline: asyncio.TimerHandle | None = None
 
-        def connection_made(self, transport) -> None:  # type: ignore[override]
+        # uvicorn's H11Protocol already narrows asyncio's BaseTransport to Transport
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._arm()
 

@@ -18,7 +18,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 from engine.decode.stats import K3_FINAL, TokenStats
 from k3vocab import EFFORTS
@@ -293,6 +293,12 @@ class ChunkIds:
 # ---- what the worker emits, and how each event reaches the client -------------------------
 
 
+@overload
+def k3_object(stats: TokenStats) -> dict[str, Any]: ...
+@overload
+def k3_object(stats: None) -> None: ...
+@overload
+def k3_object(stats: TokenStats | None) -> dict[str, Any] | None: ...
 def k3_object(stats: TokenStats | None) -> dict[str, Any] | None:
     """A token's record as the `k3` object: floats rounded to the microsecond/kB; the
     final fields only when set."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from starlette.applications import Starlette
@@ -78,11 +78,18 @@ class Service:
         self.metrics.set("load_seconds", time.monotonic() - self.progress.started)
         self.metrics.set("budget_gb", loaded.budget_gb or 0.0)
 
+    def ready(self) -> tuple[Loaded, ChatTemplate]:
+        """The loaded model and its template. Guard answers 503 until set_loaded, so every
+        route but /health and /metrics runs after it: None here is a bug, not a state."""
+        if self.loaded is None or self.template is None:
+            raise RuntimeError("a model route ran before the model loaded")
+        return self.loaded, self.template
+
     def cancel_running(self) -> None:
         self.scheduler.cancel_running()
 
     # -- ASGI app -----------------------------------------------------------------------
-    def app(self) -> Starlette:
+    def app(self) -> Guard:
         routes = [
             Route("/health", self.health, methods=["GET"]),
             Route("/v1/health", self.health, methods=["GET"]),
@@ -101,7 +108,10 @@ class Service:
             msg = "File Not Found" if exc.status_code == 404 else str(exc.detail)
             return error_response(exc.status_code, msg)
 
-        app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+        # starlette types a handler as taking any Exception: its mapping cannot tie the key's
+        # class to the handler's argument, though it only calls this one with HTTPException.
+        app = Starlette(routes=routes,
+                        exception_handlers={HTTPException: http_error})  # type: ignore[dict-item]
         return Guard(app, api_keys=self.api_keys, ready=lambda: self.loaded is not None,
                      max_body_mb=self.max_body_mb, read_timeout=self.read_timeout)
 
@@ -123,7 +133,7 @@ class Service:
         return DEMO_NOTICE if self.steer_demo else "k3-engine"
 
     async def models(self, request: Request) -> Response:
-        loaded = self.loaded
+        loaded = self.ready()[0]
         entry = {
             "id": self.model_name,
             "object": "model",
@@ -140,7 +150,7 @@ class Service:
         return JSONResponse({"object": "list", "data": [entry]})
 
     async def props(self, request: Request) -> Response:
-        loaded = self.loaded
+        loaded, template = self.ready()
         body = {
             "model_alias": self.model_name,
             "model_path": loaded.info.get("checkpoint"),
@@ -163,7 +173,7 @@ class Service:
             "chat_template_caps": {"supports_thinking": True, "thinking_efforts": list(EFFORTS)},
             "bos_token": "[BOS]",
             "eos_token": "[EOS]",
-            "end_token_ids": list(self.template.end_ids()),
+            "end_token_ids": list(template.end_ids()),
             "build_info": FINGERPRINT,
             "memory_plan": loaded.info.get("memory_plan"),
             "prompt_reuse": {
@@ -188,8 +198,8 @@ class Service:
         tokenising takes seconds for a megabyte)."""
         req = parse_chat_request(body, self.reasoning_budget)
         try:
-            return req, self.template.render_full(req.messages, thinking=req.thinking,
-                                                  effort=req.effort)
+            return req, self.ready()[1].render_full(req.messages, thinking=req.thinking,
+                                                     effort=req.effort)
         except TemplateError as exc:
             raise BadRequest(str(exc)) from exc
 
@@ -199,7 +209,7 @@ class Service:
         def encode(body: Any) -> list[int]:
             if not isinstance(body, dict) or not isinstance(body.get("content"), str):
                 raise BadRequest("'content' must be a string")
-            return self.loaded.tok.encode(body["content"])
+            return self.ready()[0].tok.encode(body["content"])
 
         try:
             return JSONResponse({"tokens": await self._json(request, encode)})
@@ -213,7 +223,7 @@ class Service:
                 isinstance(t, int) and not isinstance(t, bool) for t in tokens
             ):
                 raise BadRequest("'tokens' must be an array of integers")
-            return self.loaded.tok.decode(tokens)
+            return self.ready()[0].tok.decode(tokens)
 
         try:
             return JSONResponse({"content": await self._json(request, decode)})
@@ -225,7 +235,7 @@ class Service:
 
         def as_text(body: Any) -> dict[str, Any]:
             ids = self._prompt(body)[1].ids
-            return {"prompt": self.loaded.tok.decode(ids), "n_tokens": len(ids)}
+            return {"prompt": self.ready()[0].tok.decode(ids), "n_tokens": len(ids)}
 
         try:
             return JSONResponse(await self._json(request, as_text))
@@ -233,7 +243,7 @@ class Service:
             return error_response(exc.code, str(exc))
 
     async def chat(self, request: Request) -> Response:
-        loaded, template = self.loaded, self.template
+        loaded, template = self.ready()
         owner = request.scope[OWNER]
         try:
             req, rendered = await self._json(request, self._prompt)
@@ -269,7 +279,7 @@ class Service:
         return await collect(job, answer, queue, request)
 
     # -- responses ----------------------------------------------------------------------
-    async def _sse(self, answer: Answer, queue: asyncio.Queue) -> AsyncIterator[str]:
+    async def _sse(self, answer: Answer, queue: asyncio.Queue) -> AsyncGenerator[str, None]:
         yield answer.opening()
         while True:
             try:

@@ -13,11 +13,12 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from engine.serve.protocol import Answer, BadRequest, Event
 from engine.serve.worker import Job
@@ -120,7 +121,7 @@ class EventStream(StreamingResponse):
     """SSE body that watches for the client going away while it streams, and then sets
     the generation's cancel event at once (not only at the next write)."""
 
-    def __init__(self, chunks: AsyncIterator[str], cancel: threading.Event,
+    def __init__(self, chunks: AsyncGenerator[str, None], cancel: threading.Event,
                  ping_seconds: float) -> None:
         super().__init__(
             chunks,
@@ -131,7 +132,7 @@ class EventStream(StreamingResponse):
         )
         self.chunks, self.cancel = chunks, cancel
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def watch(scope_to_cancel: anyio.CancelScope) -> None:
             while True:
                 message = await receive()

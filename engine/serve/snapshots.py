@@ -112,8 +112,9 @@ class SnapshotStore:
                 self._kept.move_to_end(best)
                 found = self._kept[best].snapshot()
         if self.disk is not None:
-            ids = self.disk.best(prompt_ids, owner, len(best[1]) if best else 0)
-            state = self.disk.load(owner, ids) if ids is not None else None
-            if state is not None:  # kept in memory too when it fits, handed out as a copy
-                return state.snapshot() if self._remember((owner, ids), state) else state
+            on_disk = self.disk.best(prompt_ids, owner, len(best[1]) if best else 0)
+            loaded = self.disk.load(owner, on_disk) if on_disk is not None else None
+            if on_disk is not None and loaded is not None:
+                # kept in memory too when it fits, handed out as a copy
+                return loaded.snapshot() if self._remember((owner, on_disk), loaded) else loaded
         return found if best is not None else None

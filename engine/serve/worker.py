@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ import psutil
 from engine.decode.stats import TokenStats
 from engine.decode.steer import DEMO_NOTICE, NEG, DemoSteer, Forced, think_to_response
 from engine.errors import EngineError
+from engine.model.state import ModelState
 from engine.serve.durable import StateDir, checkpoint_fingerprint
 from engine.serve.protocol import ChatRequest, End, Event, Failed, Stopped, Token
 from engine.serve.snapshots import SnapshotStore
@@ -288,7 +289,7 @@ class _Hook:
         self.steer = DemoSteer(tok, parser, self.forced, seed=job.req.seed) if steer_demo else None
         self.offset = len(job.partial or ())
 
-    def __call__(self, generated, logits):
+    def __call__(self, generated: list[int], logits: np.ndarray) -> np.ndarray:
         return self._decide(self.offset + len(generated), logits)
 
     def prime(self, ids: list[int]) -> None:
@@ -298,7 +299,7 @@ class _Hook:
             self._decide(position, dummy, given=int(i))
             self.parser.feed(int(i))
 
-    def _decide(self, position: int, logits: np.ndarray, given: int | None = None):
+    def _decide(self, position: int, logits: np.ndarray, given: int | None = None) -> np.ndarray:
         f = self.forced.take(logits)
         if f is not None:
             return f
@@ -313,7 +314,9 @@ class _Hook:
             and parser.reasoning_tokens >= budget
         ):
             self.forced.push(think_to_response(self.tok))
-            return self.forced.take(logits)
+            tags = self.forced.take(logits)
+            assert tags is not None  # the ids just pushed: the tags that end the reasoning
+            return tags
         return self.steer(position, logits, given) if self.steer else logits
 
 
@@ -471,6 +474,24 @@ class LoadSettings:
                    args.debug_checkpoint_every, args.debug_hang_after)
 
 
+def _keepers(store: SnapshotStore, owner: str, mids: list[list[int]], kept: list[list[int]]
+             ) -> tuple[Callable[[ModelState], None], Callable[[ModelState], None]]:
+    """generate's `keep` and `checkpoint` for one answer of `owner`: `kept` gets the ids
+    of the states kept, `mids` those of the mid-answer checkpoints (the last two)."""
+
+    def keep(state: ModelState) -> None:
+        kept.append(list(state.ids))
+        store.put(state, owner=owner)
+
+    def checkpoint(state: ModelState) -> None:
+        if store.put(state, owner=owner):
+            mids.append(list(state.ids))
+            while len(mids) > 2:  # two: the client may be a token behind the newest
+                store.drop(mids.pop(0), owner=owner)
+
+    return keep, checkpoint
+
+
 def load_engine(
     checkpoint: Path,
     tokenizer_dir: Path,
@@ -479,7 +500,7 @@ def load_engine(
     n_ctx: int,
 ) -> Loaded:
     """Tokenizer, weight source under the memory plan, model; generation via ENG's API."""
-    from engine.decode.generate import GenParams, generate
+    from engine.decode.generate import GenParams, GenToken, LogitsHook, generate
     from engine.model.transformer import load_model
     from engine.weights.streaming import open_source
 
@@ -516,26 +537,18 @@ def load_engine(
     every = settings.debug_checkpoint_every
     hang = settings.debug_hang_after
 
-    def gen(prompt_ids, params, cancel=None, logits_hook=None, owner="", keep_at=()):
+    def gen(prompt_ids: list[int], params: GenParams, cancel: threading.Event | None = None,
+            logits_hook: LogitsHook | None = None, owner: str = "",
+            keep_at: Sequence[int] = ()) -> Iterator[GenToken]:
         resume = snapshots.take(prompt_ids, owner=owner) if snapshots is not None else None
         mids: list[list[int]] = []  # this answer's mid-answer checkpoints, the last two kept
         kept: list[list[int]] = []  # the ids of the states kept by `keep`
-
-        def keep(state):
-            kept.append(list(state.ids))
-            snapshots.put(state, owner=owner)
-
-        def checkpoint(state):
-            if snapshots.put(state, owner=owner):
-                mids.append(list(state.ids))
-                while len(mids) > 2:  # two: the client may be a token behind the newest
-                    snapshots.drop(mids.pop(0), owner=owner)
-
+        keep = checkpoint = None
+        if snapshots is not None:
+            keep, checkpoint = _keepers(snapshots, owner, mids, kept)
         run = generate(model, prompt_ids, params, cancel=cancel, logits_hook=logits_hook,
-                       resume=resume, keep=keep if snapshots is not None else None,
-                       keep_at=keep_at,
-                       checkpoint=checkpoint if snapshots is not None else None,
-                       checkpoint_every=every)
+                       resume=resume, keep=keep, keep_at=keep_at,
+                       checkpoint=checkpoint, checkpoint_every=every)
         try:
             with contextlib.closing(run):  # closed now, not when collected: it keeps the state
                 for token in run:
@@ -545,7 +558,7 @@ def load_engine(
                     if hang and token.index + 1 >= hang and cancel is not None:
                         cancel.wait()  # tests: a server killed at a known token
         finally:
-            if not (cancel is not None and cancel.is_set()):
+            if snapshots is not None and not (cancel is not None and cancel.is_set()):
                 for ids in mids:  # the answer ended and its end state is kept (which may
                     if ids not in kept[-1:]:  # be the last checkpoint's ids: not dropped)
                         snapshots.drop(ids, owner=owner)

@@ -105,6 +105,8 @@ class WeightSource(Protocol):
 
     def model_tensor(self, name: str) -> np.ndarray: ...
 
+    def warm(self) -> None: ...  # what it keeps in RAM read now (a server, before it says ready)
+
     def stats(self) -> dict[str, Any]: ...
 
 

@@ -142,7 +142,8 @@ class TurnStore:
         except BaseException:
             self.db.execute("ROLLBACK")
             raise
-        return self.get(int(cur.lastrowid))
+        assert cur.lastrowid is not None  # the row the INSERT above made
+        return self.get(cur.lastrowid)
 
     def get(self, turn_id: int) -> Turn:
         row = self.db.execute(_SELECT + " WHERE t.id=?", (turn_id,)).fetchone()
@@ -150,7 +151,7 @@ class TurnStore:
             raise K3Error(f"There is no answer {turn_id}.", "list them with `k3tui answers`", 2)
         return _turn(row)
 
-    def list(self, limit: int = 50) -> list[Turn]:
+    def list_turns(self, limit: int = 50) -> list[Turn]:
         """Every queued and running turn, and the most recent finished ones; oldest first."""
         rows = self.db.execute(
             _SELECT + " WHERE t.state IN ('queued', 'running') OR t.id IN "

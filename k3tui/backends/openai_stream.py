@@ -28,7 +28,7 @@ import json
 import re
 import ssl
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -478,7 +478,7 @@ async def stream_chat(base_url: str, messages: list[dict[str, Any]], *,
                       verify: bool | ssl.SSLContext = True,
                       clock: Callable[[], float] = time.monotonic,
                       stopped_pid: Callable[[], int | None] | None = None,
-                      check_s: float = PROCESS_CHECK_S) -> AsyncIterator[StreamEvent]:
+                      check_s: float = PROCESS_CHECK_S) -> AsyncGenerator[StreamEvent, None]:
     """Stream one answer as events; the last event is `Finished` or `BackendError`.
 
     `verify` is the TLS policy of the client made here (ignored when `client` is given).

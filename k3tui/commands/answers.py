@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
               + (f"; stop requested, {what.get(turn.state, '')}"
                  if turn.state == "running" else ""))
         return 0
-    turns = store.list()
+    turns = store.list_turns()
     _resume_orphans(store, turns)
     if args.json:
         print(json.dumps([turn_json(t) for t in turns]))

@@ -127,8 +127,8 @@ def test_a_turn_survives_the_killed_shell_that_queued_it(engine):
                              stderr=subprocess.DEVNULL, start_new_session=True)
     s = store()
     deadline = time.monotonic() + DEADLINE_S
-    while not (turns := [t for t in s.list() if t.tokens > 0 and t.state == "running"]):
-        assert time.monotonic() < deadline, s.list()
+    while not (turns := [t for t in s.list_turns() if t.tokens > 0 and t.state == "running"]):
+        assert time.monotonic() < deadline, s.list_turns()
         time.sleep(0.02)
     os.killpg(shell.pid, signal.SIGKILL)
     shell.wait()
@@ -290,7 +290,7 @@ def test_a_turn_sent_from_the_chat_survives_its_killed_tmux_session(engine):
         tmux.keys("Enter")
         s = store()
         deadline = time.monotonic() + DEADLINE_S
-        while not (turns := [t for t in s.list() if t.tokens > 0]):
+        while not (turns := [t for t in s.list_turns() if t.tokens > 0]):
             assert time.monotonic() < deadline, "the chat's answer never streamed"
             time.sleep(0.02)
         tmux.kill()
