@@ -158,6 +158,11 @@ class ChatSession:
         if target is None:
             self.turn_id = None
             return self._add("assistant", "", status="streaming")
+        self.turn_id, message_id = self._enqueue(target)
+        return message_id
+
+    def _enqueue(self, target: tuple[str, dict[str, Any]]) -> tuple[int, int]:
+        """A turn answering the conversation as shown, behind the backend's others."""
         from k3tui.answers.runner import ensure_runner
 
         assert self.conversation_id is not None
@@ -166,9 +171,32 @@ class ChatSession:
         self.shown.append(Message(turn.message_id, self.conversation_id, "assistant", "",
                                   status="streaming"))
         ensure_runner(backend)
-        self.turn_id = turn.id
         self.turn_messages.add(turn.message_id)
-        return turn.message_id
+        return turn.id, turn.message_id
+
+    def queue_behind(self) -> tuple[int, int] | None:
+        """While an answer runs: the prompt just added gets a turn queued behind it (its
+        id and its answer's message), which the runner answers after the one running, with
+        that one's answer in its request. None: answers do not go through the queue here."""
+        target = self.queue() if self.queue is not None else None
+        return None if target is None else self._enqueue(target)
+
+    def cancel_queued(self, turn_id: int) -> bool:
+        """Take back a turn that has not started: stopped, then its prompt and empty answer
+        deleted, so the turns behind it are asked without them. False: it has started (or
+        ended) meanwhile, and stays (the compare-and-set in the store decides)."""
+        store = self._store()
+        store.finish(turn_id, "stopped", "taken back before it started", only_from="queued")
+        turn = store.get(turn_id)
+        if turn.state != "stopped" or turn.started is not None:
+            return False
+        prompt = [m for m in self.shown if m.id < turn.message_id][-1:]
+        gone = {turn.message_id} | {m.id for m in prompt if m.role == "user"}
+        for message_id in gone:
+            self.history.delete_message(message_id)
+        self.shown = [m for m in self.shown if m.id not in gone]
+        self.turn_messages -= gone
+        return True
 
     def follow(self, message_id: int) -> bool:
         """Follow the turn that fills `message_id` if it is queued or running (a chat
@@ -179,6 +207,11 @@ class ChatSession:
         self.turn_id = turn.id
         self.turn_messages.add(message_id)
         return True
+
+    def follow_queued(self, turn_id: int, message_id: int) -> None:
+        """Follow a turn this window queued behind another, however it stands now."""
+        self.turn_id = turn_id
+        self.turn_messages.add(message_id)
 
     def stream_for(self, messages: list[dict[str, Any]], direct: Callable[..., Any]) -> Any:
         """The answer's events: read back from the store for a queued turn, else `direct`."""

@@ -35,6 +35,7 @@ class UserMessage(Static):
         text = clean(text)  # a pasted prompt can carry escape sequences too
         super().__init__(text, markup=False, **kwargs)
         self.text = text
+        self.queued = False   # sent while an answer ran: waiting for its turn
         self.border_title = "you"
 
     @property
@@ -42,10 +43,19 @@ class UserMessage(Static):
         """What Ctrl+Y copies."""
         return self.text
 
+    def set_queued(self, queued: bool) -> None:
+        self.queued = queued
+        self.set_class(queued, "queued")
+        self.set_picked("" if "picked" in self.classes else None)
+
     def set_picked(self, label: str | None) -> None:
         """Highlight (label: 'prompt 1 of 3') or not (None); the border says which."""
         self.set_class(label is not None, "picked")
-        self.border_title = f"you · {label} · ctrl+y copies" if label else "you"
+        title = "you · queued" if self.queued else "you"
+        if label is not None:
+            keys = "esc takes it back" if self.queued else "ctrl+y copies"
+            title = f"{title} · {label} · {keys}" if label else title
+        self.border_title = title
 
 
 class AssistantMessage(Vertical):
