@@ -270,22 +270,34 @@ class ChatScreen(Screen):
         self.clear_pick()
         chat = self.query_one("#chat", ChatLog)
         await chat.remove_children()
-        widgets = []
-        running = None   # an answer in progress (its runner answers it): followed live
+        widgets: list[UserMessage | AssistantMessage] = []
+        # Turns in progress (their runner answers them): the first is followed live, the
+        # ones behind it are shown queued under their prompts and followed in order.
+        first: tuple[int, int, UserMessage | None] | None = None
+        queued: list[tuple[int, int, UserMessage]] = []
         for m in messages:
             if m.role == "user":
                 widgets.append(UserMessage(m.content, classes="user"))
             elif m.role == "assistant":
-                if m is messages[-1] and m.status == "streaming" and self.session.follow(m.id):
-                    running = m.id
+                turn = self.session.active_turn(m.id) if m.status == "streaming" else None
+                user = widgets[-1] if widgets and isinstance(widgets[-1], UserMessage) else None
+                if turn is not None and first is None and (user or m is messages[-1]):
+                    first = (turn, m.id, user)   # (a regenerated answer has no prompt)
+                    continue
+                if turn is not None and user is not None:
+                    user.set_queued(True)
+                    queued.append((turn, m.id, user))
                     continue
                 widgets.append(AssistantMessage(content=m.content, reasoning=m.reasoning,
                                                 status=m.status, classes="assistant"))
         await chat.mount_all(widgets)
         await self._hint()
         chat.follow()
-        if running is not None and not self.generating:
-            await self._start_answer(following=running)
+        self.queued = queued
+        if first is not None and not self.generating:
+            turn_id, message_id, after = first
+            self.session.follow_queued(turn_id, message_id)
+            await self._start_answer(following=message_id, after=after)
 
     async def _hint(self) -> None:
         """An empty chat says what to do (a first run, Ctrl+N); the first message replaces it."""

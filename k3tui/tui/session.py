@@ -198,15 +198,11 @@ class ChatSession:
         self.turn_messages -= gone
         return True
 
-    def follow(self, message_id: int) -> bool:
-        """Follow the turn that fills `message_id` if it is queued or running (a chat
-        opened on an answer in progress); False if there is none."""
+    def active_turn(self, message_id: int) -> int | None:
+        """The turn that fills `message_id` if it is queued or running (a chat opened on
+        answers in progress), else None."""
         turn = self._store().turn_of_message(message_id)
-        if turn is None or turn.state not in ("queued", "running"):
-            return False
-        self.turn_id = turn.id
-        self.turn_messages.add(message_id)
-        return True
+        return turn.id if turn is not None and turn.state in ("queued", "running") else None
 
     def follow_queued(self, turn_id: int, message_id: int) -> None:
         """Follow a turn this window queued behind another, however it stands now."""

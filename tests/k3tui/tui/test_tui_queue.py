@@ -12,6 +12,7 @@ from tui_helpers import build_app, screen_text, wait_until
 
 from k3tui.answers import runner
 from k3tui.answers.store import TurnStore
+from k3tui.history import History
 from k3tui.tui.widgets.messages import AssistantMessage, UserMessage
 from k3tui.tui.widgets.prompt import Prompt
 
@@ -21,7 +22,10 @@ BACKEND = "http://127.0.0.1:9/"
 @pytest.fixture
 def queued_app(tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "ensure_runner", lambda backend, wait_s=None: None)
-    return build_app(tmp_path, queue=lambda: (BACKEND, {"max_tokens": 100}))
+
+    def make(**kwargs):
+        return build_app(tmp_path, queue=lambda: (BACKEND, {"max_tokens": 100}), **kwargs)
+    return make
 
 
 async def send(pilot, text: str) -> None:
@@ -35,7 +39,7 @@ def turns(app) -> list[tuple[int, str]]:
 
 
 async def test_prompts_sent_while_answering_queue_and_run_in_order(queued_app):
-    app = queued_app
+    app = queued_app()
     store = TurnStore(app.history)
     async with app.run_test() as pilot:
         await send(pilot, "one")
@@ -78,7 +82,7 @@ async def test_prompts_sent_while_answering_queue_and_run_in_order(queued_app):
 
 
 async def test_esc_on_a_queued_prompt_takes_it_back_and_the_answer_goes_on(queued_app):
-    app = queued_app
+    app = queued_app()
     store = TurnStore(app.history)
     async with app.run_test() as pilot:
         await send(pilot, "one")
@@ -108,7 +112,7 @@ async def test_esc_on_a_queued_prompt_takes_it_back_and_the_answer_goes_on(queue
 
 
 async def test_a_queued_prompt_that_started_meanwhile_is_not_taken_back(queued_app):
-    app = queued_app
+    app = queued_app()
     store = TurnStore(app.history)
     async with app.run_test() as pilot:
         await send(pilot, "one")
@@ -122,3 +126,34 @@ async def test_a_queued_prompt_that_started_meanwhile_is_not_taken_back(queued_a
         assert turns(app)[-1] == (2, "running")
         assert not store.stop_is_requested(2)
         assert "two" in [u.text for u in app.chat.query(UserMessage)]
+
+
+async def test_a_chat_opened_on_queued_turns_follows_them_in_order(queued_app, tmp_path):
+    """Turns queued from a shell (`k3tui ask`) behind a running one: the chat opened on
+    them follows the running one live and shows the others queued under their prompts."""
+    history = History(tmp_path / "history.sqlite3")
+    store = TurnStore(history)
+    conv = history.new_conversation("asked", backend="bundled", model="kimi-k3")
+    for prompt in ("one", "two", "three"):
+        store.enqueue(conv, prompt, BACKEND, {"max_tokens": 100})
+    first = store.claim(BACKEND, "test")
+    store.save_progress(first, reasoning="", content="A1 so far", token_ids=[], tokens=2,
+                        first_token=None)
+    app = queued_app(history=history, conversation_id=conv)
+    async with app.run_test() as pilot:
+        await wait_until(pilot, lambda: [a.content for a in app.chat.query(AssistantMessage)]
+                         == ["A1 so far"])
+        assert app.chat.generating and app.chat.session.turn_id == first.id
+        assert [(u.text, u.queued) for u in app.chat.query(UserMessage)] == [
+            ("one", False), ("two", True), ("three", True)]
+        store.finish(first.id, "done", "stop")
+        await wait_until(pilot, lambda: app.chat.session.turn_id == 2)
+        second = store.claim(BACKEND, "test")
+        store.save_progress(second, reasoning="", content="A2", token_ids=[], tokens=1,
+                            first_token=None)
+        await wait_until(pilot, lambda: [a.content for a in app.chat.query(AssistantMessage)]
+                         == ["A1 so far", "A2"])
+        shown = [w.text if isinstance(w, UserMessage) else w.content
+                 for w in app.chat.query("#chat > *")
+                 if isinstance(w, (UserMessage, AssistantMessage))]
+        assert shown == ["one", "A1 so far", "two", "A2", "three"]
