@@ -27,6 +27,7 @@ from k3tui.backends.events import (
     Finished,
     ReasoningDelta,
     TokenStats,
+    TurnProgress,
     Waiting,
 )
 from k3tui.history import Conversation, History, Message
@@ -49,6 +50,7 @@ class AnswerView(Protocol):
     def token(self, ev: TokenStats) -> None: ...
     def finished(self, ev: Finished) -> None: ...
     def waiting(self, message: str) -> None: ...
+    def progress(self, ev: TurnProgress) -> None: ...
     def failed(self, message: str, next_step: str, retry: bool) -> None: ...
     def turn_meta(self) -> dict[str, Any]: ...
     def cancelled_status(self) -> str: ...
@@ -59,6 +61,14 @@ def _seen(m: Message) -> tuple:
     """What a window shows of a message: a row whose id came back (SQLite reuses the
     largest id after a delete) with other text is another message."""
     return m.id, m.role, m.content, m.reasoning, m.status
+
+
+def _status_line(view: AnswerView, ev: Waiting | TurnProgress) -> None:
+    """The events that only say how the answer stands (the status line under it)."""
+    if isinstance(ev, Waiting):
+        view.waiting(f"⏳ {ev.message}")
+    else:
+        view.progress(ev)
 
 
 class ChatSession:
@@ -260,8 +270,8 @@ class ChatSession:
                         status, note = "error", ev.message
                         view.failed(ev.message, ev.next_step, ev.retry)
                         break
-                    case Waiting():
-                        view.waiting(f"⏳ {ev.message}")
+                    case Waiting() | TurnProgress():
+                        _status_line(view, ev)
                 if self.turn_id is None and time.monotonic() - last_save > SAVE_EVERY_S:
                     last_save = time.monotonic()
                     self.history.update_message(message_id, content=view.content,

@@ -70,6 +70,7 @@ class AssistantMessage(Vertical):
         self._text = {"content": [clean(content)], "reasoning": [clean(reasoning)]}
         self.status = status
         self.note = clean(note)
+        self.progress = ""   # a followed turn's pace (show_progress)
         self._pending: dict[str, list[str]] = {"reasoning": [], "content": []}
         self._last_flush = 0.0
         self._flush_timer: Timer | None = None
@@ -123,6 +124,8 @@ class AssistantMessage(Vertical):
         text = STATUS_TEXT.get(self.status, "")
         if self.note:
             text = f"{text} {self.note}".strip()
+        elif self.status == "streaming":
+            text = self.progress
         line = self.query_one(".status-line", Static)
         line.update(text)
         line.display = bool(text)
@@ -135,6 +138,12 @@ class AssistantMessage(Vertical):
         """A status line under the empty answer while the server loads its model; the
         first token clears it."""
         self.note = clean(text)
+        self._show_status()
+
+    def show_progress(self, text: str) -> None:
+        """A queued turn's pace while it streams (tokens, s/token, time left); its end
+        replaces it with how it ended."""
+        self.progress = text
         self._show_status()
 
     def _end_waiting(self) -> None:

@@ -157,3 +157,28 @@ async def test_a_chat_opened_on_queued_turns_follows_them_in_order(queued_app, t
                  for w in app.chat.query("#chat > *")
                  if isinstance(w, (UserMessage, AssistantMessage))]
         assert shown == ["one", "A1 so far", "two", "A2", "three"]
+
+
+async def test_the_status_line_shows_tokens_pace_and_time_left(queued_app, tmp_path):
+    """The pace is the runner's (the store's Turn): 3 tokens, the first at t=1000 and the
+    third at t=1018, is 9 s/token; 97 tokens left to max_tokens 100 is 873 s, ~15 min."""
+    app = queued_app()
+    now = [1000.0]
+    store = TurnStore(app.history, clock=lambda: now[0])
+    async with app.run_test() as pilot:
+        await send(pilot, "one")
+        turn = store.claim(BACKEND, "test")
+        store.save_progress(turn, reasoning="", content="a", token_ids=[], tokens=1,
+                            first_token=1000.0)
+        answer = app.chat.query_one(AssistantMessage)
+        line = answer.query_one(".status-line")
+        await wait_until(pilot, lambda: str(line.render()) == "1 token")
+        now[0] = 1018.0
+        store.save_progress(turn, reasoning="", content="a b c", token_ids=[], tokens=3,
+                            first_token=1000.0)
+        await wait_until(pilot, lambda: "3 tokens" in str(line.render()))
+        assert str(line.render()) == \
+            "3 tokens · 9 s/token · at most ~15 min more (max_tokens 100)"
+        store.finish(turn.id, "done", "stop")
+        await wait_until(pilot, lambda: not app.chat.generating)
+        assert not line.display        # a finished answer's line says how it ended, not pace
