@@ -374,8 +374,11 @@ class ChatScreen(Screen):
         self.query_one("#chat", ChatLog).follow()
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
-        if event.worker is self._gen and self.queued and event.state in (
-                WorkerState.SUCCESS, WorkerState.ERROR, WorkerState.CANCELLED):
+        """The answer followed has ended (or Esc stopped it): follow the next queued one;
+        not when k3tui quits (a cancel without Esc), which leaves them to their runner."""
+        ended = event.state in (WorkerState.SUCCESS, WorkerState.ERROR) or \
+            (event.state == WorkerState.CANCELLED and self.esc_stopped)
+        if event.worker is self._gen and self.queued and ended:
             self.call_later(self._next_queued)
 
     async def _next_queued(self) -> None:

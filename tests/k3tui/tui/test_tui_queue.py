@@ -182,3 +182,18 @@ async def test_the_status_line_shows_tokens_pace_and_time_left(queued_app, tmp_p
         store.finish(turn.id, "done", "stop")
         await wait_until(pilot, lambda: not app.chat.generating)
         assert not line.display        # a finished answer's line says how it ended, not pace
+
+
+async def test_esc_stops_the_running_answer_and_the_chat_follows_the_next(queued_app):
+    app = queued_app()
+    store = TurnStore(app.history)
+    async with app.run_test() as pilot:
+        await send(pilot, "one")
+        first = store.claim(BACKEND, "test")
+        await send(pilot, "two")
+        await pilot.press("escape")                     # nothing highlighted: the answer
+        assert store.stop_is_requested(first.id)
+        store.finish(first.id, "stopped", "stopped by request")   # the runner's part
+        await wait_until(pilot, lambda: app.chat.session.turn_id == 2 and app.chat.generating)
+        assert not [u for u in app.chat.query(UserMessage) if u.queued]
+        assert turns(app) == [(1, "stopped"), (2, "queued")]
