@@ -74,6 +74,7 @@ class ChatSection:
     system_prompt: str = ""
     seed: int = 0       # the sampling seed of every answer; 0: a new random one each
     on_done: str = ""   # a shell command run when an answer ends (k3tui/answers/runner.py)
+    max_minutes: int = 0  # an answer's time budget from its start; 0: none (answers/runner.py)
 
 
 @dataclass

@@ -20,6 +20,7 @@ from k3tui.backends.events import (
     ReasoningDelta,
     StreamEvent,
     TokenStats,
+    TurnProgress,
     Waiting,
 )
 
@@ -43,6 +44,9 @@ async def follow_turn(store: TurnStore, turn_id: int, *, poll_s: float = POLL_S,
         if t.tokens > tokens:
             yield TokenStats(arrival_s=clock(), tokens=t.tokens - tokens)
             tokens = t.tokens
+            limit = t.settings.get("max_tokens")
+            yield TurnProgress(t.tokens, t.s_per_token, t.eta_s,
+                               limit if type(limit) is int else None)
         if t.state == "queued" and not said_queued:
             said_queued = True
             yield Waiting("queued behind the answers before it (`k3tui answers`)")

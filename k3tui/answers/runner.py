@@ -106,10 +106,11 @@ class TurnAnswerer:
     """Answers one turn to its end: done, stopped or failed (always written)."""
 
     def __init__(self, store: TurnStore, turn: Turn, *, cancel: threading.Event | None = None,
-                 wait_s: float = WAIT_BACKEND_S, poll_s: float = 0.5):
+                 wait_s: float = WAIT_BACKEND_S, poll_s: float = 0.5, max_minutes: int = 0):
         self.store, self.turn = store, turn
         self.cancel = cancel or threading.Event()
         self.wait_s, self.poll_s = wait_s, poll_s
+        self.max_minutes = max_minutes   # chat.max_minutes; 0: no time budget
         self.p = _Progress(turn.reasoning, turn.content, list(turn.token_ids), turn.tokens,
                            turn.first_token)
 
@@ -171,8 +172,16 @@ class TurnAnswerer:
         finally:
             await gen.aclose()
 
-    async def _watch(self) -> str:
-        """Saves the answer every poll and returns why to stop, when someone asks."""
+    def _out_of_time(self) -> bool:
+        """The budget counts from the turn's first start (store clock), so a runner that
+        continues it after a crash does not restart the budget."""
+        started = self.turn.started
+        return bool(self.max_minutes) and started is not None and \
+            self.store.clock() - started >= self.max_minutes * 60
+
+    async def _watch(self) -> tuple[str, str]:
+        """Saves the answer every poll and returns the state to end in and why, when
+        someone asks to stop or the time budget is spent."""
         last = time.monotonic()
         while True:
             await asyncio.sleep(self.poll_s)
@@ -183,9 +192,12 @@ class TurnAnswerer:
                     print(exc, flush=True)  # answer stays in memory; saved at the next poll
                 last = time.monotonic()
             if self.cancel.is_set():
-                return "its runner was cancelled"
+                return "stopped", "its runner was cancelled"
             if self.store.stop_is_requested(self.turn.id):
-                return "stopped by request"
+                return "stopped", "stopped by request"
+            if self._out_of_time():    # ended cleanly, like max_tokens: a done answer
+                return "done", (f"max_minutes: (stopped at the time budget, chat.max_minutes"
+                                f" = {self.max_minutes})")
 
     async def run(self) -> str:
         """Answer; returns the state it ended in."""
@@ -205,7 +217,7 @@ class TurnAnswerer:
             if watch.done():
                 stream.cancel()
                 await asyncio.gather(stream, return_exceptions=True)
-                return self._end("stopped", watch.result())
+                return self._end(*watch.result())
             ev = stream.result()
             if isinstance(ev, Finished):
                 reason = ev.finish_reason or "stop"
@@ -222,7 +234,7 @@ class TurnAnswerer:
                                  f"did not come back within {self.wait_s:.0f} s.")
             if not await self._backend_back(give_up, attempt, watch):
                 if watch.done():
-                    return self._end("stopped", watch.result())
+                    return self._end(*watch.result())
                 return self._end("failed", f"{ev.message} The backend at {self.turn.backend} "
                                  f"did not come back within {self.wait_s:.0f} s.")
             attempt += 1
@@ -248,6 +260,18 @@ class TurnAnswerer:
         self.save()
         self.store.finish(self.turn.id, state, reason, next_step=next_step)
         return state
+
+
+def _max_minutes() -> int:
+    """chat.max_minutes as configured when the turn starts (0 when the config is broken:
+    said in the log, the answer still runs)."""
+    from k3tui.config import load_config
+
+    try:
+        return load_config().chat.max_minutes
+    except K3Error as exc:
+        print(f"chat.max_minutes not read: {exc}", flush=True)
+        return 0
 
 
 def run_on_done(turn: Turn) -> None:
@@ -304,7 +328,8 @@ def serve_queue(backend: str, *, wait_s: float = WAIT_BACKEND_S) -> int:
             continue
         if reporter is not None:
             reporter.update(message=f"answering turn {turn.id}")
-        state = asyncio.run(TurnAnswerer(store, turn, cancel=cancel, wait_s=wait_s).run())
+        state = asyncio.run(TurnAnswerer(store, turn, cancel=cancel, wait_s=wait_s,
+                                         max_minutes=_max_minutes()).run())
         print(f"turn {turn.id}: {state}", flush=True)
         run_on_done(store.get(turn.id))
         answered += 1

@@ -95,5 +95,16 @@ class Waiting:
         _clean_fields(self, "message")
 
 
+@dataclass(frozen=True)
+class TurnProgress:
+    """A queued turn's pace as its runner stored it (k3tui/answers): tokens so far, seconds
+    per token and the time left to `max_tokens` at that pace (None until known)."""
+
+    tokens: int
+    s_per_token: float | None
+    eta_s: float | None
+    max_tokens: int | None
+
+
 StreamEvent = (ReasoningDelta | ContentDelta | TokenStats | TokenIds | Finished | BackendError
-               | Waiting)
+               | Waiting | TurnProgress)

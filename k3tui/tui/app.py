@@ -182,6 +182,8 @@ class ChatScreen(Screen):
         self._code_at: tuple[ChatMessage, int] | None = None  # the block Ctrl+G copied last
         self._prompt_at_pick = ""  # the prompt's text when the highlight moved
         self.last_error: tuple[str, str] | None = None  # the last backend error, its next step
+        # prompts sent while an answer ran, in order: (turn id, its answer's message, widget)
+        self.queued: list[tuple[int, int, UserMessage]] = []
 
     @property
     def conversation_id(self) -> int | None:
@@ -268,22 +270,34 @@ class ChatScreen(Screen):
         self.clear_pick()
         chat = self.query_one("#chat", ChatLog)
         await chat.remove_children()
-        widgets = []
-        running = None   # an answer in progress (its runner answers it): followed live
+        widgets: list[UserMessage | AssistantMessage] = []
+        # Turns in progress (their runner answers them): the first is followed live, the
+        # ones behind it are shown queued under their prompts and followed in order.
+        first: tuple[int, int, UserMessage | None] | None = None
+        queued: list[tuple[int, int, UserMessage]] = []
         for m in messages:
             if m.role == "user":
                 widgets.append(UserMessage(m.content, classes="user"))
             elif m.role == "assistant":
-                if m is messages[-1] and m.status == "streaming" and self.session.follow(m.id):
-                    running = m.id
+                turn = self.session.active_turn(m.id) if m.status == "streaming" else None
+                user = widgets[-1] if widgets and isinstance(widgets[-1], UserMessage) else None
+                if turn is not None and first is None and (user or m is messages[-1]):
+                    first = (turn, m.id, user)   # (a regenerated answer has no prompt)
+                    continue
+                if turn is not None and user is not None:
+                    user.set_queued(True)
+                    queued.append((turn, m.id, user))
                     continue
                 widgets.append(AssistantMessage(content=m.content, reasoning=m.reasoning,
                                                 status=m.status, classes="assistant"))
         await chat.mount_all(widgets)
         await self._hint()
         chat.follow()
-        if running is not None and not self.generating:
-            await self._start_answer(following=running)
+        self.queued = queued
+        if first is not None and not self.generating:
+            turn_id, message_id, after = first
+            self.session.follow_queued(turn_id, message_id)
+            await self._start_answer(following=message_id, after=after)
 
     async def _hint(self) -> None:
         """An empty chat says what to do (a first run, Ctrl+N); the first message replaces it."""
@@ -326,10 +340,13 @@ class ChatScreen(Screen):
         text = event.text.strip()
         if not text:
             return
-        if self.generating:
+        if self.generating and self.session.queue is None:  # the demo: the chat holds it
             self.notify("Still answering: press Esc to stop first.", severity="warning")
             return
         if await self._changed_elsewhere("nothing was sent, your message is still in the box"):
+            return
+        if self.generating:
+            await self._queue(text)
             return
         backend = self.k3app.backend
         self.session.add_prompt(text, backend=backend.kind, model=backend.model)
@@ -340,14 +357,68 @@ class ChatScreen(Screen):
         await self._hint()
         await self._start_answer()
 
-    async def _start_answer(self, following: int | None = None) -> None:
-        """A new answer, or (`following`: its message) one in progress in the store."""
+    async def _queue(self, text: str) -> None:
+        """A prompt sent while an answer runs: stored with a turn queued behind it, shown
+        as queued, and followed when the answers before it end (`_next_queued`)."""
+        backend = self.k3app.backend
+        self.session.add_prompt(text, backend=backend.kind, model=backend.model)
+        prompt = self.query_one(Prompt)
+        prompt.remember(text)
+        prompt.text = ""
+        queued = self.session.queue_behind()
+        assert queued is not None   # only called when answers go through the queue
+        user = UserMessage(text, classes="user")
+        user.set_queued(True)
+        self.queued.append((*queued, user))
+        await self.query_one("#chat", ChatLog).mount(user)
+        self.query_one("#chat", ChatLog).follow()
+
+    def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+        """The answer followed has ended (or Esc stopped it): follow the next queued one;
+        not when k3tui quits (a cancel without Esc), which leaves them to their runner."""
+        ended = event.state in (WorkerState.SUCCESS, WorkerState.ERROR) or \
+            (event.state == WorkerState.CANCELLED and self.esc_stopped)
+        if event.worker is self._gen and self.queued and ended:
+            self.call_later(self._next_queued)
+
+    async def _next_queued(self) -> None:
+        """The runner answers the queued turns in order, with or without this chat; the
+        chat follows the next one (one stopped from a shell meanwhile shows how it ended)."""
+        if self.generating or not self.queued or not self.is_attached:
+            return
+        turn_id, message_id, user = self.queued.pop(0)
+        user.set_queued(False)
+        self.session.follow_queued(turn_id, message_id)
+        await self._start_answer(following=message_id, after=user)
+
+    async def _take_back(self, user: UserMessage) -> None:
+        """Esc on a queued prompt: its turn is cancelled and its text comes back to the box
+        (to edit and send again) unless the box holds other typing (Up recalls it then)."""
+        entry = next(q for q in self.queued if q[2] is user)
+        if not self.session.cancel_queued(entry[0]):
+            self.notify("That prompt's answer has started; Esc stops it once it shows.")
+            return
+        self.queued.remove(entry)
+        self.clear_pick()
+        await user.remove()
+        prompt = self.query_one(Prompt)
+        if prompt.text.strip():
+            self.notify("Taken back; the box was not empty, so Up recalls the prompt.")
+        else:
+            prompt.text = user.text
+            prompt.move_cursor(prompt.document.end)
+            self.notify("Taken back: edit it and send it again, or clear the box.")
+
+    async def _start_answer(self, following: int | None = None,
+                            after: UserMessage | None = None) -> None:
+        """A new answer, or (`following`: its message) one in progress in the store; a
+        queued one goes `after` its prompt."""
         messages = self.session.request_messages() if following is None else []
         self.current_id = self.session.start_answer() if following is None else following
         self.clear_pick()
         self.current = AssistantMessage(classes="assistant")
         chat = self.query_one("#chat", ChatLog)
-        await chat.mount(self.current)
+        await chat.mount(self.current, after=after)
         chat.follow()  # sending a prompt jumps to the bottom
         self.stats.start(self.k3app.clock())
         self.esc_stopped = False
@@ -400,8 +471,13 @@ class ChatScreen(Screen):
                     title="backend problem", severity="error", timeout=12, markup=False)
 
     # actions ---------------------------------------------------------------------------
-    def action_stop(self) -> None:
-        """Esc stops the answer (always: it comes first) and ends a highlight."""
+    async def action_stop(self) -> None:
+        """Esc stops the answer (always: it comes first) and ends a highlight; on a
+        highlighted queued prompt it takes that prompt back instead."""
+        picked = self._picked()
+        if isinstance(picked, UserMessage) and picked.queued:
+            await self._take_back(picked)
+            return
         if self.generating and self._gen is not None:
             self.esc_stopped = True
             self._gen.cancel()

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from k3tui.backends.events import Finished, TokenStats
+from k3tui.backends.events import Finished, TokenStats, TurnProgress
+from k3tui.planning.forecast import duration, per_token
 from k3tui.tui.widgets.messages import AssistantMessage
 
 if TYPE_CHECKING:
@@ -45,6 +46,9 @@ class AnswerHandler:
     def waiting(self, message: str) -> None:
         self.widget.show_waiting(message)
 
+    def progress(self, ev: TurnProgress) -> None:
+        self.widget.show_progress(progress_line(ev))
+
     def failed(self, message: str, next_step: str, retry: bool) -> None:
         self.screen.backend_failed(message, next_step, retry)
 
@@ -61,3 +65,14 @@ class AnswerHandler:
             self.screen.tell_finished(status)
         self.screen.refresh_panes(force=True)
         self.screen.answer_done()
+
+
+def progress_line(ev: TurnProgress) -> str:
+    """The running answer's status line: what has come and what is left, in time one can
+    plan with ('120 tokens · 8.7 s/token · ~2.1 h more to max_tokens 1,000')."""
+    parts = [f"{ev.tokens:,} token{'s' if ev.tokens != 1 else ''}"]
+    if ev.s_per_token is not None:
+        parts.append(f"{per_token(ev.s_per_token)} s/token")
+    if ev.eta_s is not None and ev.max_tokens is not None:
+        parts.append(f"at most {duration(ev.eta_s)} more (max_tokens {ev.max_tokens:,})")
+    return " · ".join(parts)

@@ -27,6 +27,7 @@ from k3tui.backends.events import (
     Finished,
     ReasoningDelta,
     TokenStats,
+    TurnProgress,
     Waiting,
 )
 from k3tui.history import Conversation, History, Message
@@ -49,6 +50,7 @@ class AnswerView(Protocol):
     def token(self, ev: TokenStats) -> None: ...
     def finished(self, ev: Finished) -> None: ...
     def waiting(self, message: str) -> None: ...
+    def progress(self, ev: TurnProgress) -> None: ...
     def failed(self, message: str, next_step: str, retry: bool) -> None: ...
     def turn_meta(self) -> dict[str, Any]: ...
     def cancelled_status(self) -> str: ...
@@ -59,6 +61,14 @@ def _seen(m: Message) -> tuple:
     """What a window shows of a message: a row whose id came back (SQLite reuses the
     largest id after a delete) with other text is another message."""
     return m.id, m.role, m.content, m.reasoning, m.status
+
+
+def _status_line(view: AnswerView, ev: Waiting | TurnProgress) -> None:
+    """The events that only say how the answer stands (the status line under it)."""
+    if isinstance(ev, Waiting):
+        view.waiting(f"⏳ {ev.message}")
+    else:
+        view.progress(ev)
 
 
 class ChatSession:
@@ -158,6 +168,11 @@ class ChatSession:
         if target is None:
             self.turn_id = None
             return self._add("assistant", "", status="streaming")
+        self.turn_id, message_id = self._enqueue(target)
+        return message_id
+
+    def _enqueue(self, target: tuple[str, dict[str, Any]]) -> tuple[int, int]:
+        """A turn answering the conversation as shown, behind the backend's others."""
         from k3tui.answers.runner import ensure_runner
 
         assert self.conversation_id is not None
@@ -166,19 +181,43 @@ class ChatSession:
         self.shown.append(Message(turn.message_id, self.conversation_id, "assistant", "",
                                   status="streaming"))
         ensure_runner(backend)
-        self.turn_id = turn.id
         self.turn_messages.add(turn.message_id)
-        return turn.message_id
+        return turn.id, turn.message_id
 
-    def follow(self, message_id: int) -> bool:
-        """Follow the turn that fills `message_id` if it is queued or running (a chat
-        opened on an answer in progress); False if there is none."""
-        turn = self._store().turn_of_message(message_id)
-        if turn is None or turn.state not in ("queued", "running"):
+    def queue_behind(self) -> tuple[int, int] | None:
+        """While an answer runs: the prompt just added gets a turn queued behind it (its
+        id and its answer's message), which the runner answers after the one running, with
+        that one's answer in its request. None: answers do not go through the queue here."""
+        target = self.queue() if self.queue is not None else None
+        return None if target is None else self._enqueue(target)
+
+    def cancel_queued(self, turn_id: int) -> bool:
+        """Take back a turn that has not started: stopped, then its prompt and empty answer
+        deleted, so the turns behind it are asked without them. False: it has started (or
+        ended) meanwhile, and stays (the compare-and-set in the store decides)."""
+        store = self._store()
+        store.finish(turn_id, "stopped", "taken back before it started", only_from="queued")
+        turn = store.get(turn_id)
+        if turn.state != "stopped" or turn.started is not None:
             return False
-        self.turn_id = turn.id
-        self.turn_messages.add(message_id)
+        prompt = [m for m in self.shown if m.id < turn.message_id][-1:]
+        gone = {turn.message_id} | {m.id for m in prompt if m.role == "user"}
+        for message_id in gone:
+            self.history.delete_message(message_id)
+        self.shown = [m for m in self.shown if m.id not in gone]
+        self.turn_messages -= gone
         return True
+
+    def active_turn(self, message_id: int) -> int | None:
+        """The turn that fills `message_id` if it is queued or running (a chat opened on
+        answers in progress), else None."""
+        turn = self._store().turn_of_message(message_id)
+        return turn.id if turn is not None and turn.state in ("queued", "running") else None
+
+    def follow_queued(self, turn_id: int, message_id: int) -> None:
+        """Follow a turn this window queued behind another, however it stands now."""
+        self.turn_id = turn_id
+        self.turn_messages.add(message_id)
 
     def stream_for(self, messages: list[dict[str, Any]], direct: Callable[..., Any]) -> Any:
         """The answer's events: read back from the store for a queued turn, else `direct`."""
@@ -231,8 +270,8 @@ class ChatSession:
                         status, note = "error", ev.message
                         view.failed(ev.message, ev.next_step, ev.retry)
                         break
-                    case Waiting():
-                        view.waiting(f"⏳ {ev.message}")
+                    case Waiting() | TurnProgress():
+                        _status_line(view, ev)
                 if self.turn_id is None and time.monotonic() - last_save > SAVE_EVERY_S:
                     last_save = time.monotonic()
                     self.history.update_message(message_id, content=view.content,

@@ -41,7 +41,7 @@ def test_every_documented_key_exists():
                          "n_gpu_layers", "extra_args", "rpc"},
         "remote": {"url", "model", "api_key_env", "verify_tls"},
         "chat": {"thinking", "thinking_effort", "max_tokens", "temperature", "system_prompt",
-                 "seed", "on_done"},
+                 "seed", "on_done", "max_minutes"},
     }
     assert {k: set(v) for k, v in d.items()} == documented
 

@@ -35,6 +35,7 @@ class UserMessage(Static):
         text = clean(text)  # a pasted prompt can carry escape sequences too
         super().__init__(text, markup=False, **kwargs)
         self.text = text
+        self.queued = False   # sent while an answer ran: waiting for its turn
         self.border_title = "you"
 
     @property
@@ -42,10 +43,19 @@ class UserMessage(Static):
         """What Ctrl+Y copies."""
         return self.text
 
+    def set_queued(self, queued: bool) -> None:
+        self.queued = queued
+        self.set_class(queued, "queued")
+        self.set_picked("" if "picked" in self.classes else None)
+
     def set_picked(self, label: str | None) -> None:
         """Highlight (label: 'prompt 1 of 3') or not (None); the border says which."""
         self.set_class(label is not None, "picked")
-        self.border_title = f"you · {label} · ctrl+y copies" if label else "you"
+        title = "you · queued" if self.queued else "you"
+        if label is not None:
+            keys = "esc takes it back" if self.queued else "ctrl+y copies"
+            title = f"{title} · {label} · {keys}" if label else title
+        self.border_title = title
 
 
 class AssistantMessage(Vertical):
@@ -60,6 +70,7 @@ class AssistantMessage(Vertical):
         self._text = {"content": [clean(content)], "reasoning": [clean(reasoning)]}
         self.status = status
         self.note = clean(note)
+        self.progress = ""   # a followed turn's pace (show_progress)
         self._pending: dict[str, list[str]] = {"reasoning": [], "content": []}
         self._last_flush = 0.0
         self._flush_timer: Timer | None = None
@@ -113,6 +124,8 @@ class AssistantMessage(Vertical):
         text = STATUS_TEXT.get(self.status, "")
         if self.note:
             text = f"{text} {self.note}".strip()
+        elif self.status == "streaming":
+            text = self.progress
         line = self.query_one(".status-line", Static)
         line.update(text)
         line.display = bool(text)
@@ -125,6 +138,12 @@ class AssistantMessage(Vertical):
         """A status line under the empty answer while the server loads its model; the
         first token clears it."""
         self.note = clean(text)
+        self._show_status()
+
+    def show_progress(self, text: str) -> None:
+        """A queued turn's pace while it streams (tokens, s/token, time left); its end
+        replaces it with how it ended."""
+        self.progress = text
         self._show_status()
 
     def _end_waiting(self) -> None:
