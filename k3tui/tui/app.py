@@ -301,7 +301,10 @@ class ChatScreen(Screen):
 
     async def _hint(self) -> None:
         """An empty chat says what to do (a first run, Ctrl+N); the first message replaces it."""
-        chat = self.query_one("#chat", ChatLog)
+        found = self.query("#chat").results(ChatLog)
+        chat = next(found, None)
+        if chat is None:  # a callback that outlived the screen (the app quit meanwhile)
+            return
         empty = not any(isinstance(w, (UserMessage, AssistantMessage)) for w in chat.children)
         hints = chat.query("#chat-hint")
         demo = "random weights" in self.k3app.backend.label
