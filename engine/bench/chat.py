@@ -25,6 +25,7 @@ import httpx
 from engine.bench.stream import default_workdir
 from engine.checkpoint.synth import synthesize
 from engine.decode.generate import GenParams, generate
+from engine.errors import EngineError
 from engine.model.transformer import load_model
 from engine.serve.snapshots import SnapshotStore
 from engine.text.chat_template import CLOSE, END_OF_MSG, SEP, ChatTemplate
@@ -125,7 +126,15 @@ def _conversation(ck: Path, budget_gb: float | None, reply_tokens: int) -> list[
 
 def main(args: argparse.Namespace) -> int:
     if args.restart:
-        return _restart_main(args)
+        try:
+            return _restart_main(args)
+        except EngineError as exc:  # a checkpoint that cannot be used says what to do itself
+            print(f"bench chat --restart: {exc}", file=sys.stderr)
+            return 1
+        except (RuntimeError, httpx.HTTPError) as exc:
+            print(f"bench chat --restart stopped: {exc}; run `python -m engine serve` on the "
+                  "checkpoint by hand to see why.", file=sys.stderr)
+            return 1
     with tempfile.TemporaryDirectory(prefix="k3-bench-chat-") as tmp:
         ck = _checkpoint(args, Path(tmp))
         g = CheckpointMap(ck).geometry()
@@ -180,10 +189,14 @@ class _Server:
             self.kill()
             raise RuntimeError(f"the engine server did not start ({line.strip() or 'no output'})")
         self.url = line.split()[-1]
-        while httpx.get(self.url + "/health", timeout=60).status_code != 200:
-            if self.proc.poll() is not None:
-                raise RuntimeError("the engine server exited while loading")
-            time.sleep(0.05)
+        try:
+            while httpx.get(self.url + "/health", timeout=60).status_code != 200:
+                if self.proc.poll() is not None:
+                    raise RuntimeError("the engine server exited while loading")
+                time.sleep(0.05)
+        except BaseException:
+            self.kill()
+            raise
         self.start_s = time.perf_counter() - t0
 
     def kill(self) -> None:
