@@ -5,6 +5,12 @@ and resident. Per turn: prompt tokens, tokens prefilled, GB read during the pref
 to first token, and the ratio cold ÷ reuse. Each side has its own weight source (its own
 expert cache); which side runs first alternates per turn.
 
+--restart: the same 4 turns through real `python -m engine serve` processes, in turn: one
+restarted before each turn with its states in a state folder, one kept running, one cold
+(`--snapshot-gb 0`), the ids of all three compared; then one answer killed with SIGKILL
+halfway and continued in partial mode by a restarted server (the tokens it prefilled, and
+whether the ids equal the uninterrupted run's).
+
 Checkpoint: --checkpoint, else the bench one if `bench stream` synthesised it already,
 else a small one synthesised in a temporary folder (it still streams under the budget).
 """
