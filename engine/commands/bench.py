@@ -12,8 +12,9 @@
 * serve — the HTTP server's cost per token against calling generate directly
   (engine/bench/serve.py).
 * compact — the lossless compact trunk against the BF16 one (engine/bench/compact.py).
-* chat — a 4-turn conversation, each turn cold vs resumed from the kept states
-  (engine/bench/chat.py).
+* chat — a 4-turn conversation, each turn cold vs resumed from the kept states; with
+  --restart through real servers restarted before each turn, and an answer killed halfway
+  and continued (engine/bench/chat.py).
 * prefill — the multi-token kernels against numpy's FP32 GEMM at real widths, and a prompt
   prefilled whole against token by token (engine/bench/prefill.py).
 """
