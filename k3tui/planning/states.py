@@ -17,6 +17,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from k3tui.units import GB, KB, MB
+
 STATE_GB = 16.0  # the folder's budget, passed as `--state-gb` (k3tui/backends/bundled.py)
 
 # One conversation's state on the real model (69 KDA layers' recurrent state and the logits,
@@ -115,12 +117,10 @@ def age(seconds: float) -> str:
 
 def plan_lines(root: Path, n_ctx: int) -> list[str]:
     """The plan's lines about kept conversation states (the bundled engine)."""
-    from k3tui.units import GB
-
     full = state_bytes(n_ctx)
     return [f"States:  up to {STATE_GB:g} GB in {root}, least recently used out (about "
             f"{int(STATE_GB * GB // full)} conversations at the full context)",
-            f"         one real-model state: {STATE_FIXED_BYTES / 1e6:.0f} MB + "
-            f"{STATE_BYTES_PER_TOKEN / 1e3:.1f} KB a token of context, {full / GB:.2f} GB at "
+            f"         one real-model state: {STATE_FIXED_BYTES / MB:.0f} MB + "
+            f"{STATE_BYTES_PER_TOKEN / KB:.1f} KB a token of context, {full / GB:.2f} GB at "
             f"{n_ctx:,} tokens; saved in {STATE_SAVE_S[0]:g}-{STATE_SAVE_S[1]:g} s, "
             f"restored in {STATE_RESTORE_S:g} s (measured on a virtual disk)"]
