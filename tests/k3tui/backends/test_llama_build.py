@@ -61,16 +61,17 @@ def gone(pid: int) -> bool:
         return True
 
 
-def mid_build(gate: Path) -> tuple[jobs.JobState, int]:
+def mid_build(gate: Path) -> tuple[jobs.JobState, int, int]:
     """Start the job detached and wait until it reported cmake's 50% (the stand-in holds
-    there); returns its state and the build process's pid."""
+    there); returns its state, the build process's pid and its child's (a "compiler")."""
     done = k3("setup", "--build-llama", "--detach")
     assert done.returncode == 0, done.stderr
     assert "Started job llama-build-" in done.stdout
     reached = Path(str(gate) + ".reached")
     wait(reached.exists, "the build reached 50%")
     state = wait(lambda: (s := the_job())["done_bytes"] == 50 and s, "50% in the state")
-    return state, int(reached.read_text())
+    build_pid, cc_pid = wait(lambda: reached.read_text().split(), "the pids written")
+    return state, int(build_pid), int(cc_pid)
 
 
 def test_build_output_lines_give_phase_and_percent():
@@ -83,7 +84,7 @@ def test_build_output_lines_give_phase_and_percent():
 
 
 def test_the_build_runs_detached_shows_progress_and_ends_with_the_probe(fake):
-    state, _ = mid_build(fake)
+    state, _, _ = mid_build(fake)
     assert state["status"] == "running" and state["message"] == "compiling: 50%"
     listed = k3("jobs")
     assert state["id"] in listed.stdout and "compiling: 50%" in listed.stdout
@@ -115,22 +116,23 @@ def test_a_build_without_kimi_k3_says_no_and_keeps_the_configured_binary(fake, m
 
 
 def test_a_killed_build_job_is_failed_and_names_the_rerun(fake):
-    state, build_pid = mid_build(fake)
+    state, build_pid, cc_pid = mid_build(fake)
     os.kill(state["pid"], signal.SIGKILL)
     wait(lambda: jobs.read_state(state["id"])["status"] != "running", "the job seen gone")
     after = jobs.read_state(state["id"])
     assert after["status"] == "failed"
     assert "k3tui setup --build-llama" in after["message"], after["message"]
-    wait(lambda: gone(build_pid), "the compiler gone with its job")   # no orphaned build
+    wait(lambda: gone(build_pid), "pip gone with its job")   # no orphaned build
+    os.kill(cc_pid, signal.SIGKILL)  # the stand-in's idle child prints nothing to die of
 
 
 def test_cancel_stops_the_build(fake):
-    state, build_pid = mid_build(fake)
+    state, build_pid, cc_pid = mid_build(fake)
     done = k3("jobs", "cancel", state["id"])
     assert done.returncode == 0, done.stderr
     after = jobs.read_state(state["id"])
     assert after["status"] == "cancelled" and "starts it over" in after["message"]
-    wait(lambda: gone(build_pid), "the build stopped")
+    wait(lambda: gone(build_pid) and gone(cc_pid), "the build and its compiler stopped")
 
 
 def test_a_failed_build_names_its_log(fake, monkeypatch):
