@@ -35,7 +35,7 @@ async def send(pilot, text: str) -> None:
 
 
 def turns(app) -> list[tuple[int, str]]:
-    return [(t.id, t.state) for t in TurnStore(app.history).list()]
+    return [(t.id, t.state) for t in TurnStore(app.history).list_turns()]
 
 
 async def test_prompts_sent_while_answering_queue_and_run_in_order(queued_app):
