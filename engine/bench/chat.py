@@ -294,7 +294,7 @@ def _restart_turns(ck: Path, flags: list[str], tmp: Path, reply_tokens: int) -> 
     return rows
 
 
-def _cut(tok: Tokenizer, ids: list[int], at_least: int) -> int:
+def cut_after_text(tok: Tokenizer, ids: list[int], at_least: int) -> int:
     """The first k >= at_least whose k-th id brings text: a stream has sent all k ids by
     then (an id that brings none waits for the next chunk)."""
     parser = ChatTemplate(tok).parser(thinking=True)
@@ -318,7 +318,7 @@ def _killed(ck: Path, flags: list[str], tmp: Path, n: int, every: int) -> dict:
         whole = _ask(ref, body)
     finally:
         ref.kill()
-    k = _cut(Tokenizer.from_dir(ck), whole["ids"], n // 2)
+    k = cut_after_text(Tokenizer.from_dir(ck), whole["ids"], n // 2)
     srv = _Server(ck, *flags, "--state-dir", str(states), "--debug-checkpoint-every",
                   str(every), "--debug-hang-after", str(k))
     try:

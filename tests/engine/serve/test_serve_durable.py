@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from engine.bench.chat import cut_after_text
 from engine.decode.generate import checkpoint_interval
 from engine.serve.durable import MAGIC, PREFIX
-from engine.text.chat_template import ChatTemplate
 from engine.text.tokenizer import Tokenizer
 from tests.engine.serve.test_serve_determinism import parsed
 from tests.engine.serve.test_serve_process import CHAT, ServeProcess, small_ckpt  # noqa: F401
@@ -220,17 +220,6 @@ def stream_until(srv, body, n: int, then=lambda: None) -> list[int]:
                     break
         then()
     return got
-
-
-def cut_after_text(tok, ids: list[int], at_least: int) -> int:
-    """The first k >= at_least whose k-th id brings text: a stream has sent all k ids by
-    then (an id that brings none waits for the next chunk)."""
-    parser = ChatTemplate(tok).parser(thinking=True)
-    for k, i in enumerate(ids, 1):
-        delta = parser.feed(i)
-        if k >= at_least and (delta.reasoning or delta.content):
-            return k
-    raise AssertionError("no text after the cut")
 
 
 @pytest.mark.parametrize("demo", [(), ("--steer-demo",)], ids=["model", "steer-demo"])
